@@ -1,0 +1,20 @@
+/* Process-wide runtime settings: versions, thread count, the Ctrl-C flag. */
+#include "core/runtime.h"
+#include <omp.h>
+#include <signal.h>
+#include "core/error.h"
+
+volatile int dlua_interrupt_flag = 0;
+
+const char *dlua_version(void) { return DLUA_VERSION_STRING; }
+
+dlua_status_t dlua_set_num_threads(int n) {
+  if (n < 1) return DLUA_ERR(DLUA_ERR_ARG, "set_num_threads: expected a positive thread count, got %d", n);
+  omp_set_num_threads(n);
+  return DLUA_OK;
+}
+
+int dlua_get_num_threads(void) { return omp_get_max_threads(); }
+
+void dlua_interrupt_set(int on) { dlua_interrupt_flag = on ? 1 : 0; }
+int dlua_interrupt_pending(void) { return dlua_interrupt_flag; }

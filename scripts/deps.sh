@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Installs the Debian packages dlua builds and tests with; does nothing when all are there.
+set -euo pipefail
+packages=(
+  build-essential cmake ninja-build pkg-config git
+  libluajit-5.1-dev libedit-dev zlib1g-dev
+  libopenblas-dev libdnnl-dev
+  check lua-busted python3
+)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+done
+[ ${#missing[@]} -eq 0 ] && exit 0
+echo "deps: installing ${missing[*]}"
+sudo=""
+[ "$(id -u)" -eq 0 ] || sudo="sudo"
+export DEBIAN_FRONTEND=noninteractive
+$sudo apt-get update -qq
+$sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
