@@ -22,6 +22,9 @@ function M.set_num_threads(n)
   check(C.dlua_set_num_threads(n), 'set_num_threads')
 end
 
+-- Seconds on a monotonic wall clock, like Python's time.perf_counter().
+function M.perf_counter() return tonumber(C.dlua_wall_time()) end
+
 function M.get_num_threads() return tonumber(C.dlua_get_num_threads()) end
 
 return M

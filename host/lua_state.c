@@ -64,7 +64,10 @@ static void install_sigint(int restart) {
 }
 
 void dlua_state_at_prompt(int on) {
-  if (on) g_prompt_interrupted = 0;  // kept after the prompt, for the REPL to read
+  if (on) {
+    g_prompt_interrupted = 0;  // kept after the prompt, for the REPL to read
+    dlua_interrupt_set(0);     // a Ctrl-C from before the prompt is stale
+  }
   g_at_prompt = on;
   install_sigint(!on);  // at the prompt a read must return EINTR to cancel the line
 }
@@ -87,8 +90,9 @@ int dlua_state_docall(lua_State *L, int narg, int nres) {
   int base = lua_gettop(L) - narg;
   lua_pushcfunction(L, traceback_handler);
   lua_insert(L, base);
-  dlua_interrupt_set(0);
   g_in_call = 1;
+  /* A Ctrl-C that landed between reading a line and this call still counts. */
+  if (dlua_interrupt_pending()) lua_sethook(L, interrupt_hook, LUA_MASKCALL | LUA_MASKRET | LUA_MASKCOUNT, 1);
   int status = lua_pcall(L, narg, nres, base);
   g_in_call = 0;
   lua_sethook(L, NULL, 0, 0);

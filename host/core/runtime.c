@@ -2,6 +2,7 @@
 #include "core/runtime.h"
 #include <omp.h>
 #include <signal.h>
+#include <time.h>
 #include "core/error.h"
 
 volatile int dlua_interrupt_flag = 0;
@@ -18,3 +19,9 @@ int dlua_get_num_threads(void) { return omp_get_max_threads(); }
 
 void dlua_interrupt_set(int on) { dlua_interrupt_flag = on ? 1 : 0; }
 int dlua_interrupt_pending(void) { return dlua_interrupt_flag; }
+
+double dlua_wall_time(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}

@@ -30,6 +30,9 @@ int dlua_has_cuda_build(void);
 dlua_status_t dlua_set_num_threads(int n);
 int dlua_get_num_threads(void);
 
+/* Seconds on a monotonic wall clock (for timing: os.clock counts CPU time of all threads). */
+double dlua_wall_time(void);
+
 /* Ctrl-C: the host sets the flag from its signal handler; long C loops poll it and
    return DLUA_ERR_INTERRUPTED. */
 void dlua_interrupt_set(int on);
@@ -230,3 +233,41 @@ dlua_status_t dlua_tensor_bmm(dlua_tensor_t **out, const dlua_tensor_t *a, const
 dlua_status_t dlua_tensor_addmm(dlua_tensor_t **out, const dlua_tensor_t *c, const dlua_tensor_t *a, const dlua_tensor_t *b, double beta, double alpha);
 /* Row-major single-precision GEMM on raw pointers: C = alpha * op(A) op(B) + beta * C. */
 dlua_status_t dlua_sgemm(int trans_a, int trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float *a, int64_t lda, const float *b, int64_t ldb, float beta, float *c, int64_t ldc);
+
+/* ==== rendezvous store ======================================================================= */
+
+/* A TCP key-value store where the ranks of a job meet (docs/comm.md). The server runs on a
+   thread of rank 0 or the launcher; every rank holds a client. A per-job token guards it:
+   a connection with another token is refused. Keys are non-empty C strings (at most 4096
+   bytes); values are byte strings (pointer + length, at most 256 MiB). Timeouts are in
+   milliseconds; a negative timeout means the client's default (the one given to connect).
+   A client handle serves one request at a time (calls from several threads queue up). */
+typedef struct dlua_store_server dlua_store_server_t;
+typedef struct dlua_store dlua_store_t;
+
+/* host NULL or "" binds 127.0.0.1 (single-node jobs); port 0 picks a free port. */
+dlua_status_t dlua_store_server_start(const char *host, int port, const char *token, dlua_store_server_t **server);
+int dlua_store_server_port(const dlua_store_server_t *server);
+/* Closes every connection (blocked clients get an I/O error) and joins the thread. NULL is ignored. */
+void dlua_store_server_stop(dlua_store_server_t *server);
+
+/* Retries with exponential back-off while the server is not up yet, until timeout_ms. */
+dlua_status_t dlua_store_connect(const char *host, int port, const char *token, int64_t timeout_ms, dlua_store_t **store);
+void dlua_store_close(dlua_store_t *store);
+dlua_status_t dlua_store_set_timeout(dlua_store_t *store, int64_t timeout_ms);
+dlua_status_t dlua_store_set(dlua_store_t *store, const char *key, const void *value, size_t len);
+/* Waits until key exists; *value (NUL-terminated, not counted in *len) is freed with dlua_store_free_value. */
+dlua_status_t dlua_store_get(dlua_store_t *store, const char *key, int64_t timeout_ms, void **value, size_t *len);
+void dlua_store_free_value(void *value);
+/* Waits until every key exists; a timeout names the keys still missing. */
+dlua_status_t dlua_store_wait(dlua_store_t *store, const char *const *keys, int n, int64_t timeout_ms);
+/* Atomic counter (stored as decimal text; a missing key counts as 0); *value gets the new value. */
+dlua_status_t dlua_store_add(dlua_store_t *store, const char *key, int64_t delta, int64_t *value);
+/* If the key holds `expected` (expected NULL: if the key does not exist), stores `desired`.
+   *current gets the value stored afterwards (NULL if the key does not exist), freed with
+   dlua_store_free_value; it equals desired when the swap happened. */
+dlua_status_t dlua_store_compare_set(dlua_store_t *store, const char *key, const void *expected, size_t expected_len, const void *desired, size_t desired_len, void **current, size_t *current_len);
+/* Does not wait: exists[i] = 1 if keys[i] exists, else 0. */
+dlua_status_t dlua_store_check(dlua_store_t *store, const char *const *keys, int n, int *exists);
+/* *deleted (may be NULL) = 1 if the key existed. */
+dlua_status_t dlua_store_delete(dlua_store_t *store, const char *key, int *deleted);

@@ -1,0 +1,493 @@
+/* CPU sort and top-k: radix sort and radix selection on order-preserving integer keys. */
+#include <inttypes.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+#include "core/error.h"
+#include "core/tensor.h"
+#include "cpu/index.h"
+
+/* ---- keys ----------------------------------------------------------------------------------
+   Every element maps to an unsigned key whose integer order is the order we sort by: larger
+   value (or |value|) = larger key. All NaNs map to the largest key, so they sort as the
+   largest value and tie with one another; -0 and +0 map to one key, so they tie too (ties
+   keep index order). Descending order and "smallest k" flip the key's bits. */
+
+static inline uint64_t key_f32v(const char *p) {
+  uint32_t u;
+  memcpy(&u, p, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0xffffffffu;
+  if (!(u & 0x7fffffffu)) u = 0;
+  return (u & 0x80000000u) ? (uint32_t)~u : (u | 0x80000000u);
+}
+static inline uint64_t key_f32m(const char *p) {
+  uint32_t u;
+  memcpy(&u, p, 4);
+  u &= 0x7fffffffu;
+  return u > 0x7f800000u ? 0xffffffffu : u;
+}
+static inline uint64_t key_f64v(const char *p) {
+  uint64_t u;
+  memcpy(&u, p, 8);
+  if ((u & 0x7fffffffffffffffull) > 0x7ff0000000000000ull) return ~0ull;
+  if (!(u & 0x7fffffffffffffffull)) u = 0;
+  return (u >> 63) ? ~u : (u | 0x8000000000000000ull);
+}
+static inline uint64_t key_f64m(const char *p) {
+  uint64_t u;
+  memcpy(&u, p, 8);
+  u &= 0x7fffffffffffffffull;
+  return u > 0x7ff0000000000000ull ? ~0ull : u;
+}
+static inline uint64_t key_half(uint16_t h, uint16_t inf, int magnitude) {
+  uint16_t m = h & 0x7fffu;
+  if (m > inf) return 0xffffu;  // NaN
+  if (magnitude) return m;
+  if (!m) return 0x8000u;
+  return (h & 0x8000u) ? (uint16_t)~h : (uint16_t)(h | 0x8000u);
+}
+static inline uint64_t key_f16v(const char *p) {
+  uint16_t h;
+  memcpy(&h, p, 2);
+  return key_half(h, 0x7c00u, 0);
+}
+static inline uint64_t key_f16m(const char *p) {
+  uint16_t h;
+  memcpy(&h, p, 2);
+  return key_half(h, 0x7c00u, 1);
+}
+static inline uint64_t key_bf16v(const char *p) {
+  uint16_t h;
+  memcpy(&h, p, 2);
+  return key_half(h, 0x7f80u, 0);
+}
+static inline uint64_t key_bf16m(const char *p) {
+  uint16_t h;
+  memcpy(&h, p, 2);
+  return key_half(h, 0x7f80u, 1);
+}
+static inline uint64_t key_i32v(const char *p) {
+  uint32_t u;
+  memcpy(&u, p, 4);
+  return u ^ 0x80000000u;
+}
+static inline uint64_t key_i32m(const char *p) {
+  int32_t v;
+  memcpy(&v, p, 4);
+  return v < 0 ? 0u - (uint32_t)v : (uint32_t)v;
+}
+static inline uint64_t key_i64v(const char *p) {
+  uint64_t u;
+  memcpy(&u, p, 8);
+  return u ^ 0x8000000000000000ull;
+}
+static inline uint64_t key_i64m(const char *p) {
+  int64_t v;
+  memcpy(&v, p, 8);
+  return v < 0 ? 0ull - (uint64_t)v : (uint64_t)v;
+}
+static inline uint64_t key_u8(const char *p) { return (uint8_t)*p; }
+
+/* Per key kind, the three loops that read the data, specialised so the key is inlined:
+   hist: histogram of digit (key >> shift) & dmask over elements whose key matches
+         `prefix` under `pmask`, for positions [lo, hi) of a row with byte stride st;
+   collect: positions in [lo, hi) with key > t, then the first `ties` with key == t;
+   keys: the keys of n elements. `flip` is XORed into every key. */
+#define DEFINE_ROW_KERNELS(KF)                                                                     \
+  static void hist_##KF(const char *p, int64_t st, int64_t lo, int64_t hi, uint64_t flip,         \
+                        uint64_t pmask, uint64_t prefix, int shift, uint64_t dmask, uint32_t *h) { \
+    for (int64_t i = lo; i < hi; i++) {                                                            \
+      uint64_t k = KF(p + i * st) ^ flip;                                                          \
+      if ((k & pmask) == prefix) h[(k >> shift) & dmask]++;                                        \
+    }                                                                                              \
+  }                                                                                                \
+  static int64_t collect_##KF(const char *p, int64_t st, int64_t lo, int64_t hi, uint64_t flip,   \
+                              uint64_t t, int64_t ties, int64_t *pos) {                           \
+    int64_t m = 0;                                                                                 \
+    for (int64_t i = lo; i < hi; i++) {                                                            \
+      uint64_t k = KF(p + i * st) ^ flip;                                                          \
+      if (k > t || (k == t && ties > 0)) {                                                         \
+        ties -= k == t;                                                                            \
+        pos[m++] = i;                                                                              \
+      }                                                                                            \
+    }                                                                                              \
+    return m;                                                                                      \
+  }                                                                                                \
+  static void keys_##KF(const char *p, int64_t st, const int64_t *at, int64_t n, uint64_t flip,   \
+                        uint64_t *keys) {                                                          \
+    for (int64_t i = 0; i < n; i++) keys[i] = KF(p + (at ? at[i] : i) * st) ^ flip;                \
+  }
+
+DEFINE_ROW_KERNELS(key_f32v)
+DEFINE_ROW_KERNELS(key_f32m)
+DEFINE_ROW_KERNELS(key_f64v)
+DEFINE_ROW_KERNELS(key_f64m)
+DEFINE_ROW_KERNELS(key_f16v)
+DEFINE_ROW_KERNELS(key_f16m)
+DEFINE_ROW_KERNELS(key_bf16v)
+DEFINE_ROW_KERNELS(key_bf16m)
+DEFINE_ROW_KERNELS(key_i32v)
+DEFINE_ROW_KERNELS(key_i32m)
+DEFINE_ROW_KERNELS(key_i64v)
+DEFINE_ROW_KERNELS(key_i64m)
+DEFINE_ROW_KERNELS(key_u8)
+
+typedef struct {
+  int bits;  // key width: 8, 16, 32 or 64
+  void (*hist)(const char *, int64_t, int64_t, int64_t, uint64_t, uint64_t, uint64_t, int, uint64_t, uint32_t *);
+  int64_t (*collect)(const char *, int64_t, int64_t, int64_t, uint64_t, uint64_t, int64_t, int64_t *);
+  void (*keys)(const char *, int64_t, const int64_t *, int64_t, uint64_t, uint64_t *);
+} key_kind_t;
+
+#define KIND(BITS, KF) {BITS, hist_##KF, collect_##KF, keys_##KF}
+
+static key_kind_t key_kind(dlua_dtype_t dtype, int magnitude) {
+  static const key_kind_t value[DLUA_DTYPE_COUNT] = {
+      [DLUA_DTYPE_F32] = KIND(32, key_f32v), [DLUA_DTYPE_F64] = KIND(64, key_f64v),
+      [DLUA_DTYPE_F16] = KIND(16, key_f16v), [DLUA_DTYPE_BF16] = KIND(16, key_bf16v),
+      [DLUA_DTYPE_I32] = KIND(32, key_i32v), [DLUA_DTYPE_I64] = KIND(64, key_i64v),
+      [DLUA_DTYPE_U8] = KIND(8, key_u8),     [DLUA_DTYPE_BOOL] = KIND(8, key_u8)};
+  static const key_kind_t mag[DLUA_DTYPE_COUNT] = {
+      [DLUA_DTYPE_F32] = KIND(32, key_f32m), [DLUA_DTYPE_F64] = KIND(64, key_f64m),
+      [DLUA_DTYPE_F16] = KIND(16, key_f16m), [DLUA_DTYPE_BF16] = KIND(16, key_bf16m),
+      [DLUA_DTYPE_I32] = KIND(32, key_i32m), [DLUA_DTYPE_I64] = KIND(64, key_i64m),
+      [DLUA_DTYPE_U8] = KIND(8, key_u8),     [DLUA_DTYPE_BOOL] = KIND(8, key_u8)};
+  return magnitude ? mag[dtype] : value[dtype];
+}
+
+static inline uint64_t width_mask(int bits) { return bits == 64 ? ~0ull : (1ull << bits) - 1; }
+
+/* ---- stable radix sort of (key, position) pairs --------------------------------------------- */
+
+/* Sorts keys ascending, carrying pos; equal keys keep their input order. tk/tp are scratch
+   of n entries; the result lands back in keys/pos. */
+static void radix_sort(uint64_t *keys, int64_t *pos, uint64_t *tk, int64_t *tp, int64_t n, int bits) {
+  if (n <= 32) {  // insertion sort: stable, and cheaper than 8 histograms for short rows
+    for (int64_t i = 1; i < n; i++) {
+      uint64_t k = keys[i];
+      int64_t p = pos[i], j = i - 1;
+      for (; j >= 0 && keys[j] > k; j--) {
+        keys[j + 1] = keys[j];
+        pos[j + 1] = pos[j];
+      }
+      keys[j + 1] = k;
+      pos[j + 1] = p;
+    }
+    return;
+  }
+  int passes = bits / 8;
+  int64_t cnt[8][256];
+  memset(cnt, 0, sizeof(int64_t) * 256 * (size_t)passes);
+  for (int64_t i = 0; i < n; i++)
+    for (int d = 0; d < passes; d++) cnt[d][(keys[i] >> (8 * d)) & 255]++;
+  uint64_t *sk = keys, *dk = tk;
+  int64_t *sp = pos, *dp = tp;
+  for (int d = 0; d < passes; d++) {
+    int trivial = 0;  // every key has the same digit here: the pass would not move anything
+    for (int b = 0; b < 256 && !trivial; b++) trivial = cnt[d][b] == n;
+    if (trivial) continue;
+    int64_t off[256], s = 0;
+    for (int b = 0; b < 256; b++) {
+      off[b] = s;
+      s += cnt[d][b];
+    }
+    for (int64_t i = 0; i < n; i++) {
+      int64_t o = off[(sk[i] >> (8 * d)) & 255]++;
+      dk[o] = sk[i];
+      dp[o] = sp[i];
+    }
+    uint64_t *t1 = sk;
+    sk = dk;
+    dk = t1;
+    int64_t *t2 = sp;
+    sp = dp;
+    dp = t2;
+  }
+  if (sk != keys) {
+    memcpy(keys, sk, sizeof *keys * (size_t)n);
+    memcpy(pos, sp, sizeof *pos * (size_t)n);
+  }
+}
+
+/* ---- rows ----------------------------------------------------------------------------------- */
+
+/* How an op walks its rows: row r = (o, i) over the dims before and after `dim`. */
+typedef struct {
+  int dim, nd;
+  int64_t n;           // row length: a's size at dim
+  int64_t outer, inner;
+  const int64_t *sizes, *strides;
+  const char *base;
+  size_t es;
+} rows_t;
+
+static const char *row_ptr(const rows_t *rw, int64_t r) {
+  int64_t o = r / rw->inner, i = r - o * rw->inner;
+  int64_t off = dlua_cpu_unravel(rw->dim, rw->sizes, rw->strides, o) +
+                dlua_cpu_unravel(rw->nd - rw->dim - 1, rw->sizes + rw->dim + 1, rw->strides + rw->dim + 1, i);
+  return rw->base + off * (int64_t)rw->es;
+}
+
+/* Writes row r's output: len elements picked from the row at positions pos, into contiguous
+   (outer, len, inner) value and int64 index buffers (either may be NULL). */
+static void write_row(const rows_t *rw, int64_t r, const char *row, int64_t st, const int64_t *pos, int64_t len,
+                      char *vals, int64_t *idx, int64_t base) {
+  int64_t o = r / rw->inner, i = r - o * rw->inner;
+  int64_t first = o * len * rw->inner + i;
+  size_t es = rw->es;
+  for (int64_t j = 0; j < len; j++) {
+    int64_t e = first + j * rw->inner;
+    if (vals) memcpy(vals + (size_t)e * es, row + pos[j] * st, es);
+    if (idx) idx[e] = pos[j] + base;
+  }
+}
+
+/* ---- top-k selection -------------------------------------------------------------------------
+   Radix selection: histogram the key's top digit, find the digit value where the running
+   count from the top reaches k, and repeat on the next digit among elements sharing that
+   prefix. The end result is the exact k-th key t and how many elements equal to t to take
+   (the lowest positions first), so the selected set does not depend on how the row was
+   split among threads. A last pass writes the positions out in increasing order. */
+
+/* Chunks of a long row hold at least TOPK_CHUNK elements (so a histogram per chunk is cheap
+   next to reading it) and number at most the threads, capped. */
+enum { TOPK_CHUNK = 1 << 16, TOPK_MAX_CHUNKS = 64 };
+
+typedef struct {
+  uint32_t *hist;   // (nchunks, 1 << digit bits)
+  int64_t *above;   // (nchunks): elements known to be > t
+  int64_t *equal;   // (nchunks): elements == t (after the last level)
+} topk_scratch_t;
+
+static void topk_row(const key_kind_t *kk, const char *p, int64_t st, int64_t n, int64_t k, uint64_t flip,
+                     int nchunks, topk_scratch_t *sc, int64_t *pos) {
+  if (k >= n) {
+    for (int64_t i = 0; i < n; i++) pos[i] = i;
+    return;
+  }
+  if (k == 0) return;
+  int dbits = kk->bits >= 16 && n > 4096 ? 16 : 8;
+  uint64_t dmask = (1ull << dbits) - 1;
+  size_t nb = (size_t)1 << dbits;
+  int64_t clen = (n + nchunks - 1) / nchunks;
+  uint64_t prefix = 0, pmask = 0;
+  int64_t need = k;
+  for (int c = 0; c < nchunks; c++) sc->above[c] = 0;
+  for (int shift = kk->bits - dbits; shift >= 0; shift -= dbits) {
+#pragma omp parallel for schedule(static) if (nchunks > 1)
+    for (int c = 0; c < nchunks; c++) {
+      uint32_t *h = sc->hist + (size_t)c * nb;
+      memset(h, 0, nb * sizeof *h);
+      int64_t lo = c * clen, hi = lo + clen < n ? lo + clen : n;
+      kk->hist(p, st, lo, hi, flip, pmask, prefix, shift, dmask, h);
+    }
+    // Digit value b where the count of larger digits is < need <= that count plus b's.
+    int64_t cum = 0, b = (int64_t)nb - 1;
+    for (; b > 0; b--) {
+      int64_t cb = 0;
+      for (int c = 0; c < nchunks; c++) cb += sc->hist[(size_t)c * nb + (size_t)b];
+      if (cum + cb >= need) break;
+      cum += cb;
+    }
+    for (int c = 0; c < nchunks; c++) {
+      int64_t a = 0;
+      for (size_t d = (size_t)b + 1; d < nb; d++) a += sc->hist[(size_t)c * nb + d];
+      sc->above[c] += a;
+      sc->equal[c] = sc->hist[(size_t)c * nb + (size_t)b];
+    }
+    need -= cum;
+    prefix |= (uint64_t)b << shift;
+    pmask |= dmask << shift;
+  }
+  // `need` elements equal to the threshold remain to take: the first ones, chunk by chunk.
+  int64_t off[TOPK_MAX_CHUNKS], ties[TOPK_MAX_CHUNKS];
+  int64_t at = 0;
+  for (int c = 0; c < nchunks; c++) {
+    ties[c] = need < sc->equal[c] ? need : sc->equal[c];
+    need -= ties[c];
+    off[c] = at;
+    at += sc->above[c] + ties[c];
+  }
+#pragma omp parallel for schedule(static) if (nchunks > 1)
+  for (int c = 0; c < nchunks; c++) {
+    int64_t lo = c * clen, hi = lo + clen < n ? lo + clen : n;
+    kk->collect(p, st, lo, hi, flip, prefix, ties[c], pos + off[c]);
+  }
+}
+
+static dlua_status_t oom(const char *op, size_t bytes) {
+  return DLUA_ERR(DLUA_ERR_OOM, "%s: out of memory allocating %zu bytes of scratch", op, bytes);
+}
+
+static dlua_status_t check_input(const char *op, const dlua_tensor_t *a, int dim) {
+  if (!a) return DLUA_ERR(DLUA_ERR_ARG, "%s: input is NULL", op);
+  DLUA_TRY(dlua_require_cpu(op, a));
+  int nd = a->ndim > 0 ? a->ndim : 1;
+  if (dim < 0 || dim >= nd) {
+    char b[200];
+    return DLUA_ERR(DLUA_ERR_ARG, "%s: dimension %d is out of range for %s (valid: 0..%d)", op, dim,
+                    dlua_tensor_describe(a, b, sizeof b), nd - 1);
+  }
+  return DLUA_OK;
+}
+
+/* Sets up the walk over a's rows along dim; 0-d tensors act as (1). */
+static void rows_init(rows_t *rw, const dlua_tensor_t *a, int dim, int64_t *sizes, int64_t *strides) {
+  int nd = a->ndim;
+  if (nd == 0) {
+    sizes[0] = 1;
+    strides[0] = 1;
+    nd = 1;
+  } else {
+    memcpy(sizes, a->sizes, sizeof(int64_t) * (size_t)nd);
+    memcpy(strides, a->strides, sizeof(int64_t) * (size_t)nd);
+  }
+  rw->dim = dim;
+  rw->nd = nd;
+  rw->n = sizes[dim];
+  rw->outer = dlua_shape_numel(dim, sizes);
+  rw->inner = dlua_shape_numel(nd - dim - 1, sizes + dim + 1);
+  rw->sizes = sizes;
+  rw->strides = strides;
+  rw->base = dlua_tensor_ptr(a);
+  rw->es = dlua_dtype_size(a->dtype);
+}
+
+/* Opens the values/indices outputs (either pointer may be NULL: not wanted). */
+static dlua_status_t open_outputs(const char *op, dlua_tensor_t **values, dlua_tensor_t **indices,
+                                  const dlua_tensor_t *a, int dim, int64_t len, dlua_cpu_out_t *pv,
+                                  dlua_cpu_out_t *pi) {
+  int64_t osizes[DLUA_MAX_DIMS];
+  memcpy(osizes, a->sizes, sizeof osizes);
+  if (a->ndim > 0) osizes[dim] = len;
+  const dlua_tensor_t *ins[1] = {a};
+  pv->dst = pi->dst = NULL;
+  pv->allocated = pi->allocated = 0;
+  if (values) DLUA_TRY(dlua_cpu_out_begin(op, values, a->ndim, osizes, a->dtype, ins, 1, pv));
+  if (indices) {
+    dlua_status_t s = dlua_cpu_out_begin(op, indices, a->ndim, osizes, DLUA_DTYPE_I64, ins, 1, pi);
+    if (s != DLUA_OK) {
+      if (values) dlua_cpu_out_finish(values, pv, s);
+      return s;
+    }
+  }
+  return DLUA_OK;
+}
+
+static dlua_status_t close_outputs(dlua_tensor_t **values, dlua_tensor_t **indices, dlua_cpu_out_t *pv,
+                                   dlua_cpu_out_t *pi, dlua_status_t s) {
+  dlua_status_t sv = values ? dlua_cpu_out_finish(values, pv, s) : s;
+  dlua_status_t si = indices ? dlua_cpu_out_finish(indices, pi, sv) : sv;
+  // A failed index copy after a good value copy: leave neither output half-made.
+  if (si != DLUA_OK && sv == DLUA_OK && values && pv->allocated) {
+    dlua_tensor_free(*values);
+    *values = NULL;
+  }
+  return si;
+}
+
+// a: (..., n, ...) at dim  ->  values: a's dtype, indices: int64; both (..., k, ...)
+dlua_status_t dlua_tensor_topk(dlua_tensor_t **values, dlua_tensor_t **indices, const dlua_tensor_t *a, int64_t k,
+                               int dim, int largest, int by_magnitude, int sorted, int64_t index_base) {
+  const char *op = "topk";
+  char b[200];
+  DLUA_TRY(check_input(op, a, dim));
+  int64_t sizes[DLUA_MAX_DIMS], strides[DLUA_MAX_DIMS];
+  rows_t rw;
+  rows_init(&rw, a, dim, sizes, strides);
+  if (k < 0 || k > rw.n)
+    return DLUA_ERR(DLUA_ERR_ARG, "%s: k = %" PRId64 " is out of range for dimension %d of %s (valid: 0..%" PRId64 ")",
+                    op, k, dim, dlua_tensor_describe(a, b, sizeof b), rw.n);
+  if (!values && !indices) return DLUA_OK;
+  dlua_cpu_out_t pv, pi;
+  DLUA_TRY(open_outputs(op, values, indices, a, dim, k, &pv, &pi));
+  char *vals = pv.dst ? (char *)dlua_tensor_ptr(pv.dst) : NULL;
+  int64_t *idx = pi.dst ? (int64_t *)dlua_tensor_ptr(pi.dst) : NULL;
+  key_kind_t kk = key_kind(a->dtype, by_magnitude);
+  uint64_t mask = width_mask(kk.bits);
+  uint64_t flip = largest ? 0 : mask;
+  int64_t rows = rw.outer * rw.inner, n = rw.n;
+  int64_t st = strides[dim] * (int64_t)rw.es;
+  int threads = omp_get_max_threads();
+  // Many rows: one row per thread at a time. Few long rows: each row split into chunks
+  // that the threads share (the chunk count depends on the length only).
+  int per_row = rows >= threads || n <= 2 * TOPK_CHUNK;
+  int64_t want = per_row ? 1 : (n + TOPK_CHUNK - 1) / TOPK_CHUNK;
+  int nchunks = (int)(want < threads ? want : threads);
+  if (nchunks > TOPK_MAX_CHUNKS) nchunks = TOPK_MAX_CHUNKS;
+  size_t nb = (size_t)1 << (kk.bits >= 16 && n > 4096 ? 16 : 8);
+  dlua_status_t s = DLUA_OK;
+  if (rows > 0 && k > 0) {
+    int nscratch = per_row ? threads : 1;
+    size_t per = (size_t)nchunks * (nb * sizeof(uint32_t) + 2 * sizeof(int64_t)) +
+                 (size_t)k * (sizeof(int64_t) * 3 + sizeof(uint64_t) * 2);
+    char *mem = malloc(per * (size_t)nscratch);
+    if (!mem) {
+      s = oom(op, per * (size_t)nscratch);
+    } else {
+#pragma omp parallel for schedule(static) if (per_row && rows > 1)
+      for (int64_t r = 0; r < rows; r++) {
+        char *m = mem + per * (size_t)(per_row ? omp_get_thread_num() : 0);
+        topk_scratch_t sc;
+        sc.hist = (uint32_t *)m;
+        sc.above = (int64_t *)(m + (size_t)nchunks * nb * sizeof(uint32_t));
+        sc.equal = sc.above + nchunks;
+        int64_t *pos = sc.equal + nchunks, *tpos = pos + k;
+        uint64_t *keys = (uint64_t *)(tpos + k), *tkeys = keys + k;
+        const char *row = row_ptr(&rw, r);
+        topk_row(&kk, row, st, n, k, flip, nchunks, &sc, pos);
+        if (sorted && k > 1) {
+          // Largest first; ties stay in increasing position (pos is in that order now).
+          kk.keys(row, st, pos, k, flip ^ mask, keys);
+          radix_sort(keys, pos, tkeys, tpos, k, kk.bits);
+        }
+        write_row(&rw, r, row, st, pos, k, vals, idx, index_base);
+      }
+      free(mem);
+    }
+  }
+  return close_outputs(values, indices, &pv, &pi, s);
+}
+
+// a: (..., n, ...) at dim  ->  values: a's dtype, indices: int64; both a's shape
+dlua_status_t dlua_tensor_sort(dlua_tensor_t **values, dlua_tensor_t **indices, const dlua_tensor_t *a, int dim,
+                               int descending, int64_t index_base) {
+  const char *op = "sort";
+  DLUA_TRY(check_input(op, a, dim));
+  int64_t sizes[DLUA_MAX_DIMS], strides[DLUA_MAX_DIMS];
+  rows_t rw;
+  rows_init(&rw, a, dim, sizes, strides);
+  if (!values && !indices) return DLUA_OK;
+  dlua_cpu_out_t pv, pi;
+  DLUA_TRY(open_outputs(op, values, indices, a, dim, rw.n, &pv, &pi));
+  char *vals = pv.dst ? (char *)dlua_tensor_ptr(pv.dst) : NULL;
+  int64_t *idx = pi.dst ? (int64_t *)dlua_tensor_ptr(pi.dst) : NULL;
+  key_kind_t kk = key_kind(a->dtype, 0);
+  uint64_t flip = descending ? width_mask(kk.bits) : 0;
+  int64_t rows = rw.outer * rw.inner, n = rw.n;
+  int64_t st = strides[dim] * (int64_t)rw.es;
+  int threads = omp_get_max_threads();
+  dlua_status_t s = DLUA_OK;
+  if (rows > 0 && n > 0) {
+    size_t per = (size_t)n * 2 * (sizeof(uint64_t) + sizeof(int64_t));
+    int nscratch = rows < threads ? (int)rows : threads;
+    char *mem = malloc(per * (size_t)nscratch);
+    if (!mem) {
+      s = oom(op, per * (size_t)nscratch);
+    } else {
+#pragma omp parallel for schedule(static) if (rows > 1 && rows * n > 4096)
+      for (int64_t r = 0; r < rows; r++) {
+        char *m = mem + per * (size_t)omp_get_thread_num();
+        uint64_t *keys = (uint64_t *)m, *tkeys = keys + n;
+        int64_t *pos = (int64_t *)(tkeys + n), *tpos = pos + n;
+        const char *row = row_ptr(&rw, r);
+        kk.keys(row, st, NULL, n, flip, keys);
+        for (int64_t i = 0; i < n; i++) pos[i] = i;
+        radix_sort(keys, pos, tkeys, tpos, n, kk.bits);
+        write_row(&rw, r, row, st, pos, n, vals, idx, index_base);
+      }
+      free(mem);
+    }
+  }
+  return close_outputs(values, indices, &pv, &pi, s);
+}

@@ -1,0 +1,634 @@
+/* Check suite for host/cpu/linalg.c: sgemm, mm, bmm, addmm, matmul against double-precision loops. */
+#include <check.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/api.h"
+#include "core/tensor.h"
+
+/* ---- helpers -------------------------------------------------------------------------------- */
+
+static uint64_t rng_state = 88172645463325252ull;
+static double urand(void) {  // xorshift64: uniform in [-1, 1)
+  rng_state ^= rng_state << 13;
+  rng_state ^= rng_state >> 7;
+  rng_state ^= rng_state << 17;
+  return (double)(rng_state >> 11) / (double)(1ull << 52) - 1.0;
+}
+
+/* A new tensor of dtype holding `vals` (converted through float64). */
+static dlua_tensor_t *make(int nd, const int64_t *sizes, dlua_dtype_t dtype, const double *vals) {
+  dlua_tensor_t *d = NULL, *t = NULL;
+  ck_assert_int_eq(dlua_tensor_from_data(&d, nd, sizes, DLUA_DTYPE_F64, vals), DLUA_OK);
+  ck_assert_int_eq(dlua_tensor_to_dtype(&t, d, dtype), DLUA_OK);
+  dlua_tensor_free(d);
+  return t;
+}
+
+static dlua_tensor_t *make_rand(int nd, const int64_t *sizes, dlua_dtype_t dtype) {
+  int64_t n = dlua_shape_numel(nd, sizes);
+  double *v = malloc(sizeof(double) * (size_t)(n ? n : 1));
+  for (int64_t i = 0; i < n; i++) v[i] = dtype == DLUA_DTYPE_I32 || dtype == DLUA_DTYPE_I64 ? floor(urand() * 10) : urand();
+  dlua_tensor_t *t = make(nd, sizes, dtype, v);
+  free(v);
+  return t;
+}
+
+/* Row-major float64 copy of t's elements (caller frees). */
+static double *values(const dlua_tensor_t *t) {
+  int64_t n = dlua_tensor_numel(t);
+  dlua_tensor_t *d = NULL;
+  ck_assert_int_eq(dlua_tensor_to_dtype(&d, t, DLUA_DTYPE_F64), DLUA_OK);
+  double *v = malloc(sizeof(double) * (size_t)(n ? n : 1));
+  ck_assert_int_eq(dlua_tensor_to_data(d, v, sizeof(double) * (size_t)n), DLUA_OK);
+  dlua_tensor_free(d);
+  return v;
+}
+
+/* Reference product of row-major (m, k) and (k, n) double arrays, optionally batched. */
+static void ref_mm(int64_t m, int64_t n, int64_t k, const double *a, const double *b, double *c) {
+  for (int64_t i = 0; i < m; i++)
+    for (int64_t j = 0; j < n; j++) {
+      double s = 0;
+      for (int64_t p = 0; p < k; p++) s += a[i * k + p] * b[p * n + j];
+      c[i * n + j] = s;
+    }
+}
+
+static void expect_close(const double *got, const double *want, int64_t n, double tol, const char *what) {
+  for (int64_t i = 0; i < n; i++) {
+    double err = fabs(got[i] - want[i]);
+    if (!(err <= tol * (1.0 + fabs(want[i]))))
+      ck_abort_msg("%s: element %lld is %.9g, expected %.9g (tolerance %g)", what, (long long)i, got[i], want[i], tol);
+  }
+}
+
+static void expect_shape(const dlua_tensor_t *t, int nd, const int64_t *sizes) {
+  ck_assert_int_eq(dlua_tensor_ndim(t), nd);
+  for (int d = 0; d < nd; d++) ck_assert_int_eq(dlua_tensor_sizes(t)[d], sizes[d]);
+}
+
+/* ---- raw sgemm ------------------------------------------------------------------------------ */
+
+static void check_sgemm(int ta, int tb, int64_t m, int64_t n, int64_t k, float alpha, float beta, int64_t pad) {
+  int64_t ar = ta ? k : m, ac = ta ? m : k, br = tb ? n : k, bc = tb ? k : n;
+  int64_t lda = ac + pad, ldb = bc + pad, ldc = n + pad;
+  float *a = malloc(sizeof(float) * (size_t)(ar * lda + 1)), *b = malloc(sizeof(float) * (size_t)(br * ldb + 1));
+  float *c = malloc(sizeof(float) * (size_t)(m * ldc + 1));
+  double *want = malloc(sizeof(double) * (size_t)(m * n + 1));
+  for (int64_t i = 0; i < ar * lda; i++) a[i] = (float)urand();
+  for (int64_t i = 0; i < br * ldb; i++) b[i] = (float)urand();
+  for (int64_t i = 0; i < m * ldc; i++) c[i] = (float)urand();
+  for (int64_t i = 0; i < m; i++)
+    for (int64_t j = 0; j < n; j++) {
+      double s = 0;
+      for (int64_t p = 0; p < k; p++)
+        s += (double)(ta ? a[p * lda + i] : a[i * lda + p]) * (double)(tb ? b[j * ldb + p] : b[p * ldb + j]);
+      want[i * n + j] = alpha * s + (beta == 0 ? 0.0 : beta * (double)c[i * ldc + j]);
+    }
+  float sentinel = c[m * ldc - 1 < 0 ? 0 : m * ldc - 1];
+  ck_assert_int_eq(dlua_sgemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc), DLUA_OK);
+  for (int64_t i = 0; i < m; i++)
+    for (int64_t j = 0; j < n; j++) {
+      double err = fabs(c[i * ldc + j] - want[i * n + j]);
+      if (!(err <= 1e-5 * (double)(k + 1) * (1 + fabs(want[i * n + j]))))
+        ck_abort_msg("sgemm ta=%d tb=%d m=%lld n=%lld k=%lld: c[%lld,%lld] = %g, expected %g", ta, tb, (long long)m,
+                     (long long)n, (long long)k, (long long)i, (long long)j, c[i * ldc + j], want[i * n + j]);
+    }
+  // Padding columns of c are not written.
+  if (pad > 0 && m > 0 && n > 0) ck_assert(c[m * ldc - 1] == sentinel);
+  free(a);
+  free(b);
+  free(c);
+  free(want);
+}
+
+START_TEST(test_sgemm_shapes) {
+  static const int64_t shapes[][3] = {{1, 1, 1}, {3, 5, 7}, {17, 13, 31}, {64, 1, 100}, {1, 64, 100}, {1, 1, 5000},
+                                      {2, 3, 1}, {31, 37, 2}, {128, 96, 70}, {5, 1, 9000}, {1, 7, 9000}};
+  for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
+    for (int t = 0; t < 4; t++) {
+      check_sgemm(t & 1, t >> 1, shapes[s][0], shapes[s][1], shapes[s][2], 1.0f, 0.0f, 0);
+      check_sgemm(t & 1, t >> 1, shapes[s][0], shapes[s][1], shapes[s][2], 0.5f, -2.0f, 3);
+    }
+}
+END_TEST
+
+START_TEST(test_sgemm_degenerate) {
+  // k = 0 and beta = 0: C becomes zeros even where it held NaN.
+  float c[6] = {NAN, NAN, NAN, 1, 2, 3}, a[1] = {0}, b[1] = {0};
+  ck_assert_int_eq(dlua_sgemm(0, 0, 2, 3, 0, 1.0f, a, 1, b, 3, 0.0f, c, 3), DLUA_OK);
+  for (int i = 0; i < 6; i++) ck_assert(c[i] == 0.0f);
+  float d[4] = {1, 2, 3, 4};
+  ck_assert_int_eq(dlua_sgemm(0, 0, 2, 2, 0, 1.0f, a, 1, b, 2, 3.0f, d, 2), DLUA_OK);
+  ck_assert(d[0] == 3 && d[3] == 12);
+  // beta = 0 ignores NaN in C for a real product too.
+  float x[4] = {1, 2, 3, 4}, y[4] = {5, 6, 7, 8}, z[4] = {NAN, NAN, NAN, NAN};
+  ck_assert_int_eq(dlua_sgemm(0, 0, 2, 2, 2, 1.0f, x, 2, y, 2, 0.0f, z, 2), DLUA_OK);
+  ck_assert(z[0] == 19 && z[1] == 22 && z[2] == 43 && z[3] == 50);
+  // m = 0 or n = 0: nothing to do, nothing read.
+  ck_assert_int_eq(dlua_sgemm(0, 0, 0, 3, 4, 1.0f, NULL, 4, NULL, 3, 0.0f, NULL, 3), DLUA_OK);
+  // A too-small leading dimension is an argument error naming sgemm.
+  ck_assert_int_eq(dlua_sgemm(0, 0, 2, 3, 4, 1.0f, x, 3, y, 3, 0.0f, z, 3), DLUA_ERR_ARG);
+  ck_assert_ptr_nonnull(strstr(dlua_last_error(), "sgemm: leading dimensions"));
+  ck_assert_int_eq(dlua_sgemm(0, 0, -1, 3, 4, 1.0f, x, 4, y, 3, 0.0f, z, 3), DLUA_ERR_ARG);
+}
+END_TEST
+
+/* ---- mm and friends ------------------------------------------------------------------------- */
+
+/* out = a @ b for 2-D tensors of any layout, checked against ref_mm on their values. */
+static void check_mm_tensors(const dlua_tensor_t *a, const dlua_tensor_t *b, double tol, const char *what) {
+  int64_t m = dlua_tensor_sizes(a)[0], k = dlua_tensor_sizes(a)[1], n = dlua_tensor_sizes(b)[1];
+  double *av = values(a), *bv = values(b), *want = malloc(sizeof(double) * (size_t)(m * n + 1));
+  ref_mm(m, n, k, av, bv, want);
+  dlua_tensor_t *out = NULL;
+  ck_assert_msg(dlua_tensor_mm(&out, a, b) == DLUA_OK, "%s: %s", what, dlua_last_error());
+  int64_t os[2] = {m, n};
+  expect_shape(out, 2, os);
+  ck_assert_int_eq(dlua_tensor_dtype(out), dlua_dtype_promote(dlua_tensor_dtype(a), dlua_tensor_dtype(b)));
+  double *got = values(out);
+  expect_close(got, want, m * n, tol, what);
+  free(av);
+  free(bv);
+  free(want);
+  free(got);
+  dlua_tensor_free(out);
+}
+
+START_TEST(test_mm_layouts) {
+  int64_t sa[2] = {7, 5}, sb[2] = {5, 3};
+  dlua_tensor_t *a = make_rand(2, sa, DLUA_DTYPE_F32), *b = make_rand(2, sb, DLUA_DTYPE_F32);
+  check_mm_tensors(a, b, 1e-5, "mm contiguous");
+  // Transposed operands: (5, 7)^T and (3, 5)^T, read in place through trans flags.
+  int64_t ta_s[2] = {5, 7}, tb_s[2] = {3, 5};
+  dlua_tensor_t *at0 = make_rand(2, ta_s, DLUA_DTYPE_F32), *bt0 = make_rand(2, tb_s, DLUA_DTYPE_F32);
+  dlua_tensor_t *at = NULL, *bt = NULL;
+  ck_assert_int_eq(dlua_tensor_transpose(&at, at0, 0, 1), DLUA_OK);
+  ck_assert_int_eq(dlua_tensor_transpose(&bt, bt0, 0, 1), DLUA_OK);
+  check_mm_tensors(at, b, 1e-5, "mm a transposed");
+  check_mm_tensors(a, bt, 1e-5, "mm b transposed");
+  check_mm_tensors(at, bt, 1e-5, "mm both transposed");
+  // Sliced with a step (no unit stride: copied first) and expanded (stride 0).
+  int64_t big[2] = {7, 11};
+  dlua_tensor_t *g = make_rand(2, big, DLUA_DTYPE_F32), *gs = NULL;
+  ck_assert_int_eq(dlua_tensor_slice(&gs, g, 1, 0, 10, 2), DLUA_OK);  // (7, 5) stride (11, 2)
+  check_mm_tensors(gs, b, 1e-5, "mm stepped slice");
+  int64_t one[2] = {1, 3}, ex[2] = {5, 3};
+  dlua_tensor_t *r = make_rand(2, one, DLUA_DTYPE_F32), *re = NULL;
+  ck_assert_int_eq(dlua_tensor_expand(&re, r, 2, ex), DLUA_OK);
+  check_mm_tensors(a, re, 1e-5, "mm expanded");
+  // Narrowed rows: a leading dimension larger than the width.
+  dlua_tensor_t *gn = NULL;
+  ck_assert_int_eq(dlua_tensor_narrow(&gn, g, 1, 3, 5), DLUA_OK);
+  check_mm_tensors(gn, b, 1e-5, "mm narrowed");
+  dlua_tensor_t *ts[] = {a, b, at0, bt0, at, bt, g, gs, r, re, gn};
+  for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) dlua_tensor_free(ts[i]);
+}
+END_TEST
+
+START_TEST(test_mm_sizes_and_dtypes) {
+  static const int64_t shapes[][3] = {{1, 1, 1}, {13, 1, 17}, {1, 29, 31}, {37, 41, 43}, {64, 65, 66}, {3, 1, 1}};
+  static const dlua_dtype_t dts[] = {DLUA_DTYPE_F32, DLUA_DTYPE_F64, DLUA_DTYPE_F16, DLUA_DTYPE_BF16,
+                                     DLUA_DTYPE_I32, DLUA_DTYPE_I64};
+  static const double tols[] = {1e-5, 1e-12, 2e-3, 1.6e-2, 0, 0};
+  for (size_t d = 0; d < sizeof dts / sizeof dts[0]; d++)
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+      int64_t sa[2] = {shapes[s][0], shapes[s][2]}, sb[2] = {shapes[s][2], shapes[s][1]};
+      dlua_tensor_t *a = make_rand(2, sa, dts[d]), *b = make_rand(2, sb, dts[d]);
+      // Reduced precisions: the reference uses the rounded inputs; the tolerance covers the
+      // rounding of the result to the output dtype (k-sized sums of values up to 1).
+      check_mm_tensors(a, b, tols[d] * (d >= 2 && d <= 3 ? (double)sa[1] : 1.0), dlua_dtype_name(dts[d]));
+      dlua_tensor_free(a);
+      dlua_tensor_free(b);
+    }
+  // Mixed dtypes promote: int32 @ float32 is float32.
+  int64_t sa[2] = {3, 4}, sb[2] = {4, 2};
+  dlua_tensor_t *a = make_rand(2, sa, DLUA_DTYPE_I32), *b = make_rand(2, sb, DLUA_DTYPE_F32);
+  check_mm_tensors(a, b, 1e-5, "int32 @ float32");
+  dlua_tensor_free(a);
+  dlua_tensor_free(b);
+}
+END_TEST
+
+START_TEST(test_mm_empty) {
+  int64_t sa[2] = {0, 5}, sb[2] = {5, 3};
+  dlua_tensor_t *a = make_rand(2, sa, DLUA_DTYPE_F32), *b = make_rand(2, sb, DLUA_DTYPE_F32), *out = NULL;
+  ck_assert_int_eq(dlua_tensor_mm(&out, a, b), DLUA_OK);
+  int64_t os[2] = {0, 3};
+  expect_shape(out, 2, os);
+  dlua_tensor_free(out);
+  dlua_tensor_free(a);
+  dlua_tensor_free(b);
+  // k = 0: the product of (3, 0) and (0, 4) is zeros.
+  int64_t sc[2] = {3, 0}, sd[2] = {0, 4};
+  for (int f64 = 0; f64 < 2; f64++) {
+    dlua_dtype_t dt = f64 ? DLUA_DTYPE_F64 : DLUA_DTYPE_F32;
+    a = make_rand(2, sc, dt);
+    b = make_rand(2, sd, dt);
+    out = NULL;
+    ck_assert_int_eq(dlua_tensor_mm(&out, a, b), DLUA_OK);
+    double *v = values(out);
+    for (int i = 0; i < 12; i++) ck_assert(v[i] == 0.0);
+    free(v);
+    dlua_tensor_free(out);
+    dlua_tensor_free(a);
+    dlua_tensor_free(b);
+  }
+}
+END_TEST
+
+START_TEST(test_mm_errors) {
+  int64_t sa[2] = {2, 3}, sb[2] = {4, 5}, s1[1] = {3};
+  dlua_tensor_t *a = make_rand(2, sa, DLUA_DTYPE_F32), *b = make_rand(2, sb, DLUA_DTYPE_F32), *v = make_rand(1, s1, DLUA_DTYPE_F32);
+  dlua_tensor_t *out = NULL;
+  ck_assert_int_eq(dlua_tensor_mm(&out, a, b), DLUA_ERR_ARG);
+  ck_assert_ptr_null(out);
+  const char *e = dlua_last_error();
+  ck_assert_msg(strstr(e, "mm: (2, 3) float32 cpu and (4, 5) float32 cpu cannot be multiplied") != NULL, "%s", e);
+  ck_assert_int_eq(dlua_tensor_mm(&out, a, v), DLUA_ERR_ARG);
+  ck_assert_ptr_nonnull(strstr(dlua_last_error(), "mm: expected 2-D"));
+  ck_assert_int_eq(dlua_tensor_bmm(&out, a, a), DLUA_ERR_ARG);
+  ck_assert_ptr_nonnull(strstr(dlua_last_error(), "bmm:"));
+  // A wrongly shaped out is refused and left alone.
+  dlua_tensor_t *w = make_rand(2, sb, DLUA_DTYPE_F32), *bb = NULL;
+  int64_t sbb[2] = {3, 2};
+  bb = make_rand(2, sbb, DLUA_DTYPE_F32);
+  ck_assert_int_eq(dlua_tensor_mm(&w, a, bb), DLUA_ERR_ARG);
+  ck_assert_ptr_nonnull(w);
+  // Bool is refused.
+  dlua_tensor_t *ab = make_rand(2, sa, DLUA_DTYPE_BOOL), *bbool = make_rand(2, sbb, DLUA_DTYPE_BOOL);
+  out = NULL;
+  ck_assert_int_eq(dlua_tensor_mm(&out, ab, bbool), DLUA_ERR_ARG);
+  ck_assert_ptr_nonnull(strstr(dlua_last_error(), "bool"));
+  dlua_tensor_t *ts[] = {a, b, v, w, bb, ab, bbool};
+  for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) dlua_tensor_free(ts[i]);
+}
+END_TEST
+
+START_TEST(test_mm_into_out) {
+  int64_t sa[2] = {4, 3}, sb[2] = {3, 5}, so[2] = {4, 5}, sot[2] = {5, 4};
+  dlua_tensor_t *a = make_rand(2, sa, DLUA_DTYPE_F32), *b = make_rand(2, sb, DLUA_DTYPE_F32);
+  double *av = values(a), *bv = values(b), want[20];
+  ref_mm(4, 5, 3, av, bv, want);
+  // A contiguous out of the same dtype is written in place (same handle back).
+  dlua_tensor_t *o = NULL;
+  ck_assert_int_eq(dlua_tensor_zeros(&o, 2, so, DLUA_DTYPE_F32, DLUA_CPU), DLUA_OK);
+  dlua_tensor_t *keep = o;
+  ck_assert_int_eq(dlua_tensor_mm(&o, a, b), DLUA_OK);
+  ck_assert_ptr_eq(o, keep);
+  double *got = values(o);
+  expect_close(got, want, 20, 1e-5, "mm into out");
+  free(got);
+  // A transposed float64 out: cast and strided write.
+  dlua_tensor_t *base = NULL, *ot = NULL;
+  ck_assert_int_eq(dlua_tensor_zeros(&base, 2, sot, DLUA_DTYPE_F64, DLUA_CPU), DLUA_OK);
+  ck_assert_int_eq(dlua_tensor_transpose(&ot, base, 0, 1), DLUA_OK);
+  ck_assert_int_eq(dlua_tensor_mm(&ot, a, b), DLUA_OK);
+  got = values(ot);
+  expect_close(got, want, 20, 1e-5, "mm into transposed f64 out");
+  free(got);
+  free(av);
+  free(bv);
+  dlua_tensor_t *ts[] = {a, b, o, base, ot};
+  for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) dlua_tensor_free(ts[i]);
+}
+END_TEST
+
+START_TEST(test_bmm) {
+  int64_t sa[3] = {4, 3, 5}, sb[3] = {4, 5, 2};
+  dlua_tensor_t *a = make_rand(3, sa, DLUA_DTYPE_F32), *b = make_rand(3, sb, DLUA_DTYPE_F32);
+  // b seen transposed per batch: (4, 2, 5) permuted to (4, 5, 2).
+  int64_t sbt[3] = {4, 2, 5};
+  int perm[3] = {0, 2, 1};
+  dlua_tensor_t *bt0 = make_rand(3, sbt, DLUA_DTYPE_F32), *bt = NULL;
+  ck_assert_int_eq(dlua_tensor_permute(&bt, bt0, perm), DLUA_OK);
+  const dlua_tensor_t *bs[2] = {b, bt};
+  for (int v = 0; v < 2; v++) {
+    double *av = values(a), *bv = values(bs[v]), want[4 * 3 * 2];
+    for (int i = 0; i < 4; i++) ref_mm(3, 2, 5, av + i * 15, bv + i * 10, want + i * 6);
+    dlua_tensor_t *out = NULL;
+    ck_assert_int_eq(dlua_tensor_bmm(&out, a, bs[v]), DLUA_OK);
+    int64_t os[3] = {4, 3, 2};
+    expect_shape(out, 3, os);
+    double *got = values(out);
+    expect_close(got, want, 24, 1e-5, v ? "bmm transposed b" : "bmm");
+    free(av);
+    free(bv);
+    free(got);
+    dlua_tensor_free(out);
+  }
+  dlua_tensor_free(a);
+  dlua_tensor_free(b);
+  dlua_tensor_free(bt0);
+  dlua_tensor_free(bt);
+}
+END_TEST
+
+/* ---- matmul ----------------------------------------------------------------------------------- */
+
+START_TEST(test_matmul_vectors) {
+  int64_t s7[1] = {7}, s37[2] = {3, 7}, s73[2] = {7, 3};
+  dlua_tensor_t *x = make_rand(1, s7, DLUA_DTYPE_F32), *y = make_rand(1, s7, DLUA_DTYPE_F32);
+  dlua_tensor_t *m = make_rand(2, s37, DLUA_DTYPE_F32), *mt = make_rand(2, s73, DLUA_DTYPE_F32);
+  double *xv = values(x), *yv = values(y), *mv = values(m), *mtv = values(mt);
+  // dot -> 0-d
+  dlua_tensor_t *out = NULL;
+  ck_assert_int_eq(dlua_tensor_matmul(&out, x, y), DLUA_OK);
+  ck_assert_int_eq(dlua_tensor_ndim(out), 0);
+  double dot = 0;
+  for (int i = 0; i < 7; i++) dot += xv[i] * yv[i];
+  double *g = values(out);
+  expect_close(g, &dot, 1, 1e-5, "dot");
+  free(g);
+  dlua_tensor_free(out);
+  // (3, 7) @ (7) -> (3)
+  out = NULL;
+  ck_assert_int_eq(dlua_tensor_matmul(&out, m, x), DLUA_OK);
+  int64_t s3[1] = {3};
+  expect_shape(out, 1, s3);
+  double want[3];
+  ref_mm(3, 1, 7, mv, xv, want);
+  g = values(out);
+  expect_close(g, want, 3, 1e-5, "matrix @ vector");
+  free(g);
+  dlua_tensor_free(out);
+  // (7) @ (7, 3) -> (3)
+  out = NULL;
+  ck_assert_int_eq(dlua_tensor_matmul(&out, x, mt), DLUA_OK);
+  expect_shape(out, 1, s3);
+  ref_mm(1, 3, 7, xv, mtv, want);
+  g = values(out);
+  expect_close(g, want, 3, 1e-5, "vector @ matrix");
+  free(g);
+  dlua_tensor_free(out);
+  // Size mismatch names matmul.
+  out = NULL;
+  ck_assert_int_eq(dlua_tensor_matmul(&out, mt, x), DLUA_ERR_ARG);
+  ck_assert_ptr_nonnull(strstr(dlua_last_error(), "matmul:"));
+  free(xv);
+  free(yv);
+  free(mv);
+  free(mtv);
+  dlua_tensor_t *ts[] = {x, y, m, mt};
+  for (size_t i = 0; i < 4; i++) dlua_tensor_free(ts[i]);
+}
+END_TEST
+
+/* Reference broadcast matmul of (B..., m, k) and (C..., k, n) in row-major double arrays. */
+static void ref_matmul(int na, const int64_t *sa, const double *a, int nb, const int64_t *sb, const double *b,
+                       int no, const int64_t *so, double *c) {
+  int64_t m = sa[na - 2], k = sa[na - 1], n = sb[nb - 1];
+  int bnd = no - 2;
+  int64_t nbatch = dlua_shape_numel(bnd, so);
+  for (int64_t bi = 0; bi < nbatch; bi++) {
+    int64_t coord[8], rem = bi;
+    for (int d = bnd - 1; d >= 0; d--) {
+      coord[d] = rem % so[d];
+      rem /= so[d];
+    }
+    int64_t ao = 0, bo = 0;
+    for (int d = 0, da = d - (bnd - (na - 2)); d < bnd; d++, da++)
+      if (da >= 0) ao = ao * sa[da] + (sa[da] == 1 ? 0 : coord[d]);
+    for (int d = 0, db = d - (bnd - (nb - 2)); d < bnd; d++, db++)
+      if (db >= 0) bo = bo * sb[db] + (sb[db] == 1 ? 0 : coord[d]);
+    ref_mm(m, n, k, a + ao * m * k, b + bo * k * n, c + bi * m * n);
+  }
+}
+
+static void check_matmul(int na, const int64_t *sa, int nb, const int64_t *sb, int no, const int64_t *so,
+                         int layout_a, const char *what) {
+  dlua_tensor_t *a = NULL, *b = make_rand(nb, sb, DLUA_DTYPE_F32);
+  if (layout_a == 1) {  // build a as the transpose of a (..., k, m) tensor
+    int64_t st[8];
+    memcpy(st, sa, sizeof(int64_t) * (size_t)na);
+    st[na - 2] = sa[na - 1];
+    st[na - 1] = sa[na - 2];
+    dlua_tensor_t *a0 = make_rand(na, st, DLUA_DTYPE_F32);
+    ck_assert_int_eq(dlua_tensor_transpose(&a, a0, na - 2, na - 1), DLUA_OK);
+    dlua_tensor_free(a0);
+  } else if (layout_a == 2) {  // a narrowed from (..., m + 1, k): batches do not stack
+    int64_t st[8];
+    memcpy(st, sa, sizeof(int64_t) * (size_t)na);
+    st[na - 2] += 1;
+    dlua_tensor_t *a0 = make_rand(na, st, DLUA_DTYPE_F32);
+    ck_assert_int_eq(dlua_tensor_narrow(&a, a0, na - 2, 1, sa[na - 2]), DLUA_OK);
+    dlua_tensor_free(a0);
+  } else {
+    a = make_rand(na, sa, DLUA_DTYPE_F32);
+  }
+  double *av = values(a), *bv = values(b);
+  int64_t total = dlua_shape_numel(no, so);
+  double *want = malloc(sizeof(double) * (size_t)total);
+  ref_matmul(na, sa, av, nb, sb, bv, no, so, want);
+  dlua_tensor_t *out = NULL;
+  ck_assert_msg(dlua_tensor_matmul(&out, a, b) == DLUA_OK, "%s: %s", what, dlua_last_error());
+  expect_shape(out, no, so);
+  double *got = values(out);
+  expect_close(got, want, total, 1e-5, what);
+  free(av);
+  free(bv);
+  free(want);
+  free(got);
+  dlua_tensor_free(out);
+  dlua_tensor_free(a);
+  dlua_tensor_free(b);
+}
+
+START_TEST(test_matmul_batched) {
+  {  // batch broadcast: (2, 1, 3, 4) @ (5, 4, 2) -> (2, 5, 3, 2)
+    int64_t sa[4] = {2, 1, 3, 4}, sb[3] = {5, 4, 2}, so[4] = {2, 5, 3, 2};
+    check_matmul(4, sa, 3, sb, 4, so, 0, "broadcast batch");
+    check_matmul(4, sa, 3, sb, 4, so, 1, "broadcast batch, a transposed");
+  }
+  {  // (3, 5, 7) @ (7, 2): folds into one (15, 7) x (7, 2) product
+    int64_t sa[3] = {3, 5, 7}, sb[2] = {7, 2}, so[3] = {3, 5, 2};
+    check_matmul(3, sa, 2, sb, 3, so, 0, "3-D @ 2-D");
+    check_matmul(3, sa, 2, sb, 3, so, 1, "3-D transposed @ 2-D");
+    check_matmul(3, sa, 2, sb, 3, so, 2, "3-D narrowed @ 2-D");
+  }
+  {  // (5, 7) @ (3, 7, 2): a broadcast over b's batch
+    int64_t sa[2] = {5, 7}, sb[3] = {3, 7, 2}, so[3] = {3, 5, 2};
+    check_matmul(2, sa, 3, sb, 3, so, 0, "2-D @ 3-D");
+  }
+  {  // many tiny products: parallel over the batch
+    int64_t sa[3] = {64, 2, 3}, sb[3] = {64, 3, 1}, so[3] = {64, 2, 1};
+    check_matmul(3, sa, 3, sb, 3, so, 0, "64 tiny products");
+  }
+  {  // (7) @ (2, 7, 3) -> (2, 3) and (2, 3, 7) @ (7) -> (2, 3)
+    int64_t s7[1] = {7}, sb[3] = {2, 7, 3}, sa[3] = {2, 3, 7}, so[2] = {2, 3};
+    dlua_tensor_t *v = make_rand(1, s7, DLUA_DTYPE_F32), *b = make_rand(3, sb, DLUA_DTYPE_F32), *a = make_rand(3, sa, DLUA_DTYPE_F32);
+    double *vv = values(v), *bv = values(b), *av = values(a), want[6];
+    for (int i = 0; i < 2; i++) ref_mm(1, 3, 7, vv, bv + i * 21, want + i * 3);
+    dlua_tensor_t *out = NULL;
+    ck_assert_int_eq(dlua_tensor_matmul(&out, v, b), DLUA_OK);
+    expect_shape(out, 2, so);
+    double *g = values(out);
+    expect_close(g, want, 6, 1e-5, "vector @ batch");
+    free(g);
+    dlua_tensor_free(out);
+    for (int i = 0; i < 2; i++) ref_mm(3, 1, 7, av + i * 21, vv, want + i * 3);
+    out = NULL;
+    ck_assert_int_eq(dlua_tensor_matmul(&out, a, v), DLUA_OK);
+    expect_shape(out, 2, so);
+    g = values(out);
+    expect_close(g, want, 6, 1e-5, "batch @ vector");
+    free(g);
+    dlua_tensor_free(out);
+    free(vv);
+    free(bv);
+    free(av);
+    dlua_tensor_free(v);
+    dlua_tensor_free(a);
+    dlua_tensor_free(b);
+  }
+  {  // non-broadcastable batches
+    int64_t sa[3] = {2, 3, 4}, sb[3] = {3, 4, 5};
+    dlua_tensor_t *a = make_rand(3, sa, DLUA_DTYPE_F32), *b = make_rand(3, sb, DLUA_DTYPE_F32), *out = NULL;
+    ck_assert_int_eq(dlua_tensor_matmul(&out, a, b), DLUA_ERR_ARG);
+    ck_assert_ptr_nonnull(strstr(dlua_last_error(), "matmul:"));
+    dlua_tensor_free(a);
+    dlua_tensor_free(b);
+  }
+}
+END_TEST
+
+/* ---- addmm ------------------------------------------------------------------------------------ */
+
+START_TEST(test_addmm) {
+  int64_t sa[2] = {5, 3}, sb[2] = {3, 4}, sc[1] = {4}, so[2] = {5, 4};
+  dlua_tensor_t *a = make_rand(2, sa, DLUA_DTYPE_F32), *b = make_rand(2, sb, DLUA_DTYPE_F32);
+  dlua_tensor_t *bias = make_rand(1, sc, DLUA_DTYPE_F32);
+  double *av = values(a), *bv = values(b), *cv = values(bias), p[20], want[20];
+  ref_mm(5, 4, 3, av, bv, p);
+  for (int i = 0; i < 20; i++) want[i] = 0.5 * cv[i % 4] + 2.0 * p[i];
+  dlua_tensor_t *out = NULL;
+  ck_assert_int_eq(dlua_tensor_addmm(&out, bias, a, b, 0.5, 2.0), DLUA_OK);
+  expect_shape(out, 2, so);
+  double *g = values(out);
+  expect_close(g, want, 20, 1e-5, "addmm broadcast bias");
+  free(g);
+  dlua_tensor_free(out);
+  // beta = 0: c is not read, so NaN in it does not leak.
+  double nanv[4] = {NAN, NAN, NAN, NAN};
+  dlua_tensor_t *cn = make(1, sc, DLUA_DTYPE_F32, nanv);
+  out = NULL;
+  ck_assert_int_eq(dlua_tensor_addmm(&out, cn, a, b, 0.0, 1.0), DLUA_OK);
+  g = values(out);
+  expect_close(g, p, 20, 1e-5, "addmm beta 0");
+  free(g);
+  dlua_tensor_free(out);
+  // In place: out is c itself (addmm_).
+  dlua_tensor_t *c2 = make_rand(2, so, DLUA_DTYPE_F32), *keep = c2;
+  double *c2v = values(c2);
+  for (int i = 0; i < 20; i++) want[i] = c2v[i] + p[i];
+  ck_assert_int_eq(dlua_tensor_addmm(&c2, c2, a, b, 1.0, 1.0), DLUA_OK);
+  ck_assert_ptr_eq(c2, keep);
+  g = values(c2);
+  expect_close(g, want, 20, 1e-5, "addmm in place");
+  free(g);
+  // float64 with a transposed a.
+  int64_t sat[2] = {3, 5};
+  dlua_tensor_t *a64 = make_rand(2, sat, DLUA_DTYPE_F64), *a64t = NULL, *b64 = NULL;
+  ck_assert_int_eq(dlua_tensor_transpose(&a64t, a64, 0, 1), DLUA_OK);
+  ck_assert_int_eq(dlua_tensor_to_dtype(&b64, b, DLUA_DTYPE_F64), DLUA_OK);
+  double *a64v = values(a64t);
+  ref_mm(5, 4, 3, a64v, bv, p);
+  for (int i = 0; i < 20; i++) want[i] = -1.0 * cv[i % 4] + 3.0 * p[i];
+  out = NULL;
+  ck_assert_int_eq(dlua_tensor_addmm(&out, bias, a64t, b64, -1.0, 3.0), DLUA_OK);
+  ck_assert_int_eq(dlua_tensor_dtype(out), DLUA_DTYPE_F64);
+  g = values(out);
+  expect_close(g, want, 20, 1e-6, "addmm float64");  // bias is float32, exact in float64
+  free(g);
+  dlua_tensor_free(out);
+  // A c that does not broadcast.
+  int64_t bad[1] = {3};
+  dlua_tensor_t *cb = make_rand(1, bad, DLUA_DTYPE_F32);
+  out = NULL;
+  ck_assert_int_eq(dlua_tensor_addmm(&out, cb, a, b, 1.0, 1.0), DLUA_ERR_ARG);
+  ck_assert_ptr_nonnull(strstr(dlua_last_error(), "addmm:"));
+  free(av);
+  free(bv);
+  free(cv);
+  free(c2v);
+  free(a64v);
+  dlua_tensor_t *ts[] = {a, b, bias, cn, c2, a64, a64t, b64, cb};
+  for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) dlua_tensor_free(ts[i]);
+}
+END_TEST
+
+/* ---- f64 GEMM accuracy and thread independence ------------------------------------------------ */
+
+START_TEST(test_f64_large) {
+  int64_t sa[2] = {131, 257}, sb[2] = {257, 139};  // several tiles and a partial k block
+  dlua_tensor_t *a = make_rand(2, sa, DLUA_DTYPE_F64), *b = make_rand(2, sb, DLUA_DTYPE_F64);
+  check_mm_tensors(a, b, 1e-12, "f64 131x257x139");
+  dlua_tensor_t *bt = NULL;
+  int64_t sbt[2] = {139, 257};
+  dlua_tensor_t *b0 = make_rand(2, sbt, DLUA_DTYPE_F64);
+  ck_assert_int_eq(dlua_tensor_transpose(&bt, b0, 0, 1), DLUA_OK);
+  check_mm_tensors(a, bt, 1e-12, "f64 transposed b");
+  dlua_tensor_free(a);
+  dlua_tensor_free(b);
+  dlua_tensor_free(b0);
+  dlua_tensor_free(bt);
+}
+END_TEST
+
+/* The same product computed with 1 and 2 threads must agree bit for bit. */
+static void same_with_threads(int64_t m, int64_t k, int64_t n, dlua_dtype_t dt) {
+  int64_t sa[2] = {m, k}, sb[2] = {k, n};
+  dlua_tensor_t *a = make_rand(2, sa, dt), *b = make_rand(2, sb, dt), *o1 = NULL, *o2 = NULL;
+  int saved = dlua_get_num_threads();
+  dlua_set_num_threads(1);
+  ck_assert_int_eq(dlua_tensor_mm(&o1, a, b), DLUA_OK);
+  dlua_set_num_threads(2);
+  ck_assert_int_eq(dlua_tensor_mm(&o2, a, b), DLUA_OK);
+  dlua_set_num_threads(saved);
+  size_t bytes = (size_t)(m * n) * dlua_dtype_size(dt);
+  ck_assert_msg(memcmp(dlua_tensor_data(o1), dlua_tensor_data(o2), bytes) == 0,
+                "mm (%lld, %lld) x (%lld, %lld) %s differs between 1 and 2 threads", (long long)m, (long long)k,
+                (long long)k, (long long)n, dlua_dtype_name(dt));
+  dlua_tensor_free(a);
+  dlua_tensor_free(b);
+  dlua_tensor_free(o1);
+  dlua_tensor_free(o2);
+}
+
+START_TEST(test_thread_independent) {
+  same_with_threads(1, 100000, 1, DLUA_DTYPE_F32);
+  same_with_threads(1, 20000, 7, DLUA_DTYPE_F32);
+  same_with_threads(9, 20000, 1, DLUA_DTYPE_F32);
+  same_with_threads(16, 50000, 16, DLUA_DTYPE_F32);
+  same_with_threads(200, 300, 100, DLUA_DTYPE_F32);
+  same_with_threads(100, 300, 150, DLUA_DTYPE_F64);
+}
+END_TEST
+
+int main(void) {
+  Suite *s = suite_create("linalg");
+  TCase *tc = tcase_create("core");
+  tcase_set_timeout(tc, 60);
+  tcase_add_test(tc, test_sgemm_shapes);
+  tcase_add_test(tc, test_sgemm_degenerate);
+  tcase_add_test(tc, test_mm_layouts);
+  tcase_add_test(tc, test_mm_sizes_and_dtypes);
+  tcase_add_test(tc, test_mm_empty);
+  tcase_add_test(tc, test_mm_errors);
+  tcase_add_test(tc, test_mm_into_out);
+  tcase_add_test(tc, test_bmm);
+  tcase_add_test(tc, test_matmul_vectors);
+  tcase_add_test(tc, test_matmul_batched);
+  tcase_add_test(tc, test_addmm);
+  tcase_add_test(tc, test_f64_large);
+  tcase_add_test(tc, test_thread_independent);
+  suite_add_tcase(s, tc);
+  SRunner *sr = srunner_create(s);
+  srunner_run_all(sr, CK_NORMAL);
+  int failed = srunner_ntests_failed(sr);
+  srunner_free(sr);
+  return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+}
