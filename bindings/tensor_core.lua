@@ -336,12 +336,16 @@ end
 ---------------------------------------------------------------------------------------------
 -- Shapes and dimensions
 
+-- A list of sizes that prints as a shape (like torch.Size); still a plain list otherwise.
+local Size = { __tostring = function(s) return 'dlua.Size(' .. table.concat(s, ', ') .. ')' end }
+M.Size = Size
+
 -- Sizes of a handle as a Lua list.
 function M.sizes(p)
   local n, s = C.dlua_tensor_ndim(p), C.dlua_tensor_sizes(p)
   local r = {}
   for i = 0, n - 1 do r[i + 1] = tonumber(s[i]) end
-  return r
+  return setmetatable(r, Size)
 end
 
 function M.sizes_of_buf(n, sz)

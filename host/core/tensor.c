@@ -60,8 +60,8 @@ dlua_status_t dlua_broadcast_shapes(const char *op, int na, const int64_t *sa, i
       res[i] = b;
     } else {
       char ba[160], bb[160];
-      return DLUA_ERR(DLUA_ERR_ARG, "%s: shapes %s and %s cannot broadcast (dimension %d: %" PRId64 " vs %" PRId64 ")",
-                      op, dlua_shape_str(na, sa, ba, sizeof ba), dlua_shape_str(nb, sb, bb, sizeof bb), i, a, b);
+      return DLUA_ERR(DLUA_ERR_ARG, "%s: shapes %s and %s cannot broadcast (dimension %d from the end: %" PRId64 " vs %" PRId64 ")",
+                      op, dlua_shape_str(na, sa, ba, sizeof ba), dlua_shape_str(nb, sb, bb, sizeof bb), i - n, a, b);
     }
   }
   memcpy(out, res, (size_t)n * sizeof(int64_t));

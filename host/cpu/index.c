@@ -436,8 +436,8 @@ dlua_status_t dlua_tensor_cat(dlua_tensor_t **out, int n, dlua_tensor_t *const *
     int ok = t->ndim == nd;
     for (int d = 0; ok && d < nd; d++) ok = d == dim || t->sizes[d] == ref->sizes[d];
     if (!ok)
-      return DLUA_ERR(DLUA_ERR_ARG, "%s: tensor %d %s does not match tensor %s except at dimension %d", op, i + 1,
-                      dlua_tensor_describe(t, b1, sizeof b1), dlua_tensor_describe(ref, b2, sizeof b2), dim);
+      return DLUA_ERR(DLUA_ERR_ARG, "%s: tensor %d %s does not match tensor %s except at dimension %d from the end", op,
+                      i + 1, dlua_tensor_describe(t, b1, sizeof b1), dlua_tensor_describe(ref, b2, sizeof b2), dim - nd);
     osizes[dim] += t->sizes[dim];
   }
   dlua_cpu_out_t plan;
