@@ -14,3 +14,15 @@ for i = 2, n do
   end
 end
 print(string.format('%d primes below %d, the last %d', #primes, n, primes[#primes]))
+
+-- And tensors, computed in C: fit y = X w by gradient descent on the squared error.
+dlua.manual_seed(0)
+local X = dlua.randn(256, 3)
+local w_true = dlua.tensor({ 2.0, -1.0, 0.5 })
+local y = X:matmul(w_true)
+local w = dlua.zeros(3)
+for _ = 1, 200 do
+  local grad = X:t():matmul(X:matmul(w) - y) / 256
+  w:sub_(grad, 0.5)
+end
+print('fitted weights', w, 'error', (w - w_true):norm():item())
