@@ -358,25 +358,33 @@ end
 ---------------------------------------------------------------------------------------------
 -- Linear algebra
 
-function M.matmul(a, b)
+-- Each takes an optional last {out = t}: the product is written into t (shape checked), so
+-- a layer can reuse its buffers across steps.
+local function product(op, f, opts, n, a, b, c, d, e)
+  local out = opts ~= nil and core.options(op, opts, { out = true, beta = true, alpha = true }).out or nil
+  if out ~= nil then return into(op, out, f, n, a, b, c, d, e) end
+  return new(op, f, n, a, b, c, d, e)
+end
+
+function M.matmul(a, b, opts)
   handle('matmul', a, 'argument 1'); handle('matmul', b, 'argument 2')
-  return new('matmul', C.dlua_tensor_matmul, 2, a, b)
+  return product('matmul', C.dlua_tensor_matmul, opts, 2, a, b)
 end
-function M.mm(a, b)
+function M.mm(a, b, opts)
   handle('mm', a, 'argument 1'); handle('mm', b, 'argument 2')
-  return new('mm', C.dlua_tensor_mm, 2, a, b)
+  return product('mm', C.dlua_tensor_mm, opts, 2, a, b)
 end
-function M.bmm(a, b)
+function M.bmm(a, b, opts)
   handle('bmm', a, 'argument 1'); handle('bmm', b, 'argument 2')
-  return new('bmm', C.dlua_tensor_bmm, 2, a, b)
+  return product('bmm', C.dlua_tensor_bmm, opts, 2, a, b)
 end
--- addmm(c, a, b [, {beta = 1, alpha = 1}]) = beta * c + alpha * (a @ b).
+-- addmm(c, a, b [, {beta = 1, alpha = 1, out = t}]) = beta * c + alpha * (a @ b); out may be c.
 function M.addmm(c, a, b, opts)
   handle('addmm', c, 'argument 1'); handle('addmm', a, 'argument 2'); handle('addmm', b, 'argument 3')
-  local o = core.options('addmm', opts, { beta = true, alpha = true })
+  local o = core.options('addmm', opts, { beta = true, alpha = true, out = true })
   local beta, alpha = o.beta or 1, o.alpha or 1
   if type(beta) ~= 'number' or type(alpha) ~= 'number' then raise('addmm: beta and alpha must be numbers') end
-  return new('addmm', C.dlua_tensor_addmm, 5, c, a, b, beta, alpha)
+  return product('addmm', C.dlua_tensor_addmm, opts, 5, c, a, b, beta, alpha)
 end
 methods.matmul, methods.mm, methods.bmm, methods.addmm = M.matmul, M.mm, M.bmm, M.addmm
 

@@ -1,0 +1,251 @@
+-- nn.Module: Torch7-style modules (forward/backward) with PyTorch's names, state dicts and flat arenas.
+local dlua = require 'dlua'
+
+local Module = {}
+Module.__index = Module
+Module.__name = 'Module'
+
+-- Declares a module class: `local Linear = Module:extend('Linear')`; instances are made by
+-- calling the class (`Linear(4, 2)`), which runs `__init(self, ...)`.
+function Module:extend(name)
+  local cls = setmetatable({}, { __index = self, __call = function(c, ...) return c.new(c, ...) end })
+  cls.__index = cls
+  cls.__name = name
+  cls.__tostring, cls.__call = self.__tostring, self.__call
+  return cls
+end
+
+function Module.new(cls, ...)
+  local m = setmetatable({}, cls)
+  m.training = true
+  m._params = {}   -- ordered {name, field, grad_field}
+  m._buffers = {}  -- ordered {name, field}
+  m._children = {} -- ordered {name, module}
+  if cls.__init then cls.__init(m, ...) end
+  return m
+end
+
+setmetatable(Module, { __call = function(c, ...) return c.new(c, ...) end })
+
+-- A parameter lives in self[field] and its gradient in self['grad_' .. field].
+function Module:register_parameter(name, tensor)
+  self[name] = tensor
+  self['grad_' .. name] = dlua.zeros_like(tensor)
+  self._params[#self._params + 1] = name
+  return tensor
+end
+
+function Module:register_buffer(name, tensor)
+  self[name] = tensor
+  self._buffers[#self._buffers + 1] = name
+  return tensor
+end
+
+function Module:add_module(name, module)
+  if getmetatable(module) == nil or module.forward == nil then
+    error(string.format('%s: add_module(%q): not a module', self.__name, tostring(name)), 2)
+  end
+  self._children[#self._children + 1] = { name = tostring(name), module = module }
+  if self[name] == nil then self[name] = module end -- model.layer1, model.fc, ...
+  return module
+end
+
+function Module:children()
+  local r = {}
+  for i, c in ipairs(self._children) do r[i] = c.module end
+  return r
+end
+
+-- Visits (prefix, module) for this module and every descendant, depth first, in order.
+function Module:walk(fn, prefix)
+  prefix = prefix or ''
+  fn(prefix, self)
+  for _, c in ipairs(self._children) do
+    c.module:walk(fn, prefix == '' and c.name or (prefix .. '.' .. c.name))
+  end
+end
+
+local function join(prefix, name) return prefix == '' and name or (prefix .. '.' .. name) end
+
+-- {{name=, param=, grad=, module=, field=}...} in registration order (PyTorch's names:
+-- "layer1.0.conv1.weight").
+function Module:named_parameters()
+  local r = {}
+  self:walk(function(prefix, m)
+    for _, f in ipairs(m._params) do
+      r[#r + 1] = { name = join(prefix, f), param = m[f], grad = m['grad_' .. f], module = m, field = f }
+    end
+  end)
+  return r
+end
+
+-- Two lists, as Torch7: the parameters and their gradients.
+function Module:parameters()
+  local ps, gs = {}, {}
+  for i, e in ipairs(self:named_parameters()) do ps[i], gs[i] = e.param, e.grad end
+  return ps, gs
+end
+
+function Module:named_buffers()
+  local r = {}
+  self:walk(function(prefix, m)
+    for _, f in ipairs(m._buffers) do r[#r + 1] = { name = join(prefix, f), buffer = m[f], module = m, field = f } end
+  end)
+  return r
+end
+
+function Module:buffers()
+  local r = {}
+  for i, e in ipairs(self:named_buffers()) do r[i] = e.buffer end
+  return r
+end
+
+function Module:num_parameters()
+  local n = 0
+  for _, e in ipairs(self:named_parameters()) do n = n + e.param:numel() end
+  return n
+end
+
+function Module:train(mode)
+  if mode == nil then mode = true end
+  self:walk(function(_, m) m.training = mode end)
+  return self
+end
+
+function Module:evaluate() return self:train(false) end
+Module.eval = Module.evaluate
+
+-- Zeroes every parameter gradient: one fill per arena once flattened.
+function Module:zero_grad()
+  if self._arena then
+    for _, a in pairs(self._arena.grads) do a:zero_() end
+  else
+    for _, e in ipairs(self:named_parameters()) do e.grad:zero_() end
+  end
+end
+
+-- Moves every parameter and gradient into one contiguous buffer per dtype, laid out in
+-- REVERSE registration order (registration follows forward order, so backward fills the
+-- gradient buffer front to back: DDP buckets and ZeRO shards are ranges of it). Each
+-- module's fields become views; values are kept. Returns the layout:
+-- {params = {dtype = tensor}, grads = {dtype = tensor}, entries = {{name, dtype, offset, numel, shape}}}
+-- where offset counts the elements before the parameter in its buffer.
+function Module:flatten()
+  if self._arena then return self._arena end
+  local named = self:named_parameters()
+  local totals, entries = {}, {}
+  for i = #named, 1, -1 do
+    local e = named[i]
+    local dt = e.param.dtype
+    local off = totals[dt] or 0
+    entries[#entries + 1] = { name = e.name, dtype = dt, offset = off, numel = e.param:numel(), shape = e.param:size(), _e = e }
+    totals[dt] = off + e.param:numel()
+  end
+  local arena = { params = {}, grads = {}, entries = entries }
+  for dt, n in pairs(totals) do
+    arena.params[dt] = dlua.empty(n, { dtype = dt })
+    arena.grads[dt] = dlua.zeros(n, { dtype = dt })
+  end
+  for _, en in ipairs(entries) do
+    local e = en._e
+    en._e = nil
+    local pv = arena.params[en.dtype]:narrow(1, en.offset + 1, en.numel):view(en.shape)
+    local gv = arena.grads[en.dtype]:narrow(1, en.offset + 1, en.numel):view(en.shape)
+    pv:copy_(e.param)
+    gv:copy_(e.grad)
+    e.module[e.field] = pv
+    e.module['grad_' .. e.field] = gv
+    e.param:free()
+    e.grad:free()
+  end
+  self._arena = arena
+  return arena
+end
+
+-- The flat layout as a Lua table (flattening first if needed).
+function Module:layout()
+  local a = self:flatten()
+  local r = {}
+  for i, en in ipairs(a.entries) do r[i] = { name = en.name, dtype = en.dtype, offset = en.offset, numel = en.numel, shape = en.shape } end
+  return r
+end
+
+-- name -> tensor (parameters and buffers), as PyTorch's state_dict; tensors are the live
+-- ones (clone them to keep a snapshot).
+function Module:state_dict()
+  local sd, order = {}, {}
+  for _, e in ipairs(self:named_parameters()) do sd[e.name] = e.param; order[#order + 1] = e.name end
+  for _, e in ipairs(self:named_buffers()) do sd[e.name] = e.buffer; order[#order + 1] = e.name end
+  return setmetatable(sd, { __index = { keys = function() return order end } })
+end
+
+-- Copies values from `sd` into this module's parameters and buffers. strict (default)
+-- reports every missing, unexpected and mis-shaped key in one error.
+function Module:load_state_dict(sd, strict)
+  if strict == nil then strict = true end
+  local targets = {}
+  for _, e in ipairs(self:named_parameters()) do targets[e.name] = e.param end
+  for _, e in ipairs(self:named_buffers()) do targets[e.name] = e.buffer end
+  local missing, unexpected, misshaped = {}, {}, {}
+  for name, t in pairs(targets) do
+    local v = sd[name]
+    if v == nil then
+      missing[#missing + 1] = name
+    elseif v:numel() ~= t:numel() or #v:size() ~= #t:size() or tostring(v:size()) ~= tostring(t:size()) then
+      misshaped[#misshaped + 1] = string.format('%s: expected %s, got %s', name, tostring(t:size()), tostring(v:size()))
+    end
+  end
+  for name in pairs(sd) do
+    if targets[name] == nil then unexpected[#unexpected + 1] = name end
+  end
+  table.sort(missing); table.sort(unexpected); table.sort(misshaped)
+  local problems = {}
+  if #misshaped > 0 then problems[#problems + 1] = 'mis-shaped keys: ' .. table.concat(misshaped, '; ') end
+  if strict and #missing > 0 then problems[#problems + 1] = 'missing keys: ' .. table.concat(missing, ', ') end
+  if strict and #unexpected > 0 then problems[#problems + 1] = 'unexpected keys: ' .. table.concat(unexpected, ', ') end
+  if #problems > 0 then
+    error(string.format('%s.load_state_dict: %s', self.__name, table.concat(problems, '; ')), 2)
+  end
+  for name, t in pairs(targets) do
+    if sd[name] ~= nil then t:copy_(sd[name]) end
+  end
+  return { missing = missing, unexpected = unexpected }
+end
+
+-- One line per module: "(name): Linear(4 -> 2)  10 params", nested by indentation.
+function Module:extra_repr() return '' end
+
+local function count(n)
+  if n >= 1e6 then return string.format('%.2fM', n / 1e6) end
+  if n >= 1e3 then return string.format('%.1fK', n / 1e3) end
+  return tostring(n)
+end
+
+function Module:__tostring()
+  local lines = {}
+  local function visit(m, name, depth)
+    local own = 0
+    for _, f in ipairs(m._params) do own = own + m[f]:numel() end
+    local head = string.rep('  ', depth) .. (name and ('(' .. name .. '): ') or '') .. m.__name
+    local extra = m:extra_repr()
+    if extra ~= '' then head = head .. '(' .. extra .. ')' end
+    local total = m:num_parameters()
+    if total > 0 then head = head .. string.format('  [%s params]', count(total)) end
+    lines[#lines + 1] = head
+    for _, c in ipairs(m._children) do visit(c.module, c.name, depth + 1) end
+  end
+  visit(self, nil, 0)
+  return table.concat(lines, '\n')
+end
+
+-- Shared by layers: a clear error naming the module and what was wrong with the input.
+function Module:input_error(x, expected, level)
+  error(string.format('%s: expected %s, got input of shape %s (%s)', self.__name, expected,
+    tostring(x:size()), x.dtype), (level or 2) + 1)
+end
+
+function Module:forward() error(self.__name .. ': forward is not implemented', 2) end
+function Module:backward() error(self.__name .. ': backward is not implemented', 2) end
+Module.__call = function(m, ...) return m:forward(...) end
+
+return Module

@@ -1,0 +1,141 @@
+-- dlua.nn's module system: names, flat arenas, state dicts, backward against finite differences.
+local dlua = require 'dlua'
+local nn = require 'dlua.nn'
+
+local f64 = { dtype = 'float64' }
+
+local function mlp()
+  return nn.Sequential(nn.Linear(5, 7, f64), nn.ReLU(), nn.Linear(7, 3, f64))
+end
+
+-- Loss of the model at its current parameters, as a Lua number.
+local function loss_of(model, crit, x, y) return crit:forward(model:forward(x), y):item() end
+
+describe('dlua.nn modules', function()
+  it('name parameters as PyTorch does and print a tree with counts', function()
+    local m = mlp()
+    local names = {}
+    for _, e in ipairs(m:named_parameters()) do names[#names + 1] = e.name end
+    assert.same({ '1.weight', '1.bias', '3.weight', '3.bias' }, names)
+    assert.equals(5 * 7 + 7 + 7 * 3 + 3, m:num_parameters())
+    local s = tostring(m)
+    assert.truthy(s:find('(1): Linear(5 -> 7)  [42 params]', 1, true))
+    assert.truthy(s:find('(2): ReLU', 1, true))
+    assert.equals(m:children()[3], m['3'])
+  end)
+
+  it('backward matches central finite differences (float64)', function()
+    dlua.manual_seed(3)
+    local m, crit = mlp(), nn.MSELoss()
+    local x, y = dlua.randn(4, 5, f64), dlua.randn(4, 3, f64)
+    m:zero_grad()
+    local out = m:forward(x)
+    crit:forward(out, y)
+    local gx = m:backward(x, crit:backward(out, y))
+    local h = 1e-6
+    for _, e in ipairs(m:named_parameters()) do
+      local p, g = e.param:view(-1), e.grad:view(-1)
+      for i = 1, p:numel(), 3 do
+        local v = p[i]
+        p[i] = v + h; local lp = loss_of(m, crit, x, y)
+        p[i] = v - h; local lm = loss_of(m, crit, x, y)
+        p[i] = v
+        assert.near((lp - lm) / (2 * h), g[i], 1e-6, e.name .. '[' .. i .. ']')
+      end
+    end
+    local xv = x:view(-1)
+    for i = 1, xv:numel(), 2 do
+      local v = xv[i]
+      xv[i] = v + h; local lp = loss_of(m, crit, x, y)
+      xv[i] = v - h; local lm = loss_of(m, crit, x, y)
+      xv[i] = v
+      assert.near((lp - lm) / (2 * h), gx:view(-1)[i], 1e-6)
+    end
+  end)
+
+  it('accumulate parameter gradients across backwards until zero_grad', function()
+    local m, crit = mlp(), nn.MSELoss()
+    local x, y = dlua.randn(3, 5, f64), dlua.randn(3, 3, f64)
+    local function step()
+      local out = m:forward(x)
+      crit:forward(out, y)
+      m:backward(x, crit:backward(out, y))
+    end
+    m:zero_grad(); step()
+    local once = m['1'].grad_weight:clone()
+    step()
+    assert.near(0, (m['1'].grad_weight - once * 2):abs():max():item(), 1e-12)
+    m:zero_grad()
+    assert.equals(0, m['1'].grad_weight:abs():sum():item())
+  end)
+
+  it('flatten into one arena in reverse order, keeping values, covering each parameter once', function()
+    local m = mlp()
+    local before = {}
+    for _, e in ipairs(m:named_parameters()) do before[e.name] = e.param:clone() end
+    local arena = m:flatten()
+    local layout = m:layout()
+    assert.same({ '3.bias', '3.weight', '1.bias', '1.weight' },
+      { layout[1].name, layout[2].name, layout[3].name, layout[4].name })
+    local covered = 0
+    for i, e in ipairs(layout) do
+      assert.equals(covered, e.offset, e.name)
+      covered = covered + e.numel
+      if i > 1 then assert.equals(layout[i - 1].offset + layout[i - 1].numel, e.offset) end
+    end
+    assert.equals(arena.params.float64:numel(), covered)
+    for _, e in ipairs(m:named_parameters()) do
+      assert.is_true(e.param:same_storage(arena.params.float64), e.name)
+      assert.is_true(e.grad:same_storage(arena.grads.float64), e.name)
+      assert.equals(0, (e.param - before[e.name]):abs():max():item())
+    end
+    -- a step on the arena is a step on every parameter
+    arena.params.float64:add_(1)
+    assert.near(before['1.bias'][1] + 1, m['1'].bias[1], 1e-12)
+  end)
+
+  it('round-trip state dicts and report every mismatch in strict loads', function()
+    local a, b = mlp(), mlp()
+    b:load_state_dict(a:state_dict())
+    for _, e in ipairs(b:named_parameters()) do
+      assert.equals(0, (e.param - a:state_dict()[e.name]):abs():max():item())
+    end
+    local sd = a:state_dict()
+    local partial = { ['1.weight'] = sd['1.weight'], ['3.bias'] = dlua.zeros(4, f64), extra = dlua.zeros(1) }
+    local ok, err = pcall(function() b:load_state_dict(partial) end)
+    assert.is_false(ok)
+    assert.matches('nn_spec.lua:%d+: Sequential.load_state_dict:', err)
+    assert.truthy(err:find('3.bias: expected dlua.Size(3), got dlua.Size(4)', 1, true))
+    assert.truthy(err:find('missing keys: 1.bias, 3.weight', 1, true))
+    assert.truthy(err:find('unexpected keys: extra', 1, true))
+    -- non-strict loads what matches and still refuses wrong shapes
+    local res = b:load_state_dict({ ['1.weight'] = sd['1.weight'] }, false)
+    assert.same({ '1.bias', '3.bias', '3.weight' }, res.missing)
+  end)
+
+  it('name the module and the shape when the input is wrong', function()
+    local m = nn.Linear(4, 2)
+    local ok, err = pcall(function() m:forward(dlua.zeros(3, 5)) end)
+    assert.is_false(ok)
+    assert.matches('nn_spec.lua:%d+: Linear: expected %(N, 4%), got input of shape dlua.Size%(3, 5%)', err)
+  end)
+
+  it('train a small model: the loss goes down', function()
+    dlua.manual_seed(0)
+    local m, crit = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1)), nn.MSELoss()
+    local x = dlua.randn(64, 4)
+    local y = (x:sum(2, true) * 0.5):relu()
+    local arena = m:flatten()
+    local first, last
+    for step = 1, 300 do
+      m:zero_grad()
+      local out = m:forward(x)
+      local loss = crit:forward(out, y):item()
+      first = first or loss
+      last = loss
+      m:backward(x, crit:backward(out, y))
+      arena.params.float32:add_(arena.grads.float32, -0.05)
+    end
+    assert.is_true(last < first * 0.2, ('loss %g -> %g'):format(first, last))
+  end)
+end)
