@@ -9,9 +9,9 @@ local function shape_str(t) return tostring(t:size()) end
 ---------------------------------------------------------------------------------------------
 -- Containers
 
--- Sequential{m1, m2, ...} or Sequential(m1, m2, ...); children are named "1", "2", ... as
--- PyTorch names them "0", "1"... (1-based, like every position in dlua), unless given as
--- {name = module} pairs through :add(module, name).
+-- Sequential{m1, m2, ...} or Sequential(m1, m2, ...). Children are NAMED "0", "1", ... as in
+-- PyTorch, so state-dict keys ("layer1.0.conv1.weight") match torchvision's one to one;
+-- positions stay 1-based: seq:get(1) is the child named "0". :add(module, name) names it.
 local Sequential = Module:extend('Sequential')
 nn.Sequential = Sequential
 
@@ -21,7 +21,16 @@ function Sequential:__init(...)
 end
 
 function Sequential:add(module, name)
-  return self:add_module(name or tostring(#self._children + 1), module) and self
+  return self:add_module(name or tostring(#self._children), module) and self
+end
+
+-- The i-th child (1-based; negative from the end).
+function Sequential:get(i)
+  local n = #self._children
+  local k = i < 0 and n + 1 + i or i
+  local c = self._children[k]
+  if not c then error(string.format('Sequential:get: position %d is out of range 1..%d', i, n), 2) end
+  return c.module
 end
 
 function Sequential:forward(x)

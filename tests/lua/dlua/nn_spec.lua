@@ -16,12 +16,14 @@ describe('dlua.nn modules', function()
     local m = mlp()
     local names = {}
     for _, e in ipairs(m:named_parameters()) do names[#names + 1] = e.name end
-    assert.same({ '1.weight', '1.bias', '3.weight', '3.bias' }, names)
+    assert.same({ '0.weight', '0.bias', '2.weight', '2.bias' }, names)
     assert.equals(5 * 7 + 7 + 7 * 3 + 3, m:num_parameters())
     local s = tostring(m)
-    assert.truthy(s:find('(1): Linear(5 -> 7)  [42 params]', 1, true))
-    assert.truthy(s:find('(2): ReLU', 1, true))
-    assert.equals(m:children()[3], m['3'])
+    assert.truthy(s:find('(0): Linear(5 -> 7)  [42 params]', 1, true))
+    assert.truthy(s:find('(1): ReLU', 1, true))
+    assert.equals(m:children()[3], m['2'])
+    assert.equals(m:get(3), m['2'])
+    assert.equals(m:get(-1), m['2'])
   end)
 
   it('backward matches central finite differences (float64)', function()
@@ -62,11 +64,11 @@ describe('dlua.nn modules', function()
       m:backward(x, crit:backward(out, y))
     end
     m:zero_grad(); step()
-    local once = m['1'].grad_weight:clone()
+    local once = m['0'].grad_weight:clone()
     step()
-    assert.near(0, (m['1'].grad_weight - once * 2):abs():max():item(), 1e-12)
+    assert.near(0, (m['0'].grad_weight - once * 2):abs():max():item(), 1e-12)
     m:zero_grad()
-    assert.equals(0, m['1'].grad_weight:abs():sum():item())
+    assert.equals(0, m['0'].grad_weight:abs():sum():item())
   end)
 
   it('flatten into one arena in reverse order, keeping values, covering each parameter once', function()
@@ -75,7 +77,7 @@ describe('dlua.nn modules', function()
     for _, e in ipairs(m:named_parameters()) do before[e.name] = e.param:clone() end
     local arena = m:flatten()
     local layout = m:layout()
-    assert.same({ '3.bias', '3.weight', '1.bias', '1.weight' },
+    assert.same({ '2.bias', '2.weight', '0.bias', '0.weight' },
       { layout[1].name, layout[2].name, layout[3].name, layout[4].name })
     local covered = 0
     for i, e in ipairs(layout) do
@@ -91,7 +93,7 @@ describe('dlua.nn modules', function()
     end
     -- a step on the arena is a step on every parameter
     arena.params.float64:add_(1)
-    assert.near(before['1.bias'][1] + 1, m['1'].bias[1], 1e-12)
+    assert.near(before['0.bias'][1] + 1, m['0'].bias[1], 1e-12)
   end)
 
   it('round-trip state dicts and report every mismatch in strict loads', function()
@@ -101,16 +103,16 @@ describe('dlua.nn modules', function()
       assert.equals(0, (e.param - a:state_dict()[e.name]):abs():max():item())
     end
     local sd = a:state_dict()
-    local partial = { ['1.weight'] = sd['1.weight'], ['3.bias'] = dlua.zeros(4, f64), extra = dlua.zeros(1) }
+    local partial = { ['0.weight'] = sd['0.weight'], ['2.bias'] = dlua.zeros(4, f64), extra = dlua.zeros(1) }
     local ok, err = pcall(function() b:load_state_dict(partial) end)
     assert.is_false(ok)
     assert.matches('nn_spec.lua:%d+: Sequential.load_state_dict:', err)
-    assert.truthy(err:find('3.bias: expected dlua.Size(3), got dlua.Size(4)', 1, true))
-    assert.truthy(err:find('missing keys: 1.bias, 3.weight', 1, true))
+    assert.truthy(err:find('2.bias: expected dlua.Size(3), got dlua.Size(4)', 1, true))
+    assert.truthy(err:find('missing keys: 0.bias, 2.weight', 1, true))
     assert.truthy(err:find('unexpected keys: extra', 1, true))
     -- non-strict loads what matches and still refuses wrong shapes
-    local res = b:load_state_dict({ ['1.weight'] = sd['1.weight'] }, false)
-    assert.same({ '1.bias', '3.bias', '3.weight' }, res.missing)
+    local res = b:load_state_dict({ ['0.weight'] = sd['0.weight'] }, false)
+    assert.same({ '0.bias', '2.bias', '2.weight' }, res.missing)
   end)
 
   it('name the module and the shape when the input is wrong', function()
