@@ -127,6 +127,8 @@ function M.initial_seed() return gen_methods.initial_seed(M.default_generator())
 function M.is_generator(x) return istype(Generator, x) end
 
 -- The C generator of an options table: NULL means the default one.
+M.generator_handle = gen_handle -- for other bindings (dropout)
+
 local function opt_generator(op, opts)
   local g = opts and opts.generator
   if g == nil then return nil end

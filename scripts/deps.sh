@@ -5,7 +5,7 @@ packages=(
   build-essential cmake ninja-build pkg-config git
   libluajit-5.1-dev libedit-dev zlib1g-dev
   libopenblas-dev libdnnl-dev
-  check lua-busted python3
+  check lua-busted python3 dataset-fashion-mnist
 )
 missing=()
 for p in "${packages[@]}"; do

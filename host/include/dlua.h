@@ -271,3 +271,131 @@ dlua_status_t dlua_store_compare_set(dlua_store_t *store, const char *key, const
 dlua_status_t dlua_store_check(dlua_store_t *store, const char *const *keys, int n, int *exists);
 /* *deleted (may be NULL) = 1 if the key existed. */
 dlua_status_t dlua_store_delete(dlua_store_t *store, const char *key, int *deleted);
+
+/* ==== losses and activations ================================================================= */
+
+/* Float tensors (f32, f64; f16/bf16 compute in f32). Results follow the `out` convention with
+   the input's dtype; any input may be a non-contiguous view. `dim` is 0-based. */
+typedef enum {
+  DLUA_LOSS_NONE = 0, /* one loss per target, in the targets' shape */
+  DLUA_LOSS_MEAN = 1, /* a 0-dim tensor; cross-entropy divides by the summed weights of the kept targets */
+  DLUA_LOSS_SUM = 2,  /* a 0-dim tensor */
+  DLUA_LOSS_REDUCTION_COUNT = 3
+} dlua_loss_reduction_t;
+
+/* softmax (log = 0) or log_softmax (log = 1) of x along dim, max-subtracted. */
+dlua_status_t dlua_nn_softmax(dlua_tensor_t **out, const dlua_tensor_t *x, int dim, int log);
+/* grad_input from grad_output and the forward's output (all the same shape). */
+dlua_status_t dlua_nn_softmax_backward(dlua_tensor_t **grad_input, const dlua_tensor_t *grad_output, const dlua_tensor_t *output, int dim, int log);
+
+/* torch.nn.functional.cross_entropy with class-index targets. logits (N, K) or (N, K, d1, ...)
+   (or (K) with a 0-dim label); labels (N) or (N, d1, ...), integers counted from index_base;
+   a label equal to ignore_index (in the same numbering; pass -100 when nothing is ignored)
+   is skipped; weight (K) or NULL; label_smoothing in [0, 1] as PyTorch defines it. `out` is
+   0-dim (mean/sum) or in labels' shape (none). `log_probs` may be NULL; otherwise it receives
+   the log-softmax of the logits (logits' shape and dtype when allocated), which backward takes. */
+dlua_status_t dlua_nn_cross_entropy(dlua_tensor_t **out, dlua_tensor_t **log_probs, const dlua_tensor_t *logits, const dlua_tensor_t *labels, const dlua_tensor_t *weight, dlua_loss_reduction_t reduction, double label_smoothing, int64_t ignore_index, int64_t index_base);
+/* One fused pass: grad_logits = (softmax * S - q) * grad, q the smoothed and weighted one-hot
+   (S = sum of q; 1 without weights), zero for ignored targets. grad_output: 0-dim (mean/sum)
+   or labels' shape (none); NULL means 1. Same labels/weight/options as the forward. */
+dlua_status_t dlua_nn_cross_entropy_backward(dlua_tensor_t **grad_logits, const dlua_tensor_t *grad_output, const dlua_tensor_t *log_probs, const dlua_tensor_t *labels, const dlua_tensor_t *weight, dlua_loss_reduction_t reduction, double label_smoothing, int64_t ignore_index, int64_t index_base);
+
+/* Mean squared error; input and target have one shape. grad_output NULL means 1. */
+dlua_status_t dlua_nn_mse_loss(dlua_tensor_t **out, const dlua_tensor_t *input, const dlua_tensor_t *target, dlua_loss_reduction_t reduction);
+dlua_status_t dlua_nn_mse_loss_backward(dlua_tensor_t **grad_input, const dlua_tensor_t *grad_output, const dlua_tensor_t *input, const dlua_tensor_t *target, dlua_loss_reduction_t reduction);
+
+/* torch.nn.Threshold: y = x <= threshold ? value : x (ReLU: 0, 0; NaN passes through). */
+dlua_status_t dlua_nn_threshold(dlua_tensor_t **out, const dlua_tensor_t *x, double threshold, double value);
+/* grad_input = x <= threshold ? 0 : grad_output; x is the layer's input, or ReLU's output. */
+dlua_status_t dlua_nn_threshold_backward(dlua_tensor_t **grad_input, const dlua_tensor_t *grad_output, const dlua_tensor_t *x, double threshold);
+dlua_status_t dlua_nn_relu_backward(dlua_tensor_t **grad_input, const dlua_tensor_t *grad_output, const dlua_tensor_t *output);
+
+/* Dropout. Training (train != 0, 0 < p < 1): *mask (x's shape; bool when allocated) is
+   bernoulli_(1 - p) drawn from g (NULL: the default generator), so it depends only on
+   (seed, offset); out = x * mask / (1 - p). p = 0 keeps everything and p = 1 drops
+   everything without drawing. Evaluation: out = x, and mask may be NULL. */
+dlua_status_t dlua_nn_dropout(dlua_tensor_t **out, dlua_tensor_t **mask, const dlua_tensor_t *x, double p, int train, dlua_generator_t *g);
+/* grad_input = grad_output * (mask != 0) / (1 - p) (0 when p = 1). */
+dlua_status_t dlua_nn_dropout_backward(dlua_tensor_t **grad_input, const dlua_tensor_t *grad_output, const dlua_tensor_t *mask, double p);
+
+/* ==== optimizers ============================================================================= */
+
+/* One fused loop per call over elements [offset, offset + length) of flat arenas: param, grad
+   and the state buffers are contiguous tensors of one float dtype (f32 or f64) and one numel
+   (any shape, taken flat), e.g. narrowed views of the model's arenas. Every step first
+   multiplies the gradient by grad_scale (1 / loss scale under AMP, else 1) without writing it
+   back. Order of operations follows torch.optim, so results match PyTorch's to rounding. */
+
+/* torch.optim.SGD: d = grad (negated when maximize) + weight_decay * p; with momentum,
+   buf = first_step ? d : momentum * buf + (1 - dampening) * d and d = nesterov ? d +
+   momentum * buf : buf; p -= lr * d. momentum_buf may be NULL when momentum == 0. */
+dlua_status_t dlua_optim_sgd_step(dlua_tensor_t *param, const dlua_tensor_t *grad, dlua_tensor_t *momentum_buf, int64_t offset, int64_t length, double lr, double momentum, double dampening, double weight_decay, int nesterov, int maximize, int first_step, double grad_scale);
+
+/* torch.optim.AdamW: p *= 1 - lr * weight_decay; m = beta1 m + (1 - beta1) g; v = beta2 v +
+   (1 - beta2) g^2; p -= lr / (1 - beta1^step) * m / (sqrt(v') / sqrt(1 - beta2^step) + eps),
+   v' = v, or with amsgrad the running max kept in max_exp_avg_sq (NULL otherwise).
+   step counts this step (1 on the first). */
+dlua_status_t dlua_optim_adamw_step(dlua_tensor_t *param, const dlua_tensor_t *grad, dlua_tensor_t *exp_avg, dlua_tensor_t *exp_avg_sq, dlua_tensor_t *max_exp_avg_sq, int64_t offset, int64_t length, double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step, int amsgrad, int maximize, double grad_scale);
+
+/* LARS as NVIDIA's LARC wraps SGD: for each of the n_ranges parameters [offsets[i],
+   offsets[i] + lengths[i]) (disjoint), trust = trust_coefficient * |p| / (|g| + weight_decay *
+   |p| + eps), d = (g + weight_decay * p) * trust; a parameter with exclude[i] != 0 (bias,
+   batch-norm), or with |p| or |g| zero (as LARC), takes d = g: no decay, no adaptation. Then
+   buf = first_step ? d : momentum * buf + d; p -= lr * buf. exclude may be NULL. */
+dlua_status_t dlua_optim_lars_step(dlua_tensor_t *param, const dlua_tensor_t *grad, dlua_tensor_t *momentum_buf, int n_ranges, const int64_t *offsets, const int64_t *lengths, const int32_t *exclude, double lr, double momentum, double weight_decay, double trust_coefficient, double eps, int first_step, double grad_scale);
+
+/* Mixed precision: grad[offset, offset + length) *= inv_scale in one pass (f32, f64, f16, bf16);
+   *nonfinite receives how many of those gradients were Inf or NaN. */
+dlua_status_t dlua_optim_unscale(dlua_tensor_t *grad, int64_t offset, int64_t length, double inv_scale, int64_t *nonfinite);
+
+/* ==== data: IDX files, batch augmentation ==================================================== */
+
+/* Reads an IDX file (MNIST's format: a big-endian magic 0x0000TTDD with element type TT and
+   DD dims, DD big-endian uint32 sizes, then the elements row-major and big-endian) into a
+   new CPU tensor of the file's dims. Gzipped files (e.g. `.gz`) are inflated through zlib.
+   Types: 0x08 uint8, 0x0C int32, 0x0D float32, 0x0E float64. Errors name the path: a
+   missing file (and, under /usr/share/datasets/fashion-mnist, the Debian package), a bad
+   magic number, a truncated file or gzip stream, bytes left over after the data. */
+dlua_status_t dlua_data_read_idx(dlua_tensor_t **out, const char *path);
+/* An MNIST pair: *images gets uint8 (N, H, W) from a file with magic 0x00000803, *labels
+   int64 (N) from one with magic 0x00000801, each file value plus label_base (1 from Lua);
+   the counts must agree. Both are set, or neither. */
+dlua_status_t dlua_data_read_mnist(dlua_tensor_t **images, dlua_tensor_t **labels, const char *images_path, const char *labels_path, int64_t label_base);
+/* Gathers a batch and augments it: out[b] = flip_b(crop_b(x[index[b]])), where crop_b pads
+   the image with `pad` zeros on every side and takes the H x W window at (dy, dx) in
+   [0, 2 pad]^2, and flip_b mirrors the columns with probability flip_p. A sample's (dy, dx,
+   flip) is a function of (seed, epoch, its index in x) alone: lanes 0, 1, 2 of the Philox
+   block keyed by seed at counter (index lo32, index hi32, epoch lo32, epoch hi32 ^
+   0x41554731), dy = (lane0 * (2 pad + 1)) >> 32, dx likewise, flip = lane2 / 2^32 < flip_p;
+   so results do not depend on the batch, the thread count or the backend.
+   x (N, C, H, W) uint8 or float32, any strides; index (B) int32/int64 counted from
+   index_base, or NULL for every image in order; out (B, C, H, W): allocated with x's dtype,
+   or given (float32 from uint8 converts in the same pass). pad 0, flip_p 0: a plain gather. */
+dlua_status_t dlua_data_augment(dlua_tensor_t **out, const dlua_tensor_t *x, const dlua_tensor_t *index, int64_t index_base, int64_t pad, double flip_p, uint64_t seed, uint64_t epoch);
+/* out = (x * scale - mean[c]) / std[c], c the position along dim 1: x (N, C, ...) of any
+   dtype; mean and std hold nstats = 1 or C values; out (N, C, ...) allocated float32, or
+   given (may be x itself when x is float32). */
+dlua_status_t dlua_data_normalize(dlua_tensor_t **out, const dlua_tensor_t *x, double scale, int nstats, const double *mean, const double *std);
+
+/* ==== convolution ============================================================================ */
+
+/* 2-D convolution (cross-correlation, as torch.nn.functional.conv2d). Activations are logically
+   (N, C, H, W) in either memory format: NCHW (contiguous) or channels-last NHWC (strides
+   (H*W*C, 1, W*C, C), as PyTorch's channels_last); weights are (O, C/groups, kH, kW) in OIHW
+   (contiguous) or OHWI memory. Other strides are copied into one of those first. float32 runs on
+   oneDNN (fastest channels-last; NCHW is reordered inside each call); float16/bfloat16 compute in
+   float32; float64 runs direct loops. Inputs of one call share a dtype; outputs follow the `out`
+   convention and, when allocated, the memory format of the input they come from. Padding is
+   symmetric; dilation 1 means none. */
+/* Output extent along one dimension: floor((in + 2*pad - dil*(kernel-1) - 1) / stride) + 1;
+   0 when the dilated kernel does not fit, -1 for a bad argument. */
+int64_t dlua_conv2d_output_size(int64_t in, int64_t kernel, int stride, int pad, int dil);
+/* out (N, O, OH, OW) = conv(x (N, C, H, W), w (O, C/groups, kH, kW)) + bias (O) (bias may be NULL). */
+dlua_status_t dlua_conv2d_forward(dlua_tensor_t **out, const dlua_tensor_t *x, const dlua_tensor_t *w, const dlua_tensor_t *bias, int stride_h, int stride_w, int pad_h, int pad_w, int dil_h, int dil_w, int groups);
+/* grad_x (x_sizes: 4 entries, N, C, H, W) from grad_y (N, O, OH, OW) and w (O, C/groups, kH, kW);
+   written, not accumulated; allocated in grad_y's memory format. */
+dlua_status_t dlua_conv2d_backward_data(dlua_tensor_t **grad_x, const dlua_tensor_t *grad_y, const dlua_tensor_t *w, const int64_t *x_sizes, int stride_h, int stride_w, int pad_h, int pad_w, int dil_h, int dil_w, int groups);
+/* Parameter gradients from x (N, C, H, W) and grad_y (N, O, OH, OW) into grad_w (O, C/groups, kH, kW)
+   and grad_bias (O) (may be NULL): accumulate 1 adds to what they hold (Torch7's backward), 0
+   overwrites. They may have another floating dtype than x (a float32 gradient arena). */
+dlua_status_t dlua_conv2d_backward_weights(dlua_tensor_t *grad_w, dlua_tensor_t *grad_bias, const dlua_tensor_t *x, const dlua_tensor_t *grad_y, int stride_h, int stride_w, int pad_h, int pad_w, int dil_h, int dil_w, int groups, int accumulate);

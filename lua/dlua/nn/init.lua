@@ -1,6 +1,7 @@
 -- dlua.nn: Torch7-style modules with PyTorch's names; containers and the layers built on tensor ops.
 local dlua = require 'dlua'
 local Module = require 'dlua.nn.module'
+local K = require 'bindings.nn'
 
 local nn = { Module = Module }
 
@@ -103,12 +104,31 @@ end
 local ReLU = Module:extend('ReLU')
 nn.ReLU = ReLU
 function ReLU:forward(x)
-  self.output = x:relu()
+  self.output = K.relu(x)
   return self.output
 end
-function ReLU:backward(x, grad)
-  -- d relu / dx = 1 where the output is positive
-  self.grad_input = grad * self.output:gt(0)
+-- The gradient passes where the output is positive (the output is what is kept).
+function ReLU:backward(_, grad)
+  self.grad_input = K.relu_backward(grad, self.output)
+  return self.grad_input
+end
+
+-- Dropout(p = 0.5): zeroes elements with probability p in training and scales the rest by
+-- 1/(1-p); the mask comes from the Philox generator (opts.generator or the default one).
+local Dropout = Module:extend('Dropout')
+nn.Dropout = Dropout
+function Dropout:__init(p, opts)
+  p = p or 0.5
+  if type(p) ~= 'number' or p < 0 or p > 1 then error('Dropout: p must be in [0, 1], got ' .. tostring(p), 3) end
+  self.p, self.generator = p, opts and opts.generator
+end
+function Dropout:extra_repr() return 'p=' .. self.p end
+function Dropout:forward(x)
+  self.output, self.mask = K.dropout(x, self.p, self.training, self.generator)
+  return self.output
+end
+function Dropout:backward(_, grad)
+  self.grad_input = self.mask and K.dropout_backward(grad, self.mask, self.p) or grad
   return self.grad_input
 end
 
@@ -156,27 +176,102 @@ function Linear:backward(x, grad)
 end
 
 ---------------------------------------------------------------------------------------------
--- Criterions: forward(input, target) -> 0-d loss tensor; backward(input, target) -> grad.
+-- Conv2d(in, out, kernel, {stride = 1, padding = 0, dilation = 1, groups = 1, bias = true,
+-- dtype}): torch.nn.Conv2d, PyTorch's default init U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
+-- Input (N, C, H, W) in NCHW or channels-last memory; the output keeps the input's format.
+
+local function pair(v, name)
+  if type(v) == 'number' then return v, v end
+  if type(v) == 'table' and #v == 2 then return v[1], v[2] end
+  error(string.format('Conv2d: %s must be a number or a pair, got %s', name, tostring(v)), 4)
+end
+
+local Conv2d = Module:extend('Conv2d')
+nn.Conv2d = Conv2d
+
+function Conv2d:__init(cin, cout, kernel, opts)
+  opts = opts or {}
+  local kh, kw = pair(kernel, 'kernel')
+  local sh, sw = pair(opts.stride or 1, 'stride')
+  local ph, pw = pair(opts.padding or 0, 'padding')
+  local dh, dw = pair(opts.dilation or 1, 'dilation')
+  local groups = opts.groups or 1
+  if cin % groups ~= 0 or cout % groups ~= 0 then
+    error(string.format('Conv2d: in (%d) and out (%d) channels must divide by groups (%d)', cin, cout, groups), 3)
+  end
+  self.in_channels, self.out_channels, self.groups = cin, cout, groups
+  self.kernel, self.stride, self.padding, self.dilation = { kh, kw }, { sh, sw }, { ph, pw }, { dh, dw }
+  self.c = { sh, sw, ph, pw, dh, dw, groups }
+  local dtype = opts.dtype or 'float32'
+  local bound = 1 / math.sqrt(cin / groups * kh * kw)
+  self:register_parameter('weight', dlua.empty(cout, cin / groups, kh, kw, { dtype = dtype }):uniform_(-bound, bound))
+  if opts.bias ~= false then
+    self:register_parameter('bias', dlua.empty(cout, { dtype = dtype }):uniform_(-bound, bound))
+  end
+end
+
+function Conv2d:extra_repr()
+  local s = string.format('%d -> %d, %dx%d', self.in_channels, self.out_channels, self.kernel[1], self.kernel[2])
+  if self.stride[1] ~= 1 or self.stride[2] ~= 1 then s = s .. string.format(', stride %d', self.stride[1]) end
+  if self.padding[1] ~= 0 or self.padding[2] ~= 0 then s = s .. string.format(', padding %d', self.padding[1]) end
+  if self.groups ~= 1 then s = s .. ', groups ' .. self.groups end
+  if not self.bias then s = s .. ', no bias' end
+  return s
+end
+
+function Conv2d:forward(x)
+  if x:dim() ~= 4 or x:size(2) ~= self.in_channels then
+    self:input_error(x, string.format('(N, %d, H, W)', self.in_channels))
+  end
+  self.output = K.conv2d(x, self.weight, self.bias, self.c)
+  return self.output
+end
+
+function Conv2d:backward(x, grad)
+  K.conv2d_backward_weights(self.grad_weight, self.grad_bias, x, grad, self.c)
+  self.grad_input = K.conv2d_backward_data(grad, self.weight, x, self.c)
+  return self.grad_input
+end
+
+---------------------------------------------------------------------------------------------
+-- Criterions: forward(input, target) -> loss tensor; backward(input, target [, grad_out]) -> grad.
 
 local MSELoss = Module:extend('MSELoss')
 nn.MSELoss = MSELoss
 function MSELoss:__init(opts) self.reduction = (opts and opts.reduction) or 'mean' end
 function MSELoss:forward(x, target)
-  if shape_str(x) ~= shape_str(target) then
-    error(string.format('MSELoss: input %s and target %s differ in shape', shape_str(x), shape_str(target)), 2)
-  end
-  local d = x - target
-  local sq = d * d
-  if self.reduction == 'none' then self.output = sq
-  elseif self.reduction == 'sum' then self.output = sq:sum()
-  else self.output = sq:mean() end
+  self.output = K.mse_loss(x, target, self.reduction)
   return self.output
 end
-function MSELoss:backward(x, target)
-  local g = (x - target) * 2
-  if self.reduction == 'mean' then g = g / math.max(x:numel(), 1) end
-  self.grad_input = g
-  return g
+function MSELoss:backward(x, target, grad_out)
+  self.grad_input = K.mse_loss_backward(grad_out, x, target, self.reduction)
+  return self.grad_input
+end
+
+-- CrossEntropyLoss{label_smoothing = 0, ignore_index = nil, weight = nil, reduction = 'mean'}:
+-- logits (N, K) and class labels 1..K (int64), as torch.nn.CrossEntropyLoss with 1-based
+-- classes. The log-softmax from forward is kept, so backward is one fused pass.
+local CrossEntropyLoss = Module:extend('CrossEntropyLoss')
+nn.CrossEntropyLoss = CrossEntropyLoss
+function CrossEntropyLoss:__init(opts)
+  opts = opts or {}
+  self.reduction = opts.reduction or 'mean'
+  self.label_smoothing = opts.label_smoothing or 0
+  self.ignore_index = opts.ignore_index or -100
+  self.weight = opts.weight
+end
+function CrossEntropyLoss:extra_repr()
+  return self.label_smoothing > 0 and ('label_smoothing=' .. self.label_smoothing) or ''
+end
+function CrossEntropyLoss:forward(logits, labels)
+  self.output, self.log_probs = K.cross_entropy(logits, labels, self.weight, self.reduction, self.label_smoothing,
+    self.ignore_index)
+  return self.output
+end
+function CrossEntropyLoss:backward(_, labels, grad_out)
+  self.grad_input = K.cross_entropy_backward(grad_out, self.log_probs, labels, self.weight, self.reduction,
+    self.label_smoothing, self.ignore_index)
+  return self.grad_input
 end
 
 return nn

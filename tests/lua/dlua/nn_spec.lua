@@ -140,4 +140,59 @@ describe('dlua.nn modules', function()
     end
     assert.is_true(last < first * 0.2, ('loss %g -> %g'):format(first, last))
   end)
+
+  it('cross-entropy: 1-based labels, smoothing, and a gradient matching finite differences', function()
+    local ce = nn.CrossEntropyLoss()
+    local logits = dlua.tensor({ { 1, 2, 3 }, { 0.5, -1, 0 } }, f64)
+    local labels = dlua.tensor({ 3, 1 }, { dtype = 'int64' })
+    local l1 = math.log(math.exp(1) + math.exp(2) + math.exp(3)) - 3
+    local l2 = math.log(math.exp(0.5) + math.exp(-1) + 1) - 0.5
+    assert.near((l1 + l2) / 2, ce:forward(logits, labels):item(), 1e-12)
+    local smooth = nn.CrossEntropyLoss({ label_smoothing = 0.3 })
+    -- PyTorch's definition: (1 - e) * nll + e * mean over classes of -log p
+    local function logp(row, k) return logits[row][k] - math.log(math.exp(logits[row][1]) + math.exp(logits[row][2]) + math.exp(logits[row][3])) end
+    local want = 0
+    for row, lab in ipairs({ 3, 1 }) do
+      local uniform = -(logp(row, 1) + logp(row, 2) + logp(row, 3)) / 3
+      want = want + 0.7 * -logp(row, lab) + 0.3 * uniform
+    end
+    assert.near(want / 2, smooth:forward(logits, labels):item(), 1e-12)
+    -- the model's gradient through the loss, against central differences
+    dlua.manual_seed(5)
+    local m = mlp()
+    local x = dlua.randn(6, 5, f64)
+    local y = dlua.tensor({ 1, 2, 3, 3, 2, 1 }, { dtype = 'int64' })
+    m:zero_grad()
+    local out = m:forward(x)
+    smooth:forward(out, y)
+    m:backward(x, smooth:backward(out, y))
+    local p, g = m['0'].weight:view(-1), m['0'].grad_weight:view(-1)
+    for i = 1, p:numel(), 4 do
+      local v, h = p[i], 1e-6
+      p[i] = v + h; local lp1 = smooth:forward(m:forward(x), y):item()
+      p[i] = v - h; local lm1 = smooth:forward(m:forward(x), y):item()
+      p[i] = v
+      assert.near((lp1 - lm1) / (2 * h), g[i], 1e-7)
+    end
+    local ok, err = pcall(function() ce:forward(logits, dlua.tensor({ 4, 1 }, { dtype = 'int64' })) end)
+    assert.is_false(ok)
+    assert.truthy(err:find('4', 1, true), err)
+  end)
+
+  it('dropout: scaled mask in training, reproducible by seed, identity in evaluation', function()
+    local d = nn.Dropout(0.25)
+    local x = dlua.ones(10000)
+    dlua.manual_seed(7)
+    local y1 = d:forward(x):clone()
+    dlua.manual_seed(7)
+    local y2 = d:forward(x)
+    assert.equals(0, (y1 - y2):abs():max():item())
+    local kept = y1:gt(0):sum():item()
+    assert.is_true(math.abs(kept / 10000 - 0.75) < 0.03, 'kept fraction ' .. kept / 10000)
+    assert.near(1 / 0.75, y1:max():item(), 1e-6)
+    local g = d:backward(x, dlua.ones(10000))
+    assert.equals(0, (g - y1):abs():max():item())
+    d:evaluate()
+    assert.equals(0, (d:forward(x) - x):abs():max():item())
+  end)
 end)

@@ -1,0 +1,139 @@
+-- The FFI face of the layer, loss and optimizer kernels (host/cpu/{loss,optim,conv,batchnorm,pool}.c) for dlua.nn and dlua.optim.
+local ffi = require 'ffi'
+local core = require 'bindings.tensor_core'
+local C = core.C
+local new, new2, call, handle = core.new, core.new2, core.call, core.handle
+
+local M = {}
+
+local reductions = { none = C.DLUA_LOSS_NONE, mean = C.DLUA_LOSS_MEAN, sum = C.DLUA_LOSS_SUM }
+function M.reduction(op, r)
+  local code = reductions[r or 'mean']
+  if code == nil then core.raise(string.format("%s: reduction must be 'mean', 'sum' or 'none', got %s", op, tostring(r))) end
+  return code
+end
+
+-- The optional generator object of dlua.Generator (nil: the default generator).
+local function gen(op, g)
+  if g == nil then return nil end
+  return require('bindings.tensor_create').generator_handle(op, g)
+end
+
+---------------------------------------------------------------------------------------------
+-- Losses and activations (labels counted from 1, as everything Lua sees)
+
+-- -> loss (0-d or per target), log_probs (kept for backward)
+function M.cross_entropy(logits, labels, weight, reduction, smoothing, ignore_index)
+  return new2('CrossEntropyLoss', C.dlua_nn_cross_entropy, 7, logits, labels, weight,
+    M.reduction('CrossEntropyLoss', reduction), smoothing or 0, ignore_index or -100, 1)
+end
+
+function M.cross_entropy_backward(grad_out, log_probs, labels, weight, reduction, smoothing, ignore_index)
+  return new('CrossEntropyLoss.backward', C.dlua_nn_cross_entropy_backward, 8, grad_out, log_probs, labels, weight,
+    M.reduction('CrossEntropyLoss', reduction), smoothing or 0, ignore_index or -100, 1)
+end
+
+function M.mse_loss(input, target, reduction)
+  return new('MSELoss', C.dlua_nn_mse_loss, 3, input, target, M.reduction('MSELoss', reduction))
+end
+
+function M.mse_loss_backward(grad_out, input, target, reduction)
+  return new('MSELoss.backward', C.dlua_nn_mse_loss_backward, 4, grad_out, input, target, M.reduction('MSELoss', reduction))
+end
+
+function M.softmax(x, dim0, log)
+  return new(log and 'log_softmax' or 'softmax', C.dlua_nn_softmax, 3, x, dim0, log and 1 or 0)
+end
+
+function M.softmax_backward(grad, out, dim0, log)
+  return new('softmax.backward', C.dlua_nn_softmax_backward, 4, grad, out, dim0, log and 1 or 0)
+end
+
+function M.relu(x) return new('ReLU', C.dlua_nn_threshold, 3, x, 0, 0) end
+function M.relu_backward(grad, output) return new('ReLU.backward', C.dlua_nn_relu_backward, 2, grad, output) end
+
+-- -> out, mask (mask nil in evaluation)
+function M.dropout(x, p, train, g)
+  if not train then return x, nil end
+  return new2('Dropout', C.dlua_nn_dropout, 4, x, p, 1, gen('Dropout', g))
+end
+
+function M.dropout_backward(grad, mask, p)
+  return new('Dropout.backward', C.dlua_nn_dropout_backward, 3, grad, mask, p)
+end
+
+---------------------------------------------------------------------------------------------
+-- Convolution: c = {stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, groups}
+
+local out1 = ffi.new('dlua_tensor_t *[1]')
+local sizes4 = ffi.new('int64_t[4]')
+
+-- Calls f(out1, ...) and wraps the new tensor; retries once after a full GC on OOM.
+local function with_out(op, f, ...)
+  out1[0] = nil
+  local st = f(out1, ...)
+  if st == C.DLUA_ERR_OOM then
+    core.full_gc()
+    out1[0] = nil
+    st = f(out1, ...)
+  end
+  if st ~= 0 then core.check(st, op) end
+  local p = out1[0]
+  out1[0] = nil
+  return core.wrap(p)
+end
+
+function M.conv2d(x, w, b, c)
+  return with_out('Conv2d', C.dlua_conv2d_forward, handle('Conv2d', x), handle('Conv2d', w),
+    b and handle('Conv2d', b) or nil, c[1], c[2], c[3], c[4], c[5], c[6], c[7])
+end
+
+function M.conv2d_backward_data(grad_y, w, x, c)
+  local p = handle('Conv2d.backward', x)
+  local s = C.dlua_tensor_sizes(p)
+  for i = 0, 3 do sizes4[i] = s[i] end
+  return with_out('Conv2d.backward', C.dlua_conv2d_backward_data, handle('Conv2d.backward', grad_y),
+    handle('Conv2d.backward', w), sizes4, c[1], c[2], c[3], c[4], c[5], c[6], c[7])
+end
+
+function M.conv2d_backward_weights(grad_w, grad_b, x, grad_y, c)
+  local st = C.dlua_conv2d_backward_weights(handle('Conv2d.backward', grad_w), grad_b and handle('Conv2d.backward', grad_b) or nil,
+    handle('Conv2d.backward', x), handle('Conv2d.backward', grad_y), c[1], c[2], c[3], c[4], c[5], c[6], c[7], 1)
+  if st ~= 0 then core.check(st, 'Conv2d.backward') end
+end
+
+---------------------------------------------------------------------------------------------
+-- Optimizer steps over ranges of flat arenas (offsets count elements, from 0)
+
+function M.sgd_step(p, g, buf, offset, length, lr, momentum, dampening, wd, nesterov, maximize, first, scale)
+  local st = C.dlua_optim_sgd_step(handle('SGD.step', p), handle('SGD.step', g), buf and handle('SGD.step', buf) or nil,
+    offset, length, lr, momentum, dampening, wd, nesterov and 1 or 0, maximize and 1 or 0, first and 1 or 0, scale or 1)
+  if st ~= 0 then core.check(st, 'SGD.step') end
+end
+
+function M.adamw_step(p, g, m, v, vmax, offset, length, lr, beta1, beta2, eps, wd, step, amsgrad, maximize, scale)
+  local st = C.dlua_optim_adamw_step(handle('AdamW.step', p), handle('AdamW.step', g), handle('AdamW.step', m),
+    handle('AdamW.step', v), vmax and handle('AdamW.step', vmax) or nil, offset, length, lr, beta1, beta2, eps, wd,
+    step, amsgrad and 1 or 0, maximize and 1 or 0, scale or 1)
+  if st ~= 0 then core.check(st, 'AdamW.step') end
+end
+
+-- ranges: list of {offset, length, exclude}
+function M.lars_step(p, g, buf, ranges, lr, momentum, wd, trust, eps, first, scale)
+  local n = #ranges
+  local offs, lens, excl = ffi.new('int64_t[?]', n), ffi.new('int64_t[?]', n), ffi.new('int32_t[?]', n)
+  for i, r in ipairs(ranges) do offs[i - 1], lens[i - 1], excl[i - 1] = r[1], r[2], r[3] and 1 or 0 end
+  local st = C.dlua_optim_lars_step(handle('LARS.step', p), handle('LARS.step', g), handle('LARS.step', buf), n, offs,
+    lens, excl, lr, momentum, wd, trust, eps, first and 1 or 0, scale or 1)
+  if st ~= 0 then core.check(st, 'LARS.step') end
+end
+
+local nonfinite = ffi.new('int64_t[1]')
+-- grad[offset, offset+length) *= inv_scale; returns the count of non-finite values.
+function M.unscale(g, offset, length, inv_scale)
+  local st = C.dlua_optim_unscale(handle('unscale', g), offset, length, inv_scale, nonfinite)
+  if st ~= 0 then core.check(st, 'unscale') end
+  return tonumber(nonfinite[0])
+end
+
+return M

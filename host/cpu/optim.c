@@ -1,0 +1,432 @@
+/* Fused optimizer steps over ranges of the flat parameter/gradient/state arenas: SGD, AdamW, LARS, AMP unscaling. */
+#include <inttypes.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/api.h"
+#include "core/dtype.h"
+#include "core/error.h"
+#include "core/tensor.h"
+#include "cpu/elementwise_ops.h"
+
+/* Element-wise steps run in chunks of OPT_CHUNK elements (one thread each; a range smaller
+   than that stays on the calling thread). LARS norms are summed per LARS_BLOCK elements and
+   the blocks of a parameter added in order, so the trust ratios do not depend on threads. */
+enum { OPT_CHUNK = 16384, LARS_BLOCK = 8192 };
+
+/* ---- argument checks ------------------------------------------------------------------------------ */
+
+static dlua_status_t check_param(const char *op, const dlua_tensor_t *p) {
+  char b[200];
+  if (!p || !p->storage) return DLUA_ERR(DLUA_ERR_ARG, "%s: param is NULL (freed, or never created)", op);
+  DLUA_TRY(dlua_require_cpu(op, p));
+  if (p->dtype != DLUA_DTYPE_F32 && p->dtype != DLUA_DTYPE_F64)
+    return DLUA_ERR(DLUA_ERR_ARG, "%s: param must be float32 or float64, got %s", op, dlua_tensor_describe(p, b, sizeof b));
+  if (!dlua_tensor_is_contiguous(p))
+    return DLUA_ERR(DLUA_ERR_ARG, "%s: param %s must be contiguous (a flat arena, or a narrowed view of one)", op,
+                    dlua_tensor_describe(p, b, sizeof b));
+  return DLUA_OK;
+}
+
+/* grad and state buffers: contiguous, param's dtype and element count, and no memory shared
+   with param (one loop reads and writes them all; overlap would be a layout bug). */
+static dlua_status_t check_buffer(const char *op, const char *what, const dlua_tensor_t *t, const dlua_tensor_t *p) {
+  char b1[200], b2[200];
+  if (!t || !t->storage) return DLUA_ERR(DLUA_ERR_ARG, "%s: %s is NULL (freed, or never created)", op, what);
+  DLUA_TRY(dlua_require_cpu(op, t));
+  if (t->dtype != p->dtype || dlua_tensor_numel(t) != dlua_tensor_numel(p))
+    return DLUA_ERR(DLUA_ERR_ARG, "%s: %s %s must have param's dtype and element count (param %s)", op, what,
+                    dlua_tensor_describe(t, b1, sizeof b1), dlua_tensor_describe(p, b2, sizeof b2));
+  if (!dlua_tensor_is_contiguous(t))
+    return DLUA_ERR(DLUA_ERR_ARG, "%s: %s %s must be contiguous (a flat arena, or a narrowed view of one)", op, what,
+                    dlua_tensor_describe(t, b1, sizeof b1));
+  size_t bytes = (size_t)dlua_tensor_numel(p) * dlua_dtype_size(p->dtype);
+  uintptr_t a = (uintptr_t)dlua_tensor_ptr(p), c = (uintptr_t)dlua_tensor_ptr(t);
+  if (bytes && t->storage == p->storage && a < c + bytes && c < a + bytes)
+    return DLUA_ERR(DLUA_ERR_ARG, "%s: %s and param share memory", op, what);
+  return DLUA_OK;
+}
+
+/* Two state buffers must not share memory either. */
+static dlua_status_t check_apart(const char *op, const char *wa, const dlua_tensor_t *a, const char *wb,
+                                 const dlua_tensor_t *b) {
+  size_t bytes = (size_t)dlua_tensor_numel(a) * dlua_dtype_size(a->dtype);
+  uintptr_t x = (uintptr_t)dlua_tensor_ptr(a), y = (uintptr_t)dlua_tensor_ptr(b);
+  if (bytes && a->storage == b->storage && x < y + bytes && y < x + bytes)
+    return DLUA_ERR(DLUA_ERR_ARG, "%s: %s and %s share memory", op, wa, wb);
+  return DLUA_OK;
+}
+
+static dlua_status_t check_range(const char *op, const dlua_tensor_t *p, int64_t offset, int64_t length) {
+  int64_t n = dlua_tensor_numel(p);
+  if (offset < 0 || length < 0 || offset > n || length > n - offset)
+    return DLUA_ERR(DLUA_ERR_ARG,
+                    "%s: range offset %" PRId64 ", length %" PRId64 " is outside the arena of %" PRId64 " elements",
+                    op, offset, length, n);
+  return DLUA_OK;
+}
+
+/* A hyper-parameter in [lo, hi] (hi_open: [lo, hi)), and finite. */
+static dlua_status_t check_hyper(const char *op, const char *name, double v, double lo, double hi, int hi_open) {
+  if (!isfinite(v) || v < lo || v > hi || (hi_open && v == hi))
+    return DLUA_ERR(DLUA_ERR_ARG, "%s: %s must be a finite number in [%g, %g%s, got %g", op, name, lo, hi,
+                    hi_open ? ")" : "]", v);
+  return DLUA_OK;
+}
+
+static dlua_status_t check_grad_scale(const char *op, double s) {
+  if (!isfinite(s)) return DLUA_ERR(DLUA_ERR_ARG, "%s: grad_scale must be finite, got %g", op, s);
+  return DLUA_OK;
+}
+
+/* ---- kernels ------------------------------------------------------------------------------------------ */
+
+/* Arguments of one step; the pointers already point at element `offset`. */
+typedef struct {
+  void *p;
+  const void *g;
+  void *s1, *s2, *s3; /* SGD/LARS: momentum; AdamW: exp_avg, exp_avg_sq, max_exp_avg_sq */
+  double lr, momentum, dampening, weight_decay, grad_scale, beta1, beta2, eps, bc1, bc2;
+  double trust; /* LARS: this parameter's ratio */
+  int nesterov, maximize, first, amsgrad;
+} step_args_t;
+
+typedef void (*chunk_fn)(const step_args_t *a, int64_t lo, int64_t hi);
+
+/* Each scalar is rounded to T once, as PyTorch passes Python floats to its T kernels, and each
+   line mirrors one torch op of _single_tensor_sgd / _single_tensor_adamw (torch 1.13). */
+#define OPT_KERNELS(T, S, SQRT)                                                                                 \
+  static DLUA_CPU_CLONES void sgd_##S(const step_args_t *a, int64_t lo, int64_t hi) {                           \
+    T *p = a->p, *buf = a->s1;                                                                                  \
+    const T *g = a->g;                                                                                          \
+    const T gs = (T)a->grad_scale, wd = (T)a->weight_decay, mom = (T)a->momentum;                               \
+    const T damp1 = (T)(1.0 - a->dampening), lr = (T)a->lr;                                                     \
+    const int nesterov = a->nesterov, maximize = a->maximize, first = a->first;                                 \
+    for (int64_t i = lo; i < hi; i++) {                                                                         \
+      T d = g[i] * gs;                                                                                          \
+      if (maximize) d = -d;                                                                                     \
+      if (wd != 0) d = d + wd * p[i];           /* d_p.add(param, alpha=wd) */                                  \
+      if (mom != 0) {                                                                                           \
+        T b = first ? d : buf[i] * mom + damp1 * d; /* buf.mul_(momentum).add_(d_p, alpha=1-dampening) */      \
+        buf[i] = b;                                                                                             \
+        d = nesterov ? d + mom * b : b;                                                                         \
+      }                                                                                                         \
+      p[i] = p[i] - lr * d;                                                                                     \
+    }                                                                                                           \
+  }                                                                                                             \
+                                                                                                                \
+  static DLUA_CPU_CLONES void adamw_##S(const step_args_t *a, int64_t lo, int64_t hi) {                         \
+    T *p = a->p, *m = a->s1, *v = a->s2, *vmax = a->s3;                                                         \
+    const T *g = a->g;                                                                                          \
+    const T gs = (T)a->grad_scale, decay = (T)(1.0 - a->lr * a->weight_decay);                                  \
+    const T b1 = (T)a->beta1, omb1 = (T)(1.0 - a->beta1), b2 = (T)a->beta2, omb2 = (T)(1.0 - a->beta2);         \
+    const T neg_step = (T)(-(a->lr / a->bc1)), bc2_sqrt = (T)sqrt(a->bc2), eps = (T)a->eps;                     \
+    const int maximize = a->maximize, amsgrad = a->amsgrad;                                                     \
+    for (int64_t i = lo; i < hi; i++) {                                                                         \
+      T gr = g[i] * gs;                                                                                         \
+      if (maximize) gr = -gr;                                                                                   \
+      T pw = p[i] * decay;                       /* param.mul_(1 - lr * weight_decay) */                        \
+      T mi = m[i] * b1 + omb1 * gr;              /* exp_avg.mul_(beta1).add_(grad, alpha=1-beta1) */            \
+      T vi = v[i] * b2 + omb2 * gr * gr;         /* exp_avg_sq.mul_(beta2).addcmul_(grad, grad, 1-beta2) */     \
+      m[i] = mi;                                                                                                \
+      v[i] = vi;                                                                                                \
+      if (amsgrad) {                             /* torch.maximum: NaN wins */                                  \
+        T mx = vmax[i];                                                                                         \
+        vi = (mx > vi || mx != mx) ? mx : vi;                                                                   \
+        vmax[i] = vi;                                                                                           \
+      }                                                                                                         \
+      T denom = SQRT(vi) / bc2_sqrt + eps;                                                                      \
+      p[i] = pw + neg_step * (mi / denom);       /* param.addcdiv_(exp_avg, denom, value=-step_size) */         \
+    }                                                                                                           \
+  }                                                                                                             \
+                                                                                                                \
+  /* NVIDIA's LARC: grad += wd * p; grad *= trust; then SGD with momentum (no dampening). */                   \
+  static DLUA_CPU_CLONES void lars_##S(const step_args_t *a, int64_t lo, int64_t hi) {                          \
+    T *p = a->p, *buf = a->s1;                                                                                  \
+    const T *g = a->g;                                                                                          \
+    const T gs = (T)a->grad_scale, wd = (T)a->weight_decay, trust = (T)a->trust, mom = (T)a->momentum;          \
+    const T lr = (T)a->lr;                                                                                      \
+    const int first = a->first;                                                                                 \
+    for (int64_t i = lo; i < hi; i++) {                                                                         \
+      T d = g[i] * gs;                                                                                          \
+      if (wd != 0) d = d + wd * p[i];                                                                           \
+      d = d * trust;                                                                                            \
+      if (mom != 0) {                                                                                           \
+        T b = first ? d : buf[i] * mom + d;                                                                     \
+        buf[i] = b;                                                                                             \
+        d = b;                                                                                                  \
+      }                                                                                                         \
+      p[i] = p[i] - lr * d;                                                                                     \
+    }                                                                                                           \
+  }                                                                                                             \
+                                                                                                                \
+  /* Sums of p^2 and (g * grad_scale)^2 over [lo, hi), in double. */                                         \
+  static void sq_norms_##S(const step_args_t *a, int64_t lo, int64_t hi, double *pp, double *gg) {            \
+    const T *p = a->p, *g = a->g;                                                                               \
+    const T gs = (T)a->grad_scale;                                                                              \
+    double sp = 0, sg = 0;                                                                                      \
+    for (int64_t i = lo; i < hi; i++) {                                                                         \
+      double x = p[i], y = g[i] * gs;                                                                           \
+      sp += x * x;                                                                                              \
+      sg += y * y;                                                                                              \
+    }                                                                                                           \
+    *pp = sp;                                                                                                   \
+    *gg = sg;                                                                                                   \
+  }
+
+OPT_KERNELS(float, f, sqrtf)
+OPT_KERNELS(double, d, sqrt)
+
+/* Runs fn over [0, length) of the (pre-offset) arguments in OPT_CHUNK pieces. */
+static void run_chunks(chunk_fn fn, const step_args_t *a, int64_t length) {
+  int64_t nc = (length + OPT_CHUNK - 1) / OPT_CHUNK;
+#pragma omp parallel for schedule(static) if (nc > 1)
+  for (int64_t c = 0; c < nc; c++) {
+    int64_t lo = c * OPT_CHUNK, hi = lo + OPT_CHUNK < length ? lo + OPT_CHUNK : length;
+    fn(a, lo, hi);
+  }
+}
+
+static void *at(const dlua_tensor_t *t, int64_t offset) {
+  return t ? dlua_tensor_ptr(t) + offset * (int64_t)dlua_dtype_size(t->dtype) : NULL;
+}
+
+/* ---- SGD ------------------------------------------------------------------------------------------------ */
+
+dlua_status_t dlua_optim_sgd_step(dlua_tensor_t *param, const dlua_tensor_t *grad, dlua_tensor_t *momentum_buf,
+                                  int64_t offset, int64_t length, double lr, double momentum, double dampening,
+                                  double weight_decay, int nesterov, int maximize, int first_step,
+                                  double grad_scale) {
+  const char *op = "sgd_step";
+  DLUA_TRY(check_param(op, param));
+  DLUA_TRY(check_buffer(op, "grad", grad, param));
+  DLUA_TRY(check_range(op, param, offset, length));
+  DLUA_TRY(check_hyper(op, "lr", lr, 0, INFINITY, 0));
+  DLUA_TRY(check_hyper(op, "momentum", momentum, 0, INFINITY, 0));
+  DLUA_TRY(check_hyper(op, "dampening", dampening, -INFINITY, INFINITY, 0));
+  DLUA_TRY(check_hyper(op, "weight_decay", weight_decay, 0, INFINITY, 0));
+  DLUA_TRY(check_grad_scale(op, grad_scale));
+  if (nesterov && (momentum <= 0 || dampening != 0))
+    return DLUA_ERR(DLUA_ERR_ARG, "%s: Nesterov momentum needs momentum > 0 and dampening 0, got momentum %g, dampening %g",
+                    op, momentum, dampening);
+  if (momentum != 0) {
+    if (!momentum_buf) return DLUA_ERR(DLUA_ERR_ARG, "%s: momentum %g needs a momentum buffer (it is NULL)", op, momentum);
+    DLUA_TRY(check_buffer(op, "momentum_buf", momentum_buf, param));
+    DLUA_TRY(check_apart(op, "momentum_buf", momentum_buf, "grad", grad));
+  }
+  step_args_t a = {.p = at(param, offset), .g = at(grad, offset), .s1 = momentum != 0 ? at(momentum_buf, offset) : NULL,
+                   .lr = lr, .momentum = momentum, .dampening = dampening, .weight_decay = weight_decay,
+                   .grad_scale = grad_scale, .nesterov = nesterov != 0, .maximize = maximize != 0,
+                   .first = first_step != 0};
+  run_chunks(param->dtype == DLUA_DTYPE_F64 ? sgd_d : sgd_f, &a, length);
+  return DLUA_OK;
+}
+
+/* ---- AdamW ------------------------------------------------------------------------------------------- */
+
+dlua_status_t dlua_optim_adamw_step(dlua_tensor_t *param, const dlua_tensor_t *grad, dlua_tensor_t *exp_avg,
+                                    dlua_tensor_t *exp_avg_sq, dlua_tensor_t *max_exp_avg_sq, int64_t offset,
+                                    int64_t length, double lr, double beta1, double beta2, double eps,
+                                    double weight_decay, int64_t step, int amsgrad, int maximize, double grad_scale) {
+  const char *op = "adamw_step";
+  DLUA_TRY(check_param(op, param));
+  DLUA_TRY(check_buffer(op, "grad", grad, param));
+  DLUA_TRY(check_buffer(op, "exp_avg", exp_avg, param));
+  DLUA_TRY(check_buffer(op, "exp_avg_sq", exp_avg_sq, param));
+  DLUA_TRY(check_apart(op, "exp_avg", exp_avg, "grad", grad));
+  DLUA_TRY(check_apart(op, "exp_avg_sq", exp_avg_sq, "grad", grad));
+  DLUA_TRY(check_apart(op, "exp_avg", exp_avg, "exp_avg_sq", exp_avg_sq));
+  if (amsgrad) {
+    if (!max_exp_avg_sq) return DLUA_ERR(DLUA_ERR_ARG, "%s: amsgrad needs max_exp_avg_sq (it is NULL)", op);
+    DLUA_TRY(check_buffer(op, "max_exp_avg_sq", max_exp_avg_sq, param));
+    DLUA_TRY(check_apart(op, "max_exp_avg_sq", max_exp_avg_sq, "grad", grad));
+    DLUA_TRY(check_apart(op, "max_exp_avg_sq", max_exp_avg_sq, "exp_avg", exp_avg));
+    DLUA_TRY(check_apart(op, "max_exp_avg_sq", max_exp_avg_sq, "exp_avg_sq", exp_avg_sq));
+  }
+  DLUA_TRY(check_range(op, param, offset, length));
+  DLUA_TRY(check_hyper(op, "lr", lr, 0, INFINITY, 0));
+  DLUA_TRY(check_hyper(op, "beta1", beta1, 0, 1, 1));
+  DLUA_TRY(check_hyper(op, "beta2", beta2, 0, 1, 1));
+  DLUA_TRY(check_hyper(op, "eps", eps, 0, INFINITY, 0));
+  DLUA_TRY(check_hyper(op, "weight_decay", weight_decay, 0, INFINITY, 0));
+  DLUA_TRY(check_grad_scale(op, grad_scale));
+  if (step < 1) return DLUA_ERR(DLUA_ERR_ARG, "%s: step counts this step from 1, got %" PRId64, op, step);
+  step_args_t a = {.p = at(param, offset), .g = at(grad, offset), .s1 = at(exp_avg, offset),
+                   .s2 = at(exp_avg_sq, offset), .s3 = amsgrad ? at(max_exp_avg_sq, offset) : NULL, .lr = lr,
+                   .beta1 = beta1, .beta2 = beta2, .eps = eps, .weight_decay = weight_decay,
+                   .grad_scale = grad_scale, .amsgrad = amsgrad != 0, .maximize = maximize != 0,
+                   .bc1 = 1.0 - pow(beta1, (double)step), .bc2 = 1.0 - pow(beta2, (double)step)};
+  run_chunks(param->dtype == DLUA_DTYPE_F64 ? adamw_d : adamw_f, &a, length);
+  return DLUA_OK;
+}
+
+/* ---- LARS ------------------------------------------------------------------------------------------------ */
+
+typedef struct {
+  int64_t lo, hi; /* element range in the arena */
+  int r;          /* parameter */
+} lars_block_t;
+
+static int cmp_range(const void *x, const void *y) {
+  const int64_t *a = x, *b = y;
+  return a[0] < b[0] ? -1 : a[0] > b[0];
+}
+
+dlua_status_t dlua_optim_lars_step(dlua_tensor_t *param, const dlua_tensor_t *grad, dlua_tensor_t *momentum_buf,
+                                   int n_ranges, const int64_t *offsets, const int64_t *lengths,
+                                   const int32_t *exclude, double lr, double momentum, double weight_decay,
+                                   double trust_coefficient, double eps, int first_step, double grad_scale) {
+  const char *op = "lars_step";
+  DLUA_TRY(check_param(op, param));
+  DLUA_TRY(check_buffer(op, "grad", grad, param));
+  DLUA_TRY(check_hyper(op, "lr", lr, 0, INFINITY, 0));
+  DLUA_TRY(check_hyper(op, "momentum", momentum, 0, INFINITY, 0));
+  DLUA_TRY(check_hyper(op, "weight_decay", weight_decay, 0, INFINITY, 0));
+  DLUA_TRY(check_hyper(op, "trust_coefficient", trust_coefficient, 0, INFINITY, 0));
+  DLUA_TRY(check_hyper(op, "eps", eps, 0, INFINITY, 0));
+  DLUA_TRY(check_grad_scale(op, grad_scale));
+  if (momentum != 0) {
+    if (!momentum_buf) return DLUA_ERR(DLUA_ERR_ARG, "%s: momentum %g needs a momentum buffer (it is NULL)", op, momentum);
+    DLUA_TRY(check_buffer(op, "momentum_buf", momentum_buf, param));
+    DLUA_TRY(check_apart(op, "momentum_buf", momentum_buf, "grad", grad));
+  }
+  if (n_ranges < 0 || (n_ranges > 0 && (!offsets || !lengths)))
+    return DLUA_ERR(DLUA_ERR_ARG, "%s: expected n_ranges >= 0 with offsets and lengths, got %d ranges%s", op, n_ranges,
+                    n_ranges > 0 ? " and a NULL array" : "");
+  if (n_ranges == 0) return DLUA_OK;
+
+  // One allocation: sorted (offset, length) pairs for the disjointness check, per-parameter
+  // trust ratios, then per-block ranges and partial sums.
+  int64_t nb = 0;
+  for (int r = 0; r < n_ranges; r++) {
+    dlua_status_t s = check_range(op, param, offsets[r], lengths[r]);
+    if (s != DLUA_OK)
+      return DLUA_ERR(DLUA_ERR_ARG, "%s: parameter %d: range offset %" PRId64 ", length %" PRId64
+                      " is outside the arena of %" PRId64 " elements", op, r, offsets[r], lengths[r],
+                      dlua_tensor_numel(param));
+    nb += (lengths[r] + LARS_BLOCK - 1) / LARS_BLOCK;
+  }
+  size_t bytes = (size_t)n_ranges * (2 * sizeof(int64_t) + sizeof(double)) +
+                 (size_t)nb * (sizeof(lars_block_t) + 2 * sizeof(double));
+  char *mem = malloc(bytes);
+  if (!mem) return DLUA_ERR(DLUA_ERR_OOM, "%s: out of memory allocating %zu bytes", op, bytes);
+  int64_t *sorted = (int64_t *)mem;
+  double *trust = (double *)(sorted + 2 * n_ranges);
+  double *part = trust + n_ranges;  // (nb, 2): sum p^2, sum g^2
+  lars_block_t *blocks = (lars_block_t *)(part + 2 * nb);
+
+  int m = 0;  // empty ranges cannot overlap anything, and would hide a neighbour's overlap
+  for (int r = 0; r < n_ranges; r++)
+    if (lengths[r] > 0) sorted[2 * m] = offsets[r], sorted[2 * m + 1] = lengths[r], m++;
+  qsort(sorted, (size_t)m, 2 * sizeof(int64_t), cmp_range);
+  for (int r = 1; r < m; r++)
+    if (sorted[2 * r - 2] + sorted[2 * r - 1] > sorted[2 * r]) {
+      dlua_status_t s = DLUA_ERR(DLUA_ERR_ARG,
+                                 "%s: parameter ranges overlap: [%" PRId64 ", %" PRId64 ") and [%" PRId64 ", %" PRId64 ")",
+                                 op, sorted[2 * r - 2], sorted[2 * r - 2] + sorted[2 * r - 1], sorted[2 * r],
+                                 sorted[2 * r] + sorted[2 * r + 1]);
+      free(mem);
+      return s;
+    }
+
+  int64_t k = 0;
+  for (int r = 0; r < n_ranges; r++)
+    for (int64_t lo = offsets[r]; lo < offsets[r] + lengths[r]; lo += LARS_BLOCK) {
+      int64_t end = offsets[r] + lengths[r];
+      blocks[k++] = (lars_block_t){lo, lo + LARS_BLOCK < end ? lo + LARS_BLOCK : end, r};
+    }
+
+  int f64 = param->dtype == DLUA_DTYPE_F64;
+  step_args_t base = {.p = dlua_tensor_ptr(param), .g = dlua_tensor_ptr(grad),
+                      .s1 = momentum != 0 ? dlua_tensor_ptr(momentum_buf) : NULL, .lr = lr, .momentum = momentum,
+                      .weight_decay = weight_decay, .grad_scale = grad_scale, .first = first_step != 0};
+#pragma omp parallel for schedule(dynamic, 4) if (nb > 1)
+  for (int64_t b = 0; b < nb; b++) {
+    part[2 * b] = part[2 * b + 1] = 0;
+    if (exclude && exclude[blocks[b].r]) continue;
+    if (f64)
+      sq_norms_d(&base, blocks[b].lo, blocks[b].hi, &part[2 * b], &part[2 * b + 1]);
+    else
+      sq_norms_f(&base, blocks[b].lo, blocks[b].hi, &part[2 * b], &part[2 * b + 1]);
+  }
+  // Blocks are laid out parameter by parameter, so one in-order walk folds each parameter.
+  for (int r = 0, b = 0; r < n_ranges; r++) {
+    double sp = 0, sg = 0;
+    for (; b < nb && blocks[b].r == r; b++) sp += part[2 * b], sg += part[2 * b + 1];
+    double pn = sqrt(sp), gn = sqrt(sg);
+    // -1 marks plain momentum SGD: excluded, or a zero norm (LARC then leaves the gradient
+    // alone, decay included). A real ratio is never negative.
+    int excluded = exclude && exclude[r];
+    trust[r] = !excluded && pn > 0 && gn > 0 ? trust_coefficient * pn / (gn + weight_decay * pn + eps) : -1.0;
+  }
+#pragma omp parallel for schedule(dynamic, 4) if (nb > 1)
+  for (int64_t b = 0; b < nb; b++) {
+    int r = blocks[b].r;
+    step_args_t a = base;
+    a.trust = trust[r] < 0 ? 1.0 : trust[r];
+    if (trust[r] < 0) a.weight_decay = 0;
+    if (f64)
+      lars_d(&a, blocks[b].lo, blocks[b].hi);
+    else
+      lars_f(&a, blocks[b].lo, blocks[b].hi);
+  }
+  free(mem);
+  return DLUA_OK;
+}
+
+/* ---- AMP unscaling ---------------------------------------------------------------------------------------- */
+
+/* (suffix, storage type, compute type, load, store) */
+#define UNSCALE_KERNEL(S, ST, CT, LOAD, STORE)                                            \
+  static DLUA_CPU_CLONES int64_t unscale_##S(ST *x, int64_t lo, int64_t hi, double inv) { \
+    int64_t bad = 0;                                                                      \
+    const CT s = (CT)inv;                                                                 \
+    for (int64_t i = lo; i < hi; i++) {                                                   \
+      CT v = LOAD(x[i]);                                                                  \
+      bad += !isfinite(v);                                                                \
+      x[i] = STORE(v * s);                                                                \
+    }                                                                                     \
+    return bad;                                                                           \
+  }
+
+#define SAME(v) (v)
+UNSCALE_KERNEL(f32, float, float, SAME, SAME)
+UNSCALE_KERNEL(f64, double, double, SAME, SAME)
+UNSCALE_KERNEL(f16, uint16_t, float, dlua_f16_to_f32_inl, dlua_f32_to_f16_inl)
+UNSCALE_KERNEL(bf16, uint16_t, float, dlua_bf16_to_f32_inl, dlua_f32_to_bf16_inl)
+#undef SAME
+
+dlua_status_t dlua_optim_unscale(dlua_tensor_t *grad, int64_t offset, int64_t length, double inv_scale,
+                                 int64_t *nonfinite) {
+  const char *op = "unscale";
+  char b[200];
+  if (nonfinite) *nonfinite = 0;
+  if (!grad || !grad->storage) return DLUA_ERR(DLUA_ERR_ARG, "%s: grad is NULL (freed, or never created)", op);
+  DLUA_TRY(dlua_require_cpu(op, grad));
+  if (!dlua_dtype_is_floating(grad->dtype))
+    return DLUA_ERR(DLUA_ERR_ARG, "%s: grad must be a floating-point tensor, got %s", op,
+                    dlua_tensor_describe(grad, b, sizeof b));
+  if (!dlua_tensor_is_contiguous(grad))
+    return DLUA_ERR(DLUA_ERR_ARG, "%s: grad %s must be contiguous (a flat arena, or a narrowed view of one)", op,
+                    dlua_tensor_describe(grad, b, sizeof b));
+  DLUA_TRY(check_range(op, grad, offset, length));
+  if (!isfinite(inv_scale)) return DLUA_ERR(DLUA_ERR_ARG, "%s: inv_scale must be finite, got %g", op, inv_scale);
+  char *base = dlua_tensor_ptr(grad) + offset * (int64_t)dlua_dtype_size(grad->dtype);
+  dlua_dtype_t dt = grad->dtype;
+  int64_t nc = (length + OPT_CHUNK - 1) / OPT_CHUNK, bad = 0;
+  // An integer count: the sum is the same in any order, so a plain reduction is deterministic.
+#pragma omp parallel for schedule(static) reduction(+ : bad) if (nc > 1)
+  for (int64_t c = 0; c < nc; c++) {
+    int64_t lo = c * OPT_CHUNK, hi = lo + OPT_CHUNK < length ? lo + OPT_CHUNK : length;
+    switch (dt) {
+      case DLUA_DTYPE_F32: bad += unscale_f32((float *)base, lo, hi, inv_scale); break;
+      case DLUA_DTYPE_F64: bad += unscale_f64((double *)base, lo, hi, inv_scale); break;
+      case DLUA_DTYPE_F16: bad += unscale_f16((uint16_t *)base, lo, hi, inv_scale); break;
+      default: bad += unscale_bf16((uint16_t *)base, lo, hi, inv_scale); break;
+    }
+  }
+  if (nonfinite) *nonfinite = bad;
+  return DLUA_OK;
+}

@@ -1,0 +1,192 @@
+-- dlua.optim: SGD, AdamW and LARS as one fused C loop per range of the model's flat parameter arena.
+local dlua = require 'dlua'
+local K = require 'bindings.nn'
+
+local optim = {}
+
+-- Splits the model's flat layout into ranges that share a parameter group. Groups are
+-- tried in order: the first whose `filter(name, param)` returns true takes the parameter;
+-- the rest go to the default group (the options themselves). Returns {dtype = {ranges}} with
+-- ranges {offset, length, group, entries}.
+local function plan(model, opts, defaults)
+  local arena = model:flatten()
+  local groups = {}
+  for i, g in ipairs(opts.groups or {}) do
+    if type(g.filter) ~= 'function' then error(('optim: group %d needs a filter(name, param) function'):format(i), 4) end
+    groups[i] = g
+  end
+  local default = {}
+  for k, v in pairs(defaults) do default[k] = opts[k] == nil and v or opts[k] end
+  local named = {}
+  for _, e in ipairs(model:named_parameters()) do named[e.name] = e.param end
+  local by_dtype = {}
+  for _, en in ipairs(arena.entries) do
+    local g = default
+    for _, cand in ipairs(groups) do
+      if cand.filter(en.name, named[en.name]) then g = cand; break end
+    end
+    local list = by_dtype[en.dtype] or {}
+    by_dtype[en.dtype] = list
+    local last = list[#list]
+    if last and last.group == g and last.offset + last.length == en.offset then
+      last.length = last.length + en.numel
+      last.entries[#last.entries + 1] = en
+    else
+      list[#list + 1] = { offset = en.offset, length = en.numel, group = g, entries = { en } }
+    end
+  end
+  -- a group's missing options come from the default group
+  for _, g in ipairs(groups) do
+    for k, v in pairs(default) do if g[k] == nil then g[k] = v end end
+  end
+  return arena, by_dtype, default, groups
+end
+
+local Optimizer = {}
+Optimizer.__index = Optimizer
+
+local function new_optimizer(cls, name, model, opts, defaults)
+  if type(model) ~= 'table' or model.flatten == nil then
+    error(name .. ': expected a dlua.nn module as the first argument', 3)
+  end
+  opts = opts or {}
+  local self = setmetatable({ name = name, model = model, steps = 0 }, cls)
+  self.arena, self.ranges, self.defaults, self.groups = plan(model, opts, defaults)
+  self.lr = self.defaults.lr
+  if type(self.lr) ~= 'number' or self.lr < 0 then error(name .. ': lr must be a non-negative number', 3) end
+  self.state = {}
+  for dt, p in pairs(self.arena.params) do self.state[dt] = {} ; self.state[dt].numel = p:numel() end
+  return self
+end
+
+-- Sets the learning rate (schedules call this each step); groups scale it by their lr_mult.
+function Optimizer:set_lr(lr) self.lr = lr end
+function Optimizer:get_lr() return self.lr end
+function Optimizer:zero_grad() self.model:zero_grad() end
+
+function Optimizer:buffer(dt, key)
+  local s = self.state[dt]
+  if not s[key] then s[key] = dlua.zeros(s.numel, { dtype = dt }) end
+  return s[key]
+end
+
+-- {steps, lr, buffers = {dtype = {name = tensor}}}: live tensors (clone to snapshot).
+function Optimizer:state_dict()
+  local bufs = {}
+  for dt, s in pairs(self.state) do
+    bufs[dt] = {}
+    for k, v in pairs(s) do if k ~= 'numel' then bufs[dt][k] = v end end
+  end
+  return { steps = self.steps, lr = self.lr, buffers = bufs }
+end
+
+function Optimizer:load_state_dict(sd)
+  self.steps, self.lr = sd.steps, sd.lr
+  for dt, b in pairs(sd.buffers or {}) do
+    for k, v in pairs(b) do self:buffer(dt, k):copy_(v) end
+  end
+end
+
+function Optimizer:__tostring()
+  local parts = {}
+  for k, v in pairs(self.defaults) do if type(v) ~= 'table' then parts[#parts + 1] = k .. '=' .. tostring(v) end end
+  table.sort(parts)
+  return ('%s(%s; %d groups, step %d)'):format(self.name, table.concat(parts, ', '), #self.groups + 1, self.steps)
+end
+
+---------------------------------------------------------------------------------------------
+-- SGD(model, {lr, momentum = 0, dampening = 0, weight_decay = 0, nesterov = false,
+-- maximize = false, groups = {{filter = fn, weight_decay = 0}, ...}}), as torch.optim.SGD.
+
+local SGD = setmetatable({}, { __index = Optimizer })
+SGD.__index, SGD.__tostring = SGD, Optimizer.__tostring
+
+function optim.SGD(model, opts)
+  local self = new_optimizer(SGD, 'SGD', model, opts,
+    { lr = 0.01, momentum = 0, dampening = 0, weight_decay = 0, nesterov = false, maximize = false, lr_mult = 1 })
+  if self.defaults.nesterov and (self.defaults.momentum <= 0 or self.defaults.dampening ~= 0) then
+    error('SGD: nesterov needs momentum > 0 and dampening 0', 2)
+  end
+  return self
+end
+
+-- step{grad_scale = 1}: grad_scale multiplies every gradient first (1/loss scale under AMP).
+function SGD:step(opts)
+  local scale = opts and opts.grad_scale or 1
+  local first = self.steps == 0
+  for dt, ranges in pairs(self.ranges) do
+    local p, g = self.arena.params[dt], self.arena.grads[dt]
+    for _, r in ipairs(ranges) do
+      local grp = r.group
+      local buf = grp.momentum ~= 0 and self:buffer(dt, 'momentum') or nil
+      K.sgd_step(p, g, buf, r.offset, r.length, self.lr * grp.lr_mult, grp.momentum, grp.dampening, grp.weight_decay,
+        grp.nesterov, grp.maximize, first, scale)
+    end
+  end
+  self.steps = self.steps + 1
+end
+
+---------------------------------------------------------------------------------------------
+-- AdamW(model, {lr = 1e-3, betas = {0.9, 0.999}, eps = 1e-8, weight_decay = 1e-2,
+-- amsgrad = false, maximize = false, groups = ...}), as torch.optim.AdamW.
+
+local AdamW = setmetatable({}, { __index = Optimizer })
+AdamW.__index, AdamW.__tostring = AdamW, Optimizer.__tostring
+
+function optim.AdamW(model, opts)
+  return new_optimizer(AdamW, 'AdamW', model, opts,
+    { lr = 1e-3, betas = { 0.9, 0.999 }, eps = 1e-8, weight_decay = 1e-2, amsgrad = false, maximize = false, lr_mult = 1 })
+end
+
+function AdamW:step(opts)
+  local scale = opts and opts.grad_scale or 1
+  self.steps = self.steps + 1
+  for dt, ranges in pairs(self.ranges) do
+    local p, g = self.arena.params[dt], self.arena.grads[dt]
+    local m, v = self:buffer(dt, 'exp_avg'), self:buffer(dt, 'exp_avg_sq')
+    for _, r in ipairs(ranges) do
+      local grp = r.group
+      local vmax = grp.amsgrad and self:buffer(dt, 'max_exp_avg_sq') or nil
+      K.adamw_step(p, g, m, v, vmax, r.offset, r.length, self.lr * grp.lr_mult, grp.betas[1], grp.betas[2], grp.eps,
+        grp.weight_decay, self.steps, grp.amsgrad, grp.maximize, scale)
+    end
+  end
+end
+
+---------------------------------------------------------------------------------------------
+-- LARS(model, {lr, momentum = 0.9, weight_decay = 0, trust_coefficient = 0.001, eps = 1e-8,
+-- exclude = function(name, param) -> bool (default: 1-D parameters: biases, batch-norm)}):
+-- each parameter's step is scaled by its own trust ratio |w| / (|g| + wd |w|) (You et al.).
+
+local LARS = setmetatable({}, { __index = Optimizer })
+LARS.__index, LARS.__tostring = LARS, Optimizer.__tostring
+
+function optim.LARS(model, opts)
+  opts = opts or {}
+  local self = new_optimizer(LARS, 'LARS', model, opts,
+    { lr = 0.1, momentum = 0.9, weight_decay = 0, trust_coefficient = 0.001, eps = 1e-8, lr_mult = 1 })
+  local exclude = opts.exclude or function(_, param) return param:dim() <= 1 end
+  local named = {}
+  for _, e in ipairs(model:named_parameters()) do named[e.name] = e.param end
+  self.param_ranges = {}
+  for dt, ranges in pairs(self.ranges) do
+    local list = {}
+    for _, r in ipairs(ranges) do
+      for _, en in ipairs(r.entries) do list[#list + 1] = { en.offset, en.numel, exclude(en.name, named[en.name]) } end
+    end
+    self.param_ranges[dt] = list
+  end
+  return self
+end
+
+function LARS:step(opts)
+  local scale = opts and opts.grad_scale or 1
+  local d = self.defaults
+  for dt, list in pairs(self.param_ranges) do
+    K.lars_step(self.arena.params[dt], self.arena.grads[dt], self:buffer(dt, 'momentum'), list, self.lr, d.momentum,
+      d.weight_decay, d.trust_coefficient, d.eps, self.steps == 0, scale)
+  end
+  self.steps = self.steps + 1
+end
+
+return optim

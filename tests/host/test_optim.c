@@ -1,0 +1,522 @@
+/* Check suite for host/cpu/optim.c: SGD, AdamW and LARS steps against double references written from torch.optim's algorithms; AMP unscaling; bad input. */
+#include <check.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/api.h"
+#include "core/tensor.h"
+
+/* ---- helpers ---------------------------------------------------------------------------------- */
+
+static uint64_t rng_state = 0xD1B54A32D192ED03ull;
+static double urand(void) {  // [-1, 1)
+  rng_state = rng_state * 6364136223846793005ull + 1442695040888963407ull;
+  return (double)(rng_state >> 11) * (2.0 / 9007199254740992.0) - 1.0;
+}
+
+/* A flat arena of n elements of dt holding v (rounded to dt; v is updated to the stored values). */
+static dlua_tensor_t *arena(dlua_dtype_t dt, int64_t n, double *v) {
+  dlua_tensor_t *t = NULL;
+  ck_assert_int_eq(dlua_tensor_empty(&t, 1, &n, dt, DLUA_CPU), DLUA_OK);
+  for (int64_t i = 0; i < n; i++) {
+    if (dt == DLUA_DTYPE_F32) {
+      ((float *)dlua_tensor_data(t))[i] = (float)v[i];
+      v[i] = (float)v[i];
+    } else {
+      ((double *)dlua_tensor_data(t))[i] = v[i];
+    }
+  }
+  return t;
+}
+
+static double at(const dlua_tensor_t *t, int64_t i) {
+  return dlua_tensor_dtype(t) == DLUA_DTYPE_F32 ? ((const float *)dlua_tensor_data(t))[i]
+                                                : ((const double *)dlua_tensor_data(t))[i];
+}
+
+static double *rand_vals(int64_t n, double scale) {
+  double *v = malloc((size_t)(n > 0 ? n : 1) * sizeof(double));
+  for (int64_t i = 0; i < n; i++) v[i] = scale * urand();
+  return v;
+}
+
+/* Inside [lo, hi) the tensor matches want to tol (relative to 1 + |want|); outside, it still
+   holds `orig` exactly. */
+static void expect_arena(const dlua_tensor_t *t, const double *want, const double *orig, int64_t lo, int64_t hi,
+                         double tol, const char *what) {
+  int64_t n = dlua_tensor_numel(t);
+  for (int64_t i = 0; i < n; i++) {
+    double got = at(t, i);
+    if (i >= lo && i < hi)
+      ck_assert_msg(fabs(got - want[i]) <= tol * (1 + fabs(want[i])), "%s: element %lld got %.17g want %.17g", what,
+                    (long long)i, got, want[i]);
+    else
+      ck_assert_msg(got == orig[i], "%s: element %lld outside the range changed: %.17g, was %.17g", what,
+                    (long long)i, got, orig[i]);
+  }
+}
+
+static void expect_error(dlua_status_t s, const char *needle) {
+  ck_assert_int_eq(s, DLUA_ERR_ARG);
+  ck_assert_msg(strstr(dlua_last_error(), needle) != NULL, "error \"%s\" lacks \"%s\"", dlua_last_error(), needle);
+}
+
+/* ---- SGD ---------------------------------------------------------------------------------------- */
+
+typedef struct {
+  double lr, momentum, dampening, wd, grad_scale;
+  int nesterov, maximize;
+} sgd_cfg_t;
+
+/* torch.optim.SGD, from its documented algorithm. The documentation applies `maximize` as the
+   sign of the final update; torch's code (and dlua) negate the gradient first, which differs
+   only with weight decay, so the reference follows the code. */
+static void ref_sgd(double *p, const double *grad, double *buf, int64_t lo, int64_t hi, const sgd_cfg_t *c, int t) {
+  for (int64_t i = lo; i < hi; i++) {
+    double g = grad[i] * c->grad_scale;
+    if (c->maximize) g = -g;
+    if (c->wd != 0) g += c->wd * p[i];
+    if (c->momentum != 0) {
+      buf[i] = t > 1 ? c->momentum * buf[i] + (1 - c->dampening) * g : g;
+      g = c->nesterov ? g + c->momentum * buf[i] : buf[i];
+    }
+    p[i] -= c->lr * g;
+  }
+}
+
+START_TEST(test_sgd_reference) {
+  const sgd_cfg_t cfgs[] = {
+      {0.1, 0, 0, 0, 1, 0, 0},          {0.05, 0.9, 0.1, 1e-2, 1, 0, 0}, {0.1, 0.9, 0, 5e-4, 1, 1, 0},
+      {0.02, 0.5, 0.25, 0.1, 1, 0, 1},  {0.1, 0.8, 0, 0, 1.0 / 128, 1, 0}, {0.3, 0.9, 0, 0.05, 0.5, 1, 1},
+  };
+  const int64_t n = 37, lo = 5, len = 23;
+  for (size_t c = 0; c < sizeof cfgs / sizeof cfgs[0]; c++)
+    for (int v = 0; v < 2; v++) {
+      dlua_dtype_t dt = v ? DLUA_DTYPE_F32 : DLUA_DTYPE_F64;
+      double *p0 = rand_vals(n, 1.0), *b0 = rand_vals(n, 1.0), *g0 = rand_vals(n, 1.0);
+      dlua_tensor_t *p = arena(dt, n, p0), *b = arena(dt, n, b0), *g = arena(dt, n, g0);
+      double pr[37], br[37];
+      memcpy(pr, p0, sizeof pr);
+      memcpy(br, b0, sizeof br);  // garbage before the first step: first_step must ignore it
+      for (int t = 1; t <= 3; t++) {
+        double gv[37];
+        for (int64_t i = 0; i < n; i++) gv[i] = (t == 1 ? g0[i] : urand());
+        dlua_tensor_free(g);
+        g = arena(dt, n, gv);
+        ref_sgd(pr, gv, br, lo, lo + len, &cfgs[c], t);
+        ck_assert_int_eq(dlua_optim_sgd_step(p, g, cfgs[c].momentum != 0 ? b : NULL, lo, len, cfgs[c].lr,
+                                             cfgs[c].momentum, cfgs[c].dampening, cfgs[c].wd, cfgs[c].nesterov,
+                                             cfgs[c].maximize, t == 1, cfgs[c].grad_scale),
+                         DLUA_OK);
+        char what[64];
+        snprintf(what, sizeof what, "sgd cfg %zu %s step %d", c, dlua_dtype_name(dt), t);
+        double tol = v ? 2e-6 : 1e-14;
+        expect_arena(p, pr, p0, lo, lo + len, tol, what);
+        expect_arena(b, cfgs[c].momentum != 0 ? br : b0, b0, lo, lo + len, tol, what);
+        for (int64_t i = 0; i < n; i++) ck_assert(at(g, i) == gv[i]);  // the gradient is left as it was
+      }
+      dlua_tensor_free(p);
+      dlua_tensor_free(b);
+      dlua_tensor_free(g);
+      free(p0);
+      free(b0);
+      free(g0);
+    }
+}
+END_TEST
+
+/* ---- AdamW ---------------------------------------------------------------------------------------- */
+
+typedef struct {
+  double lr, beta1, beta2, eps, wd, grad_scale;
+  int amsgrad, maximize;
+} adamw_cfg_t;
+
+/* torch.optim.AdamW's algorithm. With amsgrad the documentation takes the running max of the
+   bias-corrected v; torch's code (and dlua) keep the max of the raw v and divide by the
+   correction afterwards, so the reference follows the code. */
+static void ref_adamw(double *p, const double *grad, double *m, double *v, double *vmax, int64_t lo, int64_t hi,
+                      const adamw_cfg_t *c, int64_t t) {
+  double bc1 = 1 - pow(c->beta1, (double)t), bc2 = 1 - pow(c->beta2, (double)t);
+  for (int64_t i = lo; i < hi; i++) {
+    double g = grad[i] * c->grad_scale;
+    if (c->maximize) g = -g;
+    p[i] *= 1 - c->lr * c->wd;
+    m[i] = c->beta1 * m[i] + (1 - c->beta1) * g;
+    v[i] = c->beta2 * v[i] + (1 - c->beta2) * g * g;
+    double vv = v[i];
+    if (c->amsgrad) vv = vmax[i] = fmax(vmax[i], v[i]);
+    double mhat = m[i] / bc1, vhat = vv / bc2;
+    p[i] -= c->lr * mhat / (sqrt(vhat) + c->eps);
+  }
+}
+
+START_TEST(test_adamw_reference) {
+  const adamw_cfg_t cfgs[] = {
+      {1e-2, 0.9, 0.999, 1e-8, 1e-2, 1, 0, 0},
+      {1e-2, 0.9, 0.999, 1e-8, 0.1, 1, 1, 0},
+      {5e-3, 0.8, 0.99, 1e-6, 0, 0.25, 0, 1},
+      {1e-1, 0.5, 0.9, 1e-3, 0.05, 1, 1, 1},
+  };
+  const int64_t n = 37, lo = 11, len = 19;
+  for (size_t c = 0; c < sizeof cfgs / sizeof cfgs[0]; c++)
+    for (int v = 0; v < 2; v++)
+      for (int64_t t0 = 1; t0 <= 7; t0 += 6) {  // first step 1, and a resumed run at step 7
+        dlua_dtype_t dt = v ? DLUA_DTYPE_F32 : DLUA_DTYPE_F64;
+        double *p0 = rand_vals(n, 1.0), *m0 = rand_vals(n, 0.1), *s0 = rand_vals(n, 0.1), *x0 = rand_vals(n, 0.1);
+        for (int64_t i = 0; i < n; i++) s0[i] = fabs(s0[i]) * 0.1, x0[i] = s0[i] * 1.5;  // v >= 0; vmax > v
+        if (t0 == 1)
+          for (int64_t i = 0; i < n; i++) m0[i] = s0[i] = x0[i] = 0;  // fresh state, as torch starts
+        dlua_tensor_t *p = arena(dt, n, p0), *m = arena(dt, n, m0), *s = arena(dt, n, s0), *x = arena(dt, n, x0);
+        double pr[37], mr[37], sr[37], xr[37];
+        memcpy(pr, p0, sizeof pr);
+        memcpy(mr, m0, sizeof mr);
+        memcpy(sr, s0, sizeof sr);
+        memcpy(xr, x0, sizeof xr);
+        for (int64_t t = t0; t < t0 + 3; t++) {
+          // Shrinking gradients make v fall, so the amsgrad max matters.
+          double gv[37], shrink = pow(0.1, (double)(t - t0));
+          for (int64_t i = 0; i < n; i++) gv[i] = urand() * shrink;
+          dlua_tensor_t *g = arena(dt, n, gv);
+          ref_adamw(pr, gv, mr, sr, xr, lo, lo + len, &cfgs[c], t);
+          ck_assert_int_eq(dlua_optim_adamw_step(p, g, m, s, cfgs[c].amsgrad ? x : NULL, lo, len, cfgs[c].lr,
+                                                 cfgs[c].beta1, cfgs[c].beta2, cfgs[c].eps, cfgs[c].wd, t,
+                                                 cfgs[c].amsgrad, cfgs[c].maximize, cfgs[c].grad_scale),
+                           DLUA_OK);
+          char what[80];
+          snprintf(what, sizeof what, "adamw cfg %zu %s step %lld", c, dlua_dtype_name(dt), (long long)t);
+          double tol = v ? 1e-5 : 1e-13;
+          expect_arena(p, pr, p0, lo, lo + len, tol, what);
+          expect_arena(m, mr, m0, lo, lo + len, tol, what);
+          expect_arena(s, sr, s0, lo, lo + len, tol, what);
+          expect_arena(x, cfgs[c].amsgrad ? xr : x0, x0, lo, lo + len, tol, what);
+          dlua_tensor_free(g);
+        }
+        dlua_tensor_free(p);
+        dlua_tensor_free(m);
+        dlua_tensor_free(s);
+        dlua_tensor_free(x);
+        free(p0);
+        free(m0);
+        free(s0);
+        free(x0);
+      }
+}
+END_TEST
+
+/* The first AdamW step moves every weight by about lr * sign(g) (bias correction at work):
+   m_hat = g and v_hat = g^2, so the update is lr * g / (|g| + eps). */
+START_TEST(test_adamw_first_step_magnitude) {
+  const int64_t n = 8;
+  double p0[8] = {0}, gv[8] = {3, -2, 1e-3, -1e-3, 100, -100, 0.5, 7}, z[8] = {0};
+  dlua_tensor_t *p = arena(DLUA_DTYPE_F64, n, p0), *g = arena(DLUA_DTYPE_F64, n, gv), *m = arena(DLUA_DTYPE_F64, n, z),
+                *s = arena(DLUA_DTYPE_F64, n, z);
+  ck_assert_int_eq(dlua_optim_adamw_step(p, g, m, s, NULL, 0, n, 0.01, 0.9, 0.999, 1e-12, 0, 1, 0, 0, 1), DLUA_OK);
+  for (int i = 0; i < n; i++) ck_assert_msg(fabs(at(p, i) + 0.01 * (gv[i] > 0 ? 1 : -1)) < 1e-10, "element %d: %g", i, at(p, i));
+  dlua_tensor_free(p);
+  dlua_tensor_free(g);
+  dlua_tensor_free(m);
+  dlua_tensor_free(s);
+}
+END_TEST
+
+/* ---- LARS ------------------------------------------------------------------------------------------- */
+
+/* NVIDIA apex's LARC around SGD (momentum, no dampening), per parameter range. */
+static void ref_lars(double *p, const double *grad, double *buf, int nr, const int64_t *off, const int64_t *len,
+                     const int32_t *excl, double lr, double mom, double wd, double eta, double eps, int first,
+                     double gs) {
+  for (int r = 0; r < nr; r++) {
+    double pn = 0, gn = 0;
+    for (int64_t i = off[r]; i < off[r] + len[r]; i++) pn += p[i] * p[i], gn += grad[i] * gs * grad[i] * gs;
+    pn = sqrt(pn), gn = sqrt(gn);
+    int adapt = !(excl && excl[r]) && pn != 0 && gn != 0;
+    double trust = adapt ? eta * pn / (gn + wd * pn + eps) : 1;
+    for (int64_t i = off[r]; i < off[r] + len[r]; i++) {
+      double d = grad[i] * gs;
+      if (adapt) d = (d + wd * p[i]) * trust;
+      buf[i] = first ? d : mom * buf[i] + d;
+      p[i] -= lr * buf[i];
+    }
+  }
+}
+
+START_TEST(test_lars_reference) {
+  const int64_t n = 61;
+  // Out of order on purpose; [25, 30), [45, 50) and [60, 61) belong to no parameter.
+  const int64_t off[5] = {30, 0, 20, 50, 45}, len[5] = {15, 20, 5, 10, 0};
+  const int32_t excl[5] = {0, 0, 1, 0, 0};  // [20, 25) is a bias
+  for (int v = 0; v < 2; v++)
+    for (int use_excl = 0; use_excl < 2; use_excl++) {
+      dlua_dtype_t dt = v ? DLUA_DTYPE_F32 : DLUA_DTYPE_F64;
+      double *p0 = rand_vals(n, 1.0), *b0 = rand_vals(n, 1.0);
+      dlua_tensor_t *p = arena(dt, n, p0), *b = arena(dt, n, b0);
+      double pr[61], br[61];
+      memcpy(pr, p0, sizeof pr);
+      memcpy(br, b0, sizeof br);
+      for (int t = 1; t <= 3; t++) {
+        double gv[61];
+        for (int64_t i = 0; i < n; i++) gv[i] = urand() * (i >= 50 && i < 60 ? 0 : 1);  // [50, 60): zero gradient
+        dlua_tensor_t *g = arena(dt, n, gv);
+        ref_lars(pr, gv, br, 5, off, len, use_excl ? excl : NULL, 0.5, 0.9, 0.01, 0.02, 1e-9, t == 1, 0.5);
+        ck_assert_int_eq(dlua_optim_lars_step(p, g, b, 5, off, len, use_excl ? excl : NULL, 0.5, 0.9, 0.01, 0.02,
+                                              1e-9, t == 1, 0.5),
+                         DLUA_OK);
+        double tol = v ? 1e-5 : 1e-13;
+        char what[64];
+        snprintf(what, sizeof what, "lars %s exclude %d step %d", dlua_dtype_name(dt), use_excl, t);
+        for (int64_t i = 0; i < n; i++) {
+          int covered = i < 25 || (i >= 30 && i < 45) || (i >= 50 && i < 60);
+          double gp = at(p, i), gb = at(b, i);
+          if (covered) {
+            ck_assert_msg(fabs(gp - pr[i]) <= tol * (1 + fabs(pr[i])), "%s: param %lld got %.17g want %.17g", what,
+                          (long long)i, gp, pr[i]);
+            ck_assert_msg(fabs(gb - br[i]) <= tol * (1 + fabs(br[i])), "%s: buf %lld", what, (long long)i);
+          } else {
+            ck_assert_msg(gp == p0[i] && gb == b0[i], "%s: element %lld of no parameter changed", what, (long long)i);
+          }
+        }
+        dlua_tensor_free(g);
+      }
+      dlua_tensor_free(p);
+      dlua_tensor_free(b);
+      free(p0);
+      free(b0);
+    }
+}
+END_TEST
+
+/* The trust ratio scales an adapted parameter's step: with momentum 0, one step moves a
+   parameter by exactly lr * eta * |p| / (|g| + wd |p| + eps) * (g + wd p). */
+START_TEST(test_lars_trust_ratio) {
+  double p0[4] = {3, 4, 1, 1}, gv[4] = {0.6, 0.8, 1, 1};  // |p| = 5, |g| = 1 on the first range
+  int64_t off[2] = {0, 2}, len[2] = {2, 2};
+  int32_t excl[2] = {0, 1};
+  dlua_tensor_t *p = arena(DLUA_DTYPE_F64, 4, p0), *g = arena(DLUA_DTYPE_F64, 4, gv);
+  ck_assert_int_eq(dlua_optim_lars_step(p, g, NULL, 2, off, len, excl, 1.0, 0, 0.1, 0.01, 0, 1, 1), DLUA_OK);
+  double trust = 0.01 * 5 / (1 + 0.1 * 5);  // 1/30
+  ck_assert(fabs(at(p, 0) - (3 - trust * (0.6 + 0.3))) < 1e-15);
+  ck_assert(fabs(at(p, 1) - (4 - trust * (0.8 + 0.4))) < 1e-15);
+  ck_assert(at(p, 2) == 0 && at(p, 3) == 0);  // excluded: p - lr * g, no decay
+  dlua_tensor_free(p);
+  dlua_tensor_free(g);
+}
+END_TEST
+
+/* ---- thread-count independence over large arenas ---------------------------------------------------- */
+
+START_TEST(test_threads) {
+  const int64_t n = 300007;
+  double *p0 = rand_vals(n, 1.0), *g0 = rand_vals(n, 1.0), *z = calloc((size_t)n, sizeof(double));
+  int64_t off[3] = {0, 100000, 100100}, len[3] = {100000, 100, 199907};
+  float *res[2][3];
+  int saved = omp_get_max_threads();
+  for (int t = 0; t < 2; t++) {
+    omp_set_num_threads(t ? 3 : 1);
+    dlua_tensor_t *g = arena(DLUA_DTYPE_F32, n, g0);
+    for (int k = 0; k < 3; k++) {
+      dlua_tensor_t *p = arena(DLUA_DTYPE_F32, n, p0), *b = arena(DLUA_DTYPE_F32, n, z), *s = arena(DLUA_DTYPE_F32, n, z);
+      for (int step = 1; step <= 2; step++) {
+        if (k == 0) ck_assert_int_eq(dlua_optim_sgd_step(p, g, b, 3, n - 3, 0.1, 0.9, 0, 1e-4, 1, 0, step == 1, 1), DLUA_OK);
+        if (k == 1) ck_assert_int_eq(dlua_optim_adamw_step(p, g, b, s, NULL, 0, n, 1e-3, 0.9, 0.999, 1e-8, 0.01, step, 0, 0, 1), DLUA_OK);
+        if (k == 2) ck_assert_int_eq(dlua_optim_lars_step(p, g, b, 3, off, len, NULL, 0.1, 0.9, 1e-4, 0.001, 0, step == 1, 1), DLUA_OK);
+      }
+      res[t][k] = malloc((size_t)n * sizeof(float));
+      memcpy(res[t][k], dlua_tensor_data(p), (size_t)n * sizeof(float));
+      dlua_tensor_free(p);
+      dlua_tensor_free(b);
+      dlua_tensor_free(s);
+    }
+    dlua_tensor_free(g);
+  }
+  omp_set_num_threads(saved);
+  // And the many-chunk results are right: references in double on the same (rounded) inputs.
+  double *pr[3], *b = calloc((size_t)n, sizeof(double)), *m = calloc((size_t)n, sizeof(double)),
+                 *v = calloc((size_t)n, sizeof(double));
+  const sgd_cfg_t sc = {0.1, 0.9, 0, 1e-4, 1, 1, 0};
+  const adamw_cfg_t ac = {1e-3, 0.9, 0.999, 1e-8, 0.01, 1, 0, 0};
+  for (int k = 0; k < 3; k++) {
+    pr[k] = malloc((size_t)n * sizeof(double));
+    memcpy(pr[k], p0, (size_t)n * sizeof(double));
+    memset(b, 0, (size_t)n * sizeof(double));
+    memset(m, 0, (size_t)n * sizeof(double));
+    memset(v, 0, (size_t)n * sizeof(double));
+    for (int step = 1; step <= 2; step++) {
+      if (k == 0) ref_sgd(pr[k], g0, b, 3, n, &sc, step);
+      if (k == 1) ref_adamw(pr[k], g0, b, m, v, 0, n, &ac, step);
+      if (k == 2) ref_lars(pr[k], g0, b, 3, off, len, NULL, 0.1, 0.9, 1e-4, 0.001, 0, step == 1, 1);
+    }
+    for (int64_t i = 0; i < n; i++)
+      ck_assert_msg(fabs(res[0][k][i] - pr[k][i]) <= 1e-5 * (1 + fabs(pr[k][i])), "optimizer %d element %lld: %.9g want %.9g",
+                    k, (long long)i, res[0][k][i], pr[k][i]);
+    free(pr[k]);
+  }
+  free(b);
+  free(m);
+  free(v);
+  for (int k = 0; k < 3; k++) {
+    ck_assert_msg(memcmp(res[0][k], res[1][k], (size_t)n * sizeof(float)) == 0, "optimizer %d depends on threads", k);
+    free(res[0][k]);
+    free(res[1][k]);
+  }
+  free(p0);
+  free(g0);
+  free(z);
+}
+END_TEST
+
+/* ---- unscale -------------------------------------------------------------------------------------------- */
+
+START_TEST(test_unscale) {
+  const int64_t n = 50, lo = 7, len = 31;
+  double *g0 = rand_vals(n, 100.0);
+  g0[3] = INFINITY;   // outside: not counted, untouched
+  g0[10] = INFINITY;  // inside
+  g0[20] = -INFINITY;
+  g0[30] = NAN;
+  for (int v = 0; v < 2; v++) {
+    dlua_dtype_t dt = v ? DLUA_DTYPE_F32 : DLUA_DTYPE_F64;
+    double gv[50], want[50];
+    memcpy(gv, g0, sizeof gv);
+    dlua_tensor_t *g = arena(dt, n, gv);
+    for (int64_t i = 0; i < n; i++) want[i] = gv[i] / 1024;
+    int64_t bad = -1;
+    ck_assert_int_eq(dlua_optim_unscale(g, lo, len, 1.0 / 1024, &bad), DLUA_OK);
+    ck_assert_int_eq(bad, 3);
+    for (int64_t i = 0; i < n; i++) {
+      double got = at(g, i), w = i >= lo && i < lo + len ? want[i] : gv[i];
+      ck_assert_msg(got == w || (isnan(got) && isnan(w)), "unscale %s element %lld", dlua_dtype_name(dt), (long long)i);
+    }
+    dlua_tensor_free(g);
+  }
+  // f16 and bf16: values move by a power of two, exactly.
+  double h[5] = {1, -2, 65504, INFINITY, 0.5};
+  for (int v = 0; v < 2; v++) {
+    dlua_dtype_t dt = v ? DLUA_DTYPE_BF16 : DLUA_DTYPE_F16;
+    int64_t five = 5;
+    dlua_tensor_t *t0 = NULL, *t = NULL;
+    ck_assert_int_eq(dlua_tensor_from_data(&t0, 1, &five, DLUA_DTYPE_F64, h), DLUA_OK);
+    ck_assert_int_eq(dlua_tensor_to_dtype(&t, t0, dt), DLUA_OK);
+    int64_t bad = 0;
+    ck_assert_int_eq(dlua_optim_unscale(t, 0, 5, 0.25, &bad), DLUA_OK);
+    ck_assert_int_eq(bad, 1);
+    double out[5];
+    dlua_tensor_t *back = NULL;
+    ck_assert_int_eq(dlua_tensor_to_dtype(&back, t, DLUA_DTYPE_F64), DLUA_OK);
+    ck_assert_int_eq(dlua_tensor_to_data(back, out, sizeof out), DLUA_OK);
+    double w5[5] = {0.25, -0.5, v ? 65536.0 / 4 : 16376, INFINITY, 0.125};  // bf16 rounds 65504 to 65536
+    for (int i = 0; i < 5; i++) ck_assert_msg(out[i] == w5[i], "%s unscale %d: %g", dlua_dtype_name(dt), i, out[i]);
+    dlua_tensor_free(t0);
+    dlua_tensor_free(t);
+    dlua_tensor_free(back);
+  }
+  free(g0);
+}
+END_TEST
+
+/* ---- bad input ------------------------------------------------------------------------------------------- */
+
+START_TEST(test_bad_input) {
+  double v[37] = {0};
+  for (int i = 0; i < 37; i++) v[i] = i;
+  dlua_tensor_t *p = arena(DLUA_DTYPE_F32, 37, v), *g = arena(DLUA_DTYPE_F32, 37, v), *b = arena(DLUA_DTYPE_F32, 37, v);
+  dlua_tensor_t *g36 = arena(DLUA_DTYPE_F32, 36, v), *g64 = arena(DLUA_DTYPE_F64, 37, v), *pi = NULL, *pt = NULL, *view = NULL;
+  int64_t n37 = 37, sq[2] = {6, 6};
+  ck_assert_int_eq(dlua_tensor_zeros(&pi, 1, &n37, DLUA_DTYPE_I32, DLUA_CPU), DLUA_OK);
+  dlua_tensor_t *sqt = arena(DLUA_DTYPE_F32, 36, v), *sq2 = NULL;
+  ck_assert_int_eq(dlua_tensor_view(&sq2, sqt, 2, sq), DLUA_OK);
+  ck_assert_int_eq(dlua_tensor_transpose(&pt, sq2, 0, 1), DLUA_OK);
+  ck_assert_int_eq(dlua_tensor_narrow(&view, p, 0, 0, 37), DLUA_OK);
+
+  expect_error(dlua_optim_sgd_step(p, g36, NULL, 0, 36, 0.1, 0, 0, 0, 0, 0, 1, 1),
+               "sgd_step: grad (36) float32 cpu must have param's dtype and element count (param (37) float32 cpu)");
+  expect_error(dlua_optim_sgd_step(p, g64, NULL, 0, 37, 0.1, 0, 0, 0, 0, 0, 1, 1), "sgd_step: grad (37) float64 cpu");
+  expect_error(dlua_optim_sgd_step(p, g, NULL, 30, 10, 0.1, 0, 0, 0, 0, 0, 1, 1),
+               "sgd_step: range offset 30, length 10 is outside the arena of 37 elements");
+  expect_error(dlua_optim_sgd_step(p, g, NULL, -1, 3, 0.1, 0, 0, 0, 0, 0, 1, 1), "range offset -1, length 3");
+  expect_error(dlua_optim_sgd_step(p, g, NULL, 0, 37, -0.1, 0, 0, 0, 0, 0, 1, 1), "sgd_step: lr must be a finite number in [0, inf], got -0.1");
+  expect_error(dlua_optim_sgd_step(p, g, NULL, 0, 37, NAN, 0, 0, 0, 0, 0, 1, 1), "sgd_step: lr must be");
+  expect_error(dlua_optim_sgd_step(p, g, NULL, 0, 37, 0.1, 0, 0, -1e-4, 0, 0, 1, 1), "weight_decay must be");
+  expect_error(dlua_optim_sgd_step(p, g, b, 0, 37, 0.1, 0.9, 0.1, 0, 1, 0, 1, 1),
+               "sgd_step: Nesterov momentum needs momentum > 0 and dampening 0, got momentum 0.9, dampening 0.1");
+  expect_error(dlua_optim_sgd_step(p, g, NULL, 0, 37, 0.1, 0.9, 0, 0, 0, 0, 1, 1), "sgd_step: momentum 0.9 needs a momentum buffer");
+  expect_error(dlua_optim_sgd_step(p, g, NULL, 0, 37, 0.1, 0, 0, 0, 0, 0, 1, INFINITY), "grad_scale must be finite");
+  expect_error(dlua_optim_sgd_step(pi, g, NULL, 0, 37, 0.1, 0, 0, 0, 0, 0, 1, 1), "sgd_step: param must be float32 or float64, got (37) int32 cpu");
+  expect_error(dlua_optim_sgd_step(pt, g36, NULL, 0, 36, 0.1, 0, 0, 0, 0, 0, 1, 1), "sgd_step: param (6, 6) float32 cpu must be contiguous");
+  expect_error(dlua_optim_sgd_step(p, view, NULL, 0, 37, 0.1, 0, 0, 0, 0, 0, 1, 1), "sgd_step: grad and param share memory");
+  expect_error(dlua_optim_sgd_step(p, g, g, 0, 37, 0.1, 0.9, 0, 0, 0, 0, 1, 1), "sgd_step: momentum_buf and grad share memory");
+  expect_error(dlua_optim_sgd_step(NULL, g, NULL, 0, 37, 0.1, 0, 0, 0, 0, 0, 1, 1), "sgd_step: param is NULL");
+  // Nothing was written by the failed calls.
+  for (int i = 0; i < 37; i++) ck_assert(at(p, i) == i && at(g, i) == i && at(b, i) == i);
+  // An empty range is a valid no-op; a range ending exactly at the arena's end is fine.
+  ck_assert_int_eq(dlua_optim_sgd_step(p, g, NULL, 37, 0, 0.1, 0, 0, 0, 0, 0, 1, 1), DLUA_OK);
+  ck_assert_int_eq(dlua_optim_sgd_step(p, g, NULL, 36, 1, 1, 0, 0, 0, 0, 0, 1, 1), DLUA_OK);
+  ck_assert(at(p, 36) == 0 && at(p, 35) == 35);
+
+  dlua_tensor_t *s = arena(DLUA_DTYPE_F32, 37, v);
+  expect_error(dlua_optim_adamw_step(p, g, b, s, NULL, 0, 37, 1e-3, 1.0, 0.999, 1e-8, 0, 1, 0, 0, 1),
+               "adamw_step: beta1 must be a finite number in [0, 1), got 1");
+  expect_error(dlua_optim_adamw_step(p, g, b, s, NULL, 0, 37, 1e-3, 0.9, -0.1, 1e-8, 0, 1, 0, 0, 1), "beta2 must be");
+  expect_error(dlua_optim_adamw_step(p, g, b, s, NULL, 0, 37, 1e-3, 0.9, 0.999, -1, 0, 1, 0, 0, 1), "eps must be");
+  expect_error(dlua_optim_adamw_step(p, g, b, s, NULL, 0, 37, 1e-3, 0.9, 0.999, 1e-8, 0, 0, 0, 0, 1),
+               "adamw_step: step counts this step from 1, got 0");
+  expect_error(dlua_optim_adamw_step(p, g, b, s, NULL, 0, 37, 1e-3, 0.9, 0.999, 1e-8, 0, 1, 1, 0, 1),
+               "adamw_step: amsgrad needs max_exp_avg_sq");
+  expect_error(dlua_optim_adamw_step(p, g, b, b, NULL, 0, 37, 1e-3, 0.9, 0.999, 1e-8, 0, 1, 0, 0, 1),
+               "adamw_step: exp_avg and exp_avg_sq share memory");
+  expect_error(dlua_optim_adamw_step(p, g, b, g36, NULL, 0, 37, 1e-3, 0.9, 0.999, 1e-8, 0, 1, 0, 0, 1),
+               "adamw_step: exp_avg_sq (36) float32 cpu must have param's dtype");
+
+  int64_t off[2] = {0, 10}, len[2] = {12, 5}, far[1] = {40}, one[1] = {1};
+  expect_error(dlua_optim_lars_step(p, g, b, 2, off, len, NULL, 0.1, 0.9, 0, 0.001, 0, 1, 1),
+               "lars_step: parameter ranges overlap: [0, 12) and [10, 15)");
+  expect_error(dlua_optim_lars_step(p, g, b, 1, far, one, NULL, 0.1, 0.9, 0, 0.001, 0, 1, 1),
+               "lars_step: parameter 0: range offset 40, length 1 is outside the arena of 37 elements");
+  expect_error(dlua_optim_lars_step(p, g, b, 2, NULL, len, NULL, 0.1, 0.9, 0, 0.001, 0, 1, 1), "lars_step: expected n_ranges >= 0");
+  expect_error(dlua_optim_lars_step(p, g, b, 1, off, len, NULL, 0.1, 0.9, 0, -1, 0, 1, 1), "trust_coefficient must be");
+  ck_assert_int_eq(dlua_optim_lars_step(p, g, b, 0, NULL, NULL, NULL, 0.1, 0.9, 0, 0.001, 0, 1, 1), DLUA_OK);
+
+  int64_t cnt = 5;
+  expect_error(dlua_optim_unscale(p, 0, 38, 0.5, &cnt), "unscale: range offset 0, length 38 is outside the arena of 37 elements");
+  ck_assert_int_eq(cnt, 0);
+  expect_error(dlua_optim_unscale(p, 0, 37, INFINITY, NULL), "unscale: inv_scale must be finite");
+  expect_error(dlua_optim_unscale(pi, 0, 37, 0.5, NULL), "unscale: grad must be a floating-point tensor, got (37) int32 cpu");
+  expect_error(dlua_optim_unscale(pt, 0, 36, 0.5, NULL), "unscale: grad (6, 6) float32 cpu must be contiguous");
+
+  dlua_tensor_free(s);
+  dlua_tensor_free(p);
+  dlua_tensor_free(g);
+  dlua_tensor_free(b);
+  dlua_tensor_free(g36);
+  dlua_tensor_free(g64);
+  dlua_tensor_free(pi);
+  dlua_tensor_free(pt);
+  dlua_tensor_free(view);
+  dlua_tensor_free(sqt);
+  dlua_tensor_free(sq2);
+}
+END_TEST
+
+int main(void) {
+  Suite *s = suite_create("optim");
+  TCase *tc = tcase_create("core");
+  tcase_set_timeout(tc, 30);
+  tcase_add_test(tc, test_sgd_reference);
+  tcase_add_test(tc, test_adamw_reference);
+  tcase_add_test(tc, test_adamw_first_step_magnitude);
+  tcase_add_test(tc, test_lars_reference);
+  tcase_add_test(tc, test_lars_trust_ratio);
+  tcase_add_test(tc, test_threads);
+  tcase_add_test(tc, test_unscale);
+  tcase_add_test(tc, test_bad_input);
+  suite_add_tcase(s, tc);
+  SRunner *sr = srunner_create(s);
+  srunner_run_all(sr, CK_NORMAL);
+  int failed = srunner_ntests_failed(sr);
+  srunner_free(sr);
+  return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+}
