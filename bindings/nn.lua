@@ -103,6 +103,90 @@ function M.conv2d_backward_weights(grad_w, grad_b, x, grad_y, c)
 end
 
 ---------------------------------------------------------------------------------------------
+-- Batch-norm (optionally fused with a residual add and ReLU) and pooling
+
+local outs3 = ffi.new('dlua_tensor_t *[3]')
+
+local function status(op, f, ...)
+  local st = f(...)
+  if st == C.DLUA_ERR_OOM then
+    core.full_gc()
+    st = f(...)
+  end
+  if st ~= 0 then core.check(st, op) end
+end
+
+local function opt_handle(op, t) return t ~= nil and handle(op, t) or nil end
+
+-- -> out, save_mean, save_invstd (saves nil when no backward follows: want_saves false)
+function M.batch_norm(x, gamma, beta, skip, running_mean, running_var, train, momentum, eps, relu, want_saves)
+  local op = 'BatchNorm2d'
+  outs3[0], outs3[1], outs3[2] = nil, nil, nil
+  status(op, C.dlua_nn_batch_norm_forward, outs3, want_saves and outs3 + 1 or nil, want_saves and outs3 + 2 or nil,
+    handle(op, x), opt_handle(op, gamma), opt_handle(op, beta), opt_handle(op, skip), opt_handle(op, running_mean),
+    opt_handle(op, running_var), train and 1 or 0, momentum, eps, relu and 1 or 0)
+  local a, b, c = outs3[0], outs3[1], outs3[2]
+  outs3[0], outs3[1], outs3[2] = nil, nil, nil
+  return core.wrap(a), b ~= nil and core.wrap(b) or nil, c ~= nil and core.wrap(c) or nil
+end
+
+-- -> grad_input, grad_skip (when want_skip); grad_gamma/grad_beta accumulate
+function M.batch_norm_backward(grad_out, x, output, gamma, save_mean, save_invstd, grad_gamma, grad_beta, train, relu,
+                               want_skip)
+  local op = 'BatchNorm2d.backward'
+  outs3[0], outs3[1] = nil, nil
+  status(op, C.dlua_nn_batch_norm_backward, outs3, want_skip and outs3 + 1 or nil, opt_handle(op, grad_gamma),
+    opt_handle(op, grad_beta), handle(op, grad_out), handle(op, x), opt_handle(op, output), opt_handle(op, gamma),
+    handle(op, save_mean), handle(op, save_invstd), train and 1 or 0, relu and 1 or 0, 1)
+  local a, b = outs3[0], outs3[1]
+  outs3[0], outs3[1] = nil, nil
+  return core.wrap(a), b ~= nil and core.wrap(b) or nil
+end
+
+local function sizes_of(op, x)
+  local p = handle(op, x)
+  local s = C.dlua_tensor_sizes(p)
+  for i = 0, 3 do sizes4[i] = s[i] end
+  return sizes4
+end
+
+-- c = {kh, kw, sh, sw, ph, pw, dh, dw, ceil_mode}; -> out, indices (indices nil in inference)
+function M.max_pool2d(x, c, want_indices)
+  local op = 'MaxPool2d'
+  outs3[0], outs3[1] = nil, nil
+  status(op, C.dlua_nn_max_pool2d_forward, outs3, want_indices and outs3 + 1 or nil, handle(op, x), c[1], c[2], c[3],
+    c[4], c[5], c[6], c[7], c[8], c[9] and 1 or 0)
+  local a, b = outs3[0], outs3[1]
+  outs3[0], outs3[1] = nil, nil
+  return core.wrap(a), b ~= nil and core.wrap(b) or nil
+end
+
+function M.max_pool2d_backward(grad_out, indices, x)
+  return with_out('MaxPool2d.backward', C.dlua_nn_max_pool2d_backward, handle('MaxPool2d.backward', grad_out),
+    handle('MaxPool2d.backward', indices), sizes_of('MaxPool2d.backward', x))
+end
+
+-- c = {kh, kw, sh, sw, ph, pw, ceil_mode, count_include_pad, divisor_override}
+function M.avg_pool2d(x, c)
+  return with_out('AvgPool2d', C.dlua_nn_avg_pool2d_forward, handle('AvgPool2d', x), c[1], c[2], c[3], c[4], c[5], c[6],
+    c[7] and 1 or 0, c[8] and 1 or 0, c[9] or 0)
+end
+
+function M.avg_pool2d_backward(grad_out, x, c)
+  return with_out('AvgPool2d.backward', C.dlua_nn_avg_pool2d_backward, handle('AvgPool2d.backward', grad_out),
+    sizes_of('AvgPool2d.backward', x), c[1], c[2], c[3], c[4], c[5], c[6], c[7] and 1 or 0, c[8] and 1 or 0, c[9] or 0)
+end
+
+function M.adaptive_avg_pool2d(x, oh, ow)
+  return with_out('AdaptiveAvgPool2d', C.dlua_nn_adaptive_avg_pool2d_forward, handle('AdaptiveAvgPool2d', x), oh, ow)
+end
+
+function M.adaptive_avg_pool2d_backward(grad_out, x)
+  return with_out('AdaptiveAvgPool2d.backward', C.dlua_nn_adaptive_avg_pool2d_backward,
+    handle('AdaptiveAvgPool2d.backward', grad_out), sizes_of('AdaptiveAvgPool2d.backward', x))
+end
+
+---------------------------------------------------------------------------------------------
 -- Optimizer steps over ranges of flat arenas (offsets count elements, from 0)
 
 function M.sgd_step(p, g, buf, offset, length, lr, momentum, dampening, wd, nesterov, maximize, first, scale)

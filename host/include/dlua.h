@@ -399,3 +399,54 @@ dlua_status_t dlua_conv2d_backward_data(dlua_tensor_t **grad_x, const dlua_tenso
    and grad_bias (O) (may be NULL): accumulate 1 adds to what they hold (Torch7's backward), 0
    overwrites. They may have another floating dtype than x (a float32 gradient arena). */
 dlua_status_t dlua_conv2d_backward_weights(dlua_tensor_t *grad_w, dlua_tensor_t *grad_bias, const dlua_tensor_t *x, const dlua_tensor_t *grad_y, int stride_h, int stride_w, int pad_h, int pad_w, int dil_h, int dil_w, int groups, int accumulate);
+
+/* ==== batch-norm and pooling ================================================================= */
+
+/* Activations are logically (N, C, H, W) (batch-norm also takes (N, C) and (N, C, L)) in either
+   memory format: contiguous, or channels-last (channel stride 1, as PyTorch's channels_last:
+   strides (H*W*C, 1, W*C, C)); other strides are copied into the contiguous format first.
+   Allocated outputs follow the input's format and dtype. Floating dtypes only: float64 computes
+   in double, float32/float16/bfloat16 in float with double sums; parameter and statistics
+   tensors ((C), any floating dtype, any stride) may have another dtype than x. */
+
+/* PyTorch's BatchNorm2d, optionally fused with a residual add and ReLU:
+   out = act(gamma * (x - mean) * invstd + beta + skip), act = max(0, .) when relu != 0.
+   x (N, C, ...); gamma, beta (C) or NULL (1 and 0); skip (x's shape) or NULL; out (x's shape).
+   Training (train != 0): mean and the biased variance of the batch normalise; running_mean and
+   running_var (C) (each may be NULL) become (1 - momentum) * running + momentum * batch, the
+   variance unbiased (times M / (M - 1), M = N * H * W); a channel with M = 1 is an error as in
+   PyTorch. Evaluation: running_mean and running_var (required) normalise.
+   save_mean and save_invstd (C) follow the `out` convention (allocated float32, or float64 for
+   float64 x), or may be NULL pointers when no backward follows: they receive the mean and
+   1 / sqrt(var + eps) that normalised (the running ones in evaluation), which backward takes. */
+dlua_status_t dlua_nn_batch_norm_forward(dlua_tensor_t **out, dlua_tensor_t **save_mean, dlua_tensor_t **save_invstd, const dlua_tensor_t *x, const dlua_tensor_t *gamma, const dlua_tensor_t *beta, const dlua_tensor_t *skip, dlua_tensor_t *running_mean, dlua_tensor_t *running_var, int train, double momentum, double eps, int relu);
+/* Gradients of the forward above from grad_output (x's shape). output (x's shape) is the forward's
+   result, needed when relu != 0 (grad_output counts only where output > 0), else may be NULL.
+   train says whether mean/invstd were the batch's (their gradient then flows into grad_input).
+   grad_input (x's shape) and grad_skip (x's shape: grad_output masked by the ReLU) follow the
+   `out` convention, allocated in grad_output's format; either may be a NULL pointer when not
+   wanted. grad_gamma and grad_beta (C) (may be NULL; any floating dtype) receive sum(dy * xhat)
+   and sum(dy): accumulate 1 adds to what they hold (Torch7's backward), 0 overwrites. */
+dlua_status_t dlua_nn_batch_norm_backward(dlua_tensor_t **grad_input, dlua_tensor_t **grad_skip, dlua_tensor_t *grad_gamma, dlua_tensor_t *grad_beta, const dlua_tensor_t *grad_output, const dlua_tensor_t *x, const dlua_tensor_t *output, const dlua_tensor_t *gamma, const dlua_tensor_t *save_mean, const dlua_tensor_t *save_invstd, int train, int relu, int accumulate);
+
+/* Pooling output extent along one dimension, PyTorch's rule: floor (or ceil when ceil_mode)
+   of (in + 2*pad - dil*(kernel-1) - 1) / stride, plus 1, less 1 when ceil_mode makes the last
+   window start inside the right padding; -1 for a bad argument. */
+int64_t dlua_pool2d_output_size(int64_t in, int64_t kernel, int stride, int pad, int dil, int ceil_mode);
+/* torch.nn.functional.max_pool2d: x (N, C, H, W) -> out (N, C, OH, OW); padding is at most half
+   the kernel and acts as -Inf; NaN wins. indices (N, C, OH, OW) follows the `out` convention
+   (allocated int64; given int32 or int64), or may be a NULL pointer in inference: 0-based
+   positions h * W + w of each maximum within its (H, W) plane, whatever the memory format. */
+dlua_status_t dlua_nn_max_pool2d_forward(dlua_tensor_t **out, dlua_tensor_t **indices, const dlua_tensor_t *x, int kernel_h, int kernel_w, int stride_h, int stride_w, int pad_h, int pad_w, int dil_h, int dil_w, int ceil_mode);
+/* grad_input (x_sizes: N, C, H, W) = grad_output (N, C, OH, OW) summed into the positions in
+   indices (the forward's); written, not accumulated; allocated in grad_output's format. */
+dlua_status_t dlua_nn_max_pool2d_backward(dlua_tensor_t **grad_input, const dlua_tensor_t *grad_output, const dlua_tensor_t *indices, const int64_t *x_sizes);
+/* torch.nn.functional.avg_pool2d (no dilation): a window clipped to the padded input is
+   divided by its size counting padding (count_include_pad) or by its in-bounds elements;
+   divisor_override > 0 replaces either. */
+dlua_status_t dlua_nn_avg_pool2d_forward(dlua_tensor_t **out, const dlua_tensor_t *x, int kernel_h, int kernel_w, int stride_h, int stride_w, int pad_h, int pad_w, int ceil_mode, int count_include_pad, int divisor_override);
+dlua_status_t dlua_nn_avg_pool2d_backward(dlua_tensor_t **grad_input, const dlua_tensor_t *grad_output, const int64_t *x_sizes, int kernel_h, int kernel_w, int stride_h, int stride_w, int pad_h, int pad_w, int ceil_mode, int count_include_pad, int divisor_override);
+/* torch.nn.functional.adaptive_avg_pool2d: output cell i averages input rows
+   floor(i * H / OH) .. ceil((i + 1) * H / OH) - 1, and likewise for columns. */
+dlua_status_t dlua_nn_adaptive_avg_pool2d_forward(dlua_tensor_t **out, const dlua_tensor_t *x, int64_t out_h, int64_t out_w);
+dlua_status_t dlua_nn_adaptive_avg_pool2d_backward(dlua_tensor_t **grad_input, const dlua_tensor_t *grad_output, const int64_t *x_sizes);

@@ -234,6 +234,113 @@ function Conv2d:backward(x, grad)
 end
 
 ---------------------------------------------------------------------------------------------
+-- BatchNorm2d(C, {eps = 1e-5, momentum = 0.1, affine = true, relu = false, zero_init = false}):
+-- torch.nn.BatchNorm2d (batch statistics in training, running ones in evaluation; running_var
+-- updated with the unbiased variance). relu = true fuses a ReLU (the output is what is kept);
+-- zero_init starts gamma at 0 (the last BN of a residual block, "Bag of Tricks").
+
+local BatchNorm2d = Module:extend('BatchNorm2d')
+nn.BatchNorm2d = BatchNorm2d
+
+function BatchNorm2d:__init(c, opts)
+  opts = opts or {}
+  self.num_features, self.eps, self.momentum = c, opts.eps or 1e-5, opts.momentum or 0.1
+  self.relu = opts.relu or false
+  local dtype = opts.dtype or 'float32'
+  if opts.affine ~= false then
+    self:register_parameter('weight', opts.zero_init and dlua.zeros(c, { dtype = dtype }) or dlua.ones(c, { dtype = dtype }))
+    self:register_parameter('bias', dlua.zeros(c, { dtype = dtype }))
+  end
+  self:register_buffer('running_mean', dlua.zeros(c, { dtype = dtype }))
+  self:register_buffer('running_var', dlua.ones(c, { dtype = dtype }))
+  self:register_buffer('num_batches_tracked', dlua.zeros({}, { dtype = 'int64' }))
+end
+
+function BatchNorm2d:extra_repr()
+  return tostring(self.num_features) .. (self.relu and ', relu' or '')
+end
+
+-- skip (optional): a tensor added before the ReLU (a residual block's shortcut), fused.
+function BatchNorm2d:forward(x, skip)
+  if x:dim() < 2 or x:size(2) ~= self.num_features then
+    self:input_error(x, string.format('(N, %d, ...)', self.num_features))
+  end
+  if self.training then self.num_batches_tracked:add_(1) end
+  self.output, self.save_mean, self.save_invstd = K.batch_norm(x, self.weight, self.bias, skip, self.running_mean,
+    self.running_var, self.training, self.momentum, self.eps, self.relu, true)
+  self.has_skip = skip ~= nil
+  return self.output
+end
+
+-- -> grad_input (and grad_skip when forward had a skip)
+function BatchNorm2d:backward(x, grad)
+  local gi, gs = K.batch_norm_backward(grad, x, self.relu and self.output or nil, self.weight, self.save_mean,
+    self.save_invstd, self.grad_weight, self.grad_bias, self.training, self.relu, self.has_skip)
+  self.grad_input = gi
+  return gi, gs
+end
+
+-- Pooling: kernel, {stride = kernel, padding = 0, dilation = 1, ceil_mode = false}.
+local MaxPool2d = Module:extend('MaxPool2d')
+nn.MaxPool2d = MaxPool2d
+function MaxPool2d:__init(kernel, opts)
+  opts = opts or {}
+  local kh, kw = pair(kernel, 'kernel')
+  local sh, sw = pair(opts.stride or kernel, 'stride')
+  local ph, pw = pair(opts.padding or 0, 'padding')
+  local dh, dw = pair(opts.dilation or 1, 'dilation')
+  self.c = { kh, kw, sh, sw, ph, pw, dh, dw, opts.ceil_mode or false }
+end
+function MaxPool2d:extra_repr() return string.format('%dx%d, stride %d', self.c[1], self.c[2], self.c[3]) end
+function MaxPool2d:forward(x)
+  if x:dim() ~= 4 then self:input_error(x, '(N, C, H, W)') end
+  self.output, self.indices = K.max_pool2d(x, self.c, self.training)
+  return self.output
+end
+function MaxPool2d:backward(x, grad)
+  if not self.indices then error('MaxPool2d: backward after a forward in evaluation mode', 2) end
+  self.grad_input = K.max_pool2d_backward(grad, self.indices, x)
+  return self.grad_input
+end
+
+local AvgPool2d = Module:extend('AvgPool2d')
+nn.AvgPool2d = AvgPool2d
+function AvgPool2d:__init(kernel, opts)
+  opts = opts or {}
+  local kh, kw = pair(kernel, 'kernel')
+  local sh, sw = pair(opts.stride or kernel, 'stride')
+  local ph, pw = pair(opts.padding or 0, 'padding')
+  local cip = opts.count_include_pad
+  if cip == nil then cip = true end
+  self.c = { kh, kw, sh, sw, ph, pw, opts.ceil_mode or false, cip, opts.divisor_override or 0 }
+end
+function AvgPool2d:extra_repr() return string.format('%dx%d, stride %d', self.c[1], self.c[2], self.c[3]) end
+function AvgPool2d:forward(x)
+  if x:dim() ~= 4 then self:input_error(x, '(N, C, H, W)') end
+  self.output = K.avg_pool2d(x, self.c)
+  return self.output
+end
+function AvgPool2d:backward(x, grad)
+  self.grad_input = K.avg_pool2d_backward(grad, x, self.c)
+  return self.grad_input
+end
+
+-- AdaptiveAvgPool2d(size or {h, w}): torch.nn.AdaptiveAvgPool2d.
+local AdaptiveAvgPool2d = Module:extend('AdaptiveAvgPool2d')
+nn.AdaptiveAvgPool2d = AdaptiveAvgPool2d
+function AdaptiveAvgPool2d:__init(size) self.oh, self.ow = pair(size, 'output size') end
+function AdaptiveAvgPool2d:extra_repr() return string.format('%dx%d', self.oh, self.ow) end
+function AdaptiveAvgPool2d:forward(x)
+  if x:dim() ~= 4 then self:input_error(x, '(N, C, H, W)') end
+  self.output = K.adaptive_avg_pool2d(x, self.oh, self.ow)
+  return self.output
+end
+function AdaptiveAvgPool2d:backward(x, grad)
+  self.grad_input = K.adaptive_avg_pool2d_backward(grad, x)
+  return self.grad_input
+end
+
+---------------------------------------------------------------------------------------------
 -- Criterions: forward(input, target) -> loss tensor; backward(input, target [, grad_out]) -> grad.
 
 local MSELoss = Module:extend('MSELoss')
