@@ -1,0 +1,375 @@
+/* CPU batch normalisation (PyTorch's BatchNorm1d/2d), fused with ReLU and a residual add, forward and backward. */
+#include <inttypes.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/api.h"
+#include "core/dtype.h"
+#include "core/error.h"
+#include "core/tensor.h"
+#include "cpu/act_layout.h"
+
+/* Below this many elements a pass runs on one thread: waking the pool costs more. */
+enum { BN_PAR_MIN = 32768 };
+/* Channels-last partial sums cover blocks of about this many elements (whole rows of C). The
+   block depends only on the shape, so the sums do not depend on the thread count. */
+enum { BN_BLOCK_ELEMS = 8192 };
+
+/* x seen as N planes of C channels of S positions (planar: (N, C, S) memory) or as N * S rows
+   of C channels (rows: channels-last memory, or S == 1 where both are the same bytes). */
+typedef struct {
+  int64_t N, C, S;
+  int rows;
+  int64_t block_rows;
+} bn_geom_t;
+
+#define BN_CAT2(a, b) a##b
+#define BN_CAT(a, b) BN_CAT2(a, b)
+#define FN(name) BN_CAT(name, BN_SFX)
+
+#define T float
+#define UT uint32_t
+#define BN_SFX _f32
+#include "cpu/batchnorm_impl.h"
+#undef T
+#undef UT
+#undef BN_SFX
+
+#define T double
+#define UT uint64_t
+#define BN_SFX _f64
+#include "cpu/batchnorm_impl.h"
+#undef T
+#undef UT
+#undef BN_SFX
+
+/* ---- per-channel vectors ((C), any floating dtype and stride) ---------------------------------- */
+
+static double vec_get(const dlua_tensor_t *t, int64_t i) {
+  const char *p = dlua_tensor_ptr(t) + i * t->strides[0] * (int64_t)dlua_dtype_size(t->dtype);
+  switch (t->dtype) {
+    case DLUA_DTYPE_F32: return *(const float *)p;
+    case DLUA_DTYPE_F64: return *(const double *)p;
+    case DLUA_DTYPE_F16: return dlua_f16_to_f32_inl(*(const uint16_t *)p);
+    default: return dlua_bf16_to_f32_inl(*(const uint16_t *)p);
+  }
+}
+
+static void vec_set(dlua_tensor_t *t, int64_t i, double v) {
+  char *p = dlua_tensor_ptr(t) + i * t->strides[0] * (int64_t)dlua_dtype_size(t->dtype);
+  switch (t->dtype) {
+    case DLUA_DTYPE_F32: *(float *)p = (float)v; break;
+    case DLUA_DTYPE_F64: *(double *)p = v; break;
+    case DLUA_DTYPE_F16: *(uint16_t *)p = dlua_f32_to_f16_inl((float)v); break;
+    default: *(uint16_t *)p = dlua_f32_to_bf16_inl((float)v); break;
+  }
+}
+
+static void vec_read(const dlua_tensor_t *t, int64_t C, double *dst, double dflt) {
+  for (int64_t c = 0; c < C; c++) dst[c] = t ? vec_get(t, c) : dflt;
+}
+
+/* n doubles into an array of the compute dtype (float or double). */
+static void put_t(dlua_dtype_t ct, void *dst, const double *src, int64_t n) {
+  for (int64_t i = 0; i < n; i++) {
+    if (ct == DLUA_DTYPE_F64) ((double *)dst)[i] = src[i];
+    else ((float *)dst)[i] = (float)src[i];
+  }
+}
+
+/* ---- argument checks ---------------------------------------------------------------------------- */
+
+static dlua_status_t check_float(const char *op, const char *what, const dlua_tensor_t *t) {
+  if (!t || !t->storage) return DLUA_ERR(DLUA_ERR_ARG, "%s: %s is NULL (freed, or never created)", op, what);
+  DLUA_TRY(dlua_require_cpu(op, t));
+  if (!dlua_dtype_is_floating(t->dtype)) {
+    char b[200];
+    return DLUA_ERR(DLUA_ERR_ARG, "%s: %s must be a floating-point tensor, got %s", op, what,
+                    dlua_tensor_describe(t, b, sizeof b));
+  }
+  return DLUA_OK;
+}
+
+static dlua_status_t check_input(const char *op, const char *what, const dlua_tensor_t *x) {
+  DLUA_TRY(check_float(op, what, x));
+  if (x->ndim < 2 || x->ndim > 4) {
+    char b[200];
+    return DLUA_ERR(DLUA_ERR_ARG, "%s: %s must have 2 to 4 dimensions ((N, C), (N, C, L) or (N, C, H, W)), got %s", op,
+                    what, dlua_tensor_describe(x, b, sizeof b));
+  }
+  return DLUA_OK;
+}
+
+/* A per-channel vector (may be NULL when optional): 1-D with C entries. */
+static dlua_status_t check_vec(const char *op, const char *what, const dlua_tensor_t *t, const dlua_tensor_t *x) {
+  if (!t) return DLUA_OK;
+  DLUA_TRY(check_float(op, what, t));
+  if (t->ndim != 1 || t->sizes[0] != x->sizes[1]) {
+    char b1[200], b2[200];
+    return DLUA_ERR(DLUA_ERR_ARG, "%s: %s %s must have shape (%" PRId64 "), one entry per channel of input %s", op, what,
+                    dlua_tensor_describe(t, b1, sizeof b1), x->sizes[1], dlua_tensor_describe(x, b2, sizeof b2));
+  }
+  return DLUA_OK;
+}
+
+static dlua_status_t check_like(const char *op, const char *what, const dlua_tensor_t *t, const char *wx,
+                                const dlua_tensor_t *x) {
+  DLUA_TRY(check_float(op, what, t));
+  int same = t->ndim == x->ndim;
+  for (int d = 0; same && d < x->ndim; d++) same = t->sizes[d] == x->sizes[d];
+  if (!same) {
+    char b1[200], b2[200];
+    return DLUA_ERR(DLUA_ERR_ARG, "%s: %s %s must have the shape of %s %s", op, what, dlua_tensor_describe(t, b1, sizeof b1),
+                    wx, dlua_tensor_describe(x, b2, sizeof b2));
+  }
+  return DLUA_OK;
+}
+
+static void geom_of(const dlua_tensor_t *x, int fmt, bn_geom_t *g) {
+  g->N = x->sizes[0];
+  g->C = x->sizes[1];
+  g->S = 1;
+  for (int d = 2; d < x->ndim; d++) g->S *= x->sizes[d];
+  g->rows = fmt == ACT_CL || g->S == 1;
+  g->block_rows = g->C > 0 && g->C < BN_BLOCK_ELEMS ? BN_BLOCK_ELEMS / g->C : 1;
+}
+
+/* Doubles of scratch the reductions need. */
+static int64_t scratch_len(const bn_geom_t *g) {
+  if (!g->rows) return 2 * g->N * g->C;
+  int64_t M = g->N * g->S;
+  return 2 * ((M + g->block_rows - 1) / g->block_rows) * g->C;
+}
+
+static void *xmalloc(size_t n, dlua_status_t *s, const char *op) {
+  void *p = malloc(n ? n : 1);
+  if (!p) *s = DLUA_ERR(DLUA_ERR_OOM, "%s: out of memory allocating %zu bytes", op, n);
+  return p;
+}
+
+/* A (C) statistics output under the `out` convention; NULL pointer: not wanted. */
+static dlua_status_t save_vec(const char *op, dlua_tensor_t **out, int64_t C, dlua_dtype_t ct, const double *v) {
+  if (!out) return DLUA_OK;
+  int allocated = 0;
+  DLUA_TRY(dlua_prepare_out(op, out, 1, &C, ct, &allocated));
+  if (!dlua_dtype_is_floating((*out)->dtype)) {
+    char b[200];
+    dlua_status_t s = DLUA_ERR(DLUA_ERR_ARG, "%s: saved statistics %s must be floating point", op,
+                               dlua_tensor_describe(*out, b, sizeof b));
+    if (allocated) {
+      dlua_tensor_free(*out);
+      *out = NULL;
+    }
+    return s;
+  }
+  for (int64_t c = 0; c < C; c++) vec_set(*out, c, v[c]);
+  return DLUA_OK;
+}
+
+/* ---- forward ------------------------------------------------------------------------------------- */
+
+dlua_status_t dlua_nn_batch_norm_forward(dlua_tensor_t **out, dlua_tensor_t **save_mean, dlua_tensor_t **save_invstd,
+                                         const dlua_tensor_t *x, const dlua_tensor_t *gamma, const dlua_tensor_t *beta,
+                                         const dlua_tensor_t *skip, dlua_tensor_t *running_mean,
+                                         dlua_tensor_t *running_var, int train, double momentum, double eps, int relu) {
+  const char *op = "batch_norm";
+  if (!out) return DLUA_ERR(DLUA_ERR_ARG, "%s: out is NULL", op);
+  DLUA_TRY(check_input(op, "input", x));
+  DLUA_TRY(check_vec(op, "gamma", gamma, x));
+  DLUA_TRY(check_vec(op, "beta", beta, x));
+  DLUA_TRY(check_vec(op, "running_mean", running_mean, x));
+  DLUA_TRY(check_vec(op, "running_var", running_var, x));
+  if (skip) DLUA_TRY(check_like(op, "skip", skip, "input", x));
+  if (!(eps >= 0) || !isfinite(eps)) return DLUA_ERR(DLUA_ERR_ARG, "%s: eps must be finite and >= 0, got %g", op, eps);
+  char b[200];
+  if (!train && (!running_mean || !running_var))
+    return DLUA_ERR(DLUA_ERR_ARG, "%s: evaluation of input %s needs running_mean and running_var", op,
+                    dlua_tensor_describe(x, b, sizeof b));
+  int fmt = act_format(x);
+  if (fmt == ACT_OTHER) fmt = ACT_CONTIG;
+  bn_geom_t g;
+  geom_of(x, fmt, &g);
+  const int64_t C = g.C, M = g.N * g.S;
+  if (train && M == 1)
+    return DLUA_ERR(DLUA_ERR_ARG, "%s: expected more than 1 value per channel when training, got input %s", op,
+                    dlua_tensor_describe(x, b, sizeof b));
+  const dlua_dtype_t ct = x->dtype == DLUA_DTYPE_F64 ? DLUA_DTYPE_F64 : DLUA_DTYPE_F32;
+  const size_t es = dlua_dtype_size(ct);
+
+  dlua_status_t s = DLUA_OK;
+  dlua_tensor_t *xs = NULL, *ss = NULL;
+  double *dbl = NULL, *scratch = NULL;
+  void *tv = NULL;
+  act_out_t o = {0};
+  const dlua_tensor_t *ins[2] = {x, skip};
+  s = act_stage(x, ct, fmt, &xs);
+  if (s == DLUA_OK && skip) s = act_stage(skip, ct, fmt, &ss);
+  if (s == DLUA_OK) s = act_out_begin(op, &o, out, x->ndim, x->sizes, x->dtype, ct, fmt, ins, 2, 1);
+  // mean, invstd, gamma, beta, sum, sumsq, running values: 7 doubles per channel.
+  if (s == DLUA_OK) dbl = xmalloc((size_t)(7 * C) * sizeof(double), &s, op);
+  if (s == DLUA_OK) tv = xmalloc((size_t)(3 * C) * es, &s, op);
+  if (s == DLUA_OK && train && M > 0) scratch = xmalloc((size_t)scratch_len(&g) * sizeof(double), &s, op);
+  if (s != DLUA_OK) goto done;
+  double *mean = dbl, *invstd = dbl + C, *gm = dbl + 2 * C, *bt = dbl + 3 * C, *sum = dbl + 4 * C, *sq = dbl + 5 * C,
+         *run = dbl + 6 * C;
+  vec_read(gamma, C, gm, 1.0);
+  vec_read(beta, C, bt, 0.0);
+  const void *xp = dlua_tensor_ptr(xs);
+  if (train) {
+    if (M > 0) {
+      // Shift by the channel's first element (the first plane, or the first row).
+      for (int64_t c = 0; c < C; c++)
+        run[c] = ct == DLUA_DTYPE_F64 ? ((const double *)xp)[g.rows ? c : c * g.S] : ((const float *)xp)[g.rows ? c : c * g.S];
+      if (ct == DLUA_DTYPE_F64) bn_stats_f64(&g, xp, run, scratch, sum, sq);
+      else bn_stats_f32(&g, xp, run, scratch, sum, sq);
+    }
+    for (int64_t c = 0; c < C; c++) {
+      double m = M > 0 ? sum[c] / (double)M : 0.0;
+      double var = M > 0 ? sq[c] / (double)M - m * m : 0.0;
+      if (var < 0) var = 0;
+      mean[c] = M > 0 ? run[c] + m : 0.0;
+      invstd[c] = 1.0 / sqrt(var + eps);
+      sq[c] = var;  // the biased variance, for the running update below
+    }
+    if (M > 1) {
+      const double unbias = (double)M / (double)(M - 1);
+      if (running_mean) {
+        vec_read(running_mean, C, run, 0.0);
+        for (int64_t c = 0; c < C; c++) vec_set(running_mean, c, (1 - momentum) * run[c] + momentum * mean[c]);
+      }
+      if (running_var) {
+        vec_read(running_var, C, run, 0.0);
+        for (int64_t c = 0; c < C; c++) vec_set(running_var, c, (1 - momentum) * run[c] + momentum * sq[c] * unbias);
+      }
+    }
+  } else {
+    vec_read(running_mean, C, mean, 0.0);
+    vec_read(running_var, C, run, 0.0);
+    for (int64_t c = 0; c < C; c++) invstd[c] = 1.0 / sqrt(run[c] + eps);
+  }
+  const void *sp = ss ? dlua_tensor_ptr(ss) : NULL;
+  void *yp = dlua_tensor_ptr(o.work);
+  void *tm = tv, *ta = (char *)tv + C * es, *tb = (char *)tv + 2 * C * es;
+  put_t(ct, tm, mean, C);
+  for (int64_t c = 0; c < C; c++) gm[c] *= invstd[c];
+  put_t(ct, ta, gm, C);
+  put_t(ct, tb, bt, C);
+  if (ct == DLUA_DTYPE_F64) bn_apply_f64(&g, xp, sp, yp, tm, ta, tb, relu);
+  else bn_apply_f32(&g, xp, sp, yp, tm, ta, tb, relu);
+  s = save_vec(op, save_mean, C, ct, mean);
+  if (s == DLUA_OK) s = save_vec(op, save_invstd, C, ct, invstd);
+done:
+  s = act_out_end(&o, s);
+  free(dbl);
+  free(tv);
+  free(scratch);
+  dlua_tensor_free(xs);
+  dlua_tensor_free(ss);
+  return s;
+}
+
+/* ---- backward ------------------------------------------------------------------------------------ */
+
+static dlua_status_t param_grad(const char *op, const char *what, dlua_tensor_t *t, const dlua_tensor_t *x) {
+  if (!t) return DLUA_OK;
+  return check_vec(op, what, t, x);
+}
+
+dlua_status_t dlua_nn_batch_norm_backward(dlua_tensor_t **grad_input, dlua_tensor_t **grad_skip,
+                                          dlua_tensor_t *grad_gamma, dlua_tensor_t *grad_beta,
+                                          const dlua_tensor_t *grad_output, const dlua_tensor_t *x,
+                                          const dlua_tensor_t *output, const dlua_tensor_t *gamma,
+                                          const dlua_tensor_t *save_mean, const dlua_tensor_t *save_invstd, int train,
+                                          int relu, int accumulate) {
+  const char *op = "batch_norm_backward";
+  DLUA_TRY(check_input(op, "input", x));
+  DLUA_TRY(check_like(op, "grad_output", grad_output, "input", x));
+  if (relu) {
+    if (!output) return DLUA_ERR(DLUA_ERR_ARG, "%s: relu needs the forward's output, got NULL", op);
+    DLUA_TRY(check_like(op, "output", output, "input", x));
+  }
+  DLUA_TRY(check_vec(op, "gamma", gamma, x));
+  if (!save_mean || !save_invstd) return DLUA_ERR(DLUA_ERR_ARG, "%s: save_mean and save_invstd are required", op);
+  DLUA_TRY(check_vec(op, "save_mean", save_mean, x));
+  DLUA_TRY(check_vec(op, "save_invstd", save_invstd, x));
+  DLUA_TRY(param_grad(op, "grad_gamma", grad_gamma, x));
+  DLUA_TRY(param_grad(op, "grad_beta", grad_beta, x));
+  if (grad_input && grad_skip && *grad_input && *grad_input == *grad_skip)
+    return DLUA_ERR(DLUA_ERR_ARG, "%s: grad_input and grad_skip must be different tensors", op);
+
+  int fmt = act_format(grad_output);
+  if (fmt == ACT_OTHER) fmt = ACT_CONTIG;
+  bn_geom_t g;
+  geom_of(x, fmt, &g);
+  const int64_t C = g.C, M = g.N * g.S;
+  const dlua_dtype_t ct = x->dtype == DLUA_DTYPE_F64 || grad_output->dtype == DLUA_DTYPE_F64 ? DLUA_DTYPE_F64 : DLUA_DTYPE_F32;
+  const size_t es = dlua_dtype_size(ct);
+  const int want_dx = grad_input != NULL, want_skip = grad_skip != NULL;
+  const int reduce = (want_dx && train) || grad_gamma || grad_beta;
+
+  dlua_status_t s = DLUA_OK;
+  dlua_tensor_t *xs = NULL, *ds = NULL, *ys = NULL;
+  double *dbl = NULL, *scratch = NULL;
+  void *tv = NULL;
+  act_out_t odx = {0}, osk = {0};
+  const dlua_tensor_t *ins[3] = {grad_output, x, relu ? output : NULL};
+  s = act_stage(x, ct, fmt, &xs);
+  if (s == DLUA_OK) s = act_stage(grad_output, ct, fmt, &ds);
+  if (s == DLUA_OK && relu) s = act_stage(output, ct, fmt, &ys);
+  if (s == DLUA_OK)
+    s = act_out_begin(op, &odx, grad_input, x->ndim, x->sizes, grad_output->dtype, ct, fmt, ins, 3, 1);
+  if (s == DLUA_OK) s = act_out_begin(op, &osk, grad_skip, x->ndim, x->sizes, grad_output->dtype, ct, fmt, ins, 3, 1);
+  // mean, invstd, gamma, sum dy, sum dy (x - mean): 5 doubles per channel.
+  if (s == DLUA_OK) dbl = xmalloc((size_t)(5 * C) * sizeof(double), &s, op);
+  if (s == DLUA_OK) tv = xmalloc((size_t)(4 * C) * es, &s, op);
+  if (s == DLUA_OK && reduce && M > 0) scratch = xmalloc((size_t)scratch_len(&g) * sizeof(double), &s, op);
+  if (s != DLUA_OK) goto done;
+  double *mean = dbl, *invstd = dbl + C, *gm = dbl + 2 * C, *sdy = dbl + 3 * C, *sdx = dbl + 4 * C;
+  vec_read(save_mean, C, mean, 0.0);
+  vec_read(save_invstd, C, invstd, 1.0);
+  vec_read(gamma, C, gm, 1.0);
+  const void *xp = dlua_tensor_ptr(xs), *dp = dlua_tensor_ptr(ds), *yp = ys ? dlua_tensor_ptr(ys) : NULL;
+  // Per-channel coefficients in the compute type: mean, then A, B, D of the elementwise pass.
+  void *tm = tv, *ta = (char *)tv + C * es, *tb = (char *)tv + 2 * C * es, *td = (char *)tv + 3 * C * es;
+  put_t(ct, tm, mean, C);
+  for (int64_t c = 0; c < C; c++) sdy[c] = sdx[c] = 0;
+  if (reduce && M > 0) {
+    if (ct == DLUA_DTYPE_F64) bn_bwd_reduce_f64(&g, xp, dp, yp, tm, scratch, sdy, sdx);
+    else bn_bwd_reduce_f32(&g, xp, dp, yp, tm, scratch, sdy, sdx);
+  }
+  for (int64_t c = 0; c < C; c++) {
+    if (grad_gamma) vec_set(grad_gamma, c, (accumulate ? vec_get(grad_gamma, c) : 0.0) + sdx[c] * invstd[c]);
+    if (grad_beta) vec_set(grad_beta, c, (accumulate ? vec_get(grad_beta, c) : 0.0) + sdy[c]);
+  }
+  if (want_dx || want_skip) {
+    void *gxp = want_dx ? dlua_tensor_ptr(odx.work) : NULL, *gsp = want_skip ? dlua_tensor_ptr(osk.work) : NULL;
+    // dx = gamma invstd (d - sum(d) / M - xhat sum(d xhat) / M) with the batch's statistics;
+    // gamma invstd d with fixed ones. A, B, D overwrite sdy, sdx, gamma channel by channel.
+    double *A = sdy, *B = sdx, *D = gm;
+    for (int64_t c = 0; c < C; c++) {
+      double a = gm[c] * invstd[c];
+      double bb = train && M > 0 ? -a * invstd[c] * invstd[c] * sdx[c] / (double)M : 0.0;
+      double dd = train && M > 0 ? -a * sdy[c] / (double)M : 0.0;
+      A[c] = a;
+      B[c] = bb;
+      D[c] = dd;
+    }
+    put_t(ct, ta, A, C);
+    put_t(ct, tb, B, C);
+    put_t(ct, td, D, C);
+    if (ct == DLUA_DTYPE_F64) bn_bwd_apply_f64(&g, xp, dp, yp, gxp, gsp, tm, ta, tb, td);
+    else bn_bwd_apply_f32(&g, xp, dp, yp, gxp, gsp, tm, ta, tb, td);
+  }
+done:
+  s = act_out_end(&odx, s);
+  s = act_out_end(&osk, s);
+  free(dbl);
+  free(tv);
+  free(scratch);
+  dlua_tensor_free(xs);
+  dlua_tensor_free(ds);
+  dlua_tensor_free(ys);
+  return s;
+}
