@@ -14,36 +14,34 @@ end
 ---------------------------------------------------------------------------------------------
 -- Blocks, named as torchvision's (conv1, bn1, conv2, bn2[, conv3, bn3], downsample)
 
--- out = relu(bn2(conv2(relu(bn1(conv1(x))))) + shortcut(x))
+-- out = relu(bn2(conv2(relu(bn1(conv1(x))))) + shortcut(x)). bn1 runs fused with its ReLU and
+-- bn2 with the residual add and the ReLU, so each activation is read and written once.
 local BasicBlock = nn.Module:extend('BasicBlock')
 M.BasicBlock = BasicBlock
 BasicBlock.expansion = 1
 
 function BasicBlock:__init(cin, planes, stride, downsample, opts)
   self:add_module('conv1', conv3x3(cin, planes, stride))
-  self:add_module('bn1', nn.BatchNorm2d(planes))
+  self:add_module('bn1', nn.BatchNorm2d(planes, { relu = true }))
   self:add_module('conv2', conv3x3(planes, planes))
-  self:add_module('bn2', nn.BatchNorm2d(planes, { zero_init = opts and opts.zero_init_residual }))
+  self:add_module('bn2', nn.BatchNorm2d(planes, { relu = true, zero_init = opts and opts.zero_init_residual }))
   if downsample then self:add_module('downsample', downsample) end
-  self.relu1, self.relu2 = nn.ReLU(), nn.ReLU()
 end
 
 function BasicBlock:forward(x)
-  local h = self.relu1:forward(self.bn1:forward(self.conv1:forward(x)))
-  local y = self.bn2:forward(self.conv2:forward(h))
+  local h = self.bn1:forward(self.conv1:forward(x))
   local s = self.downsample and self.downsample:forward(x) or x
   self._h = h
-  self.output = self.relu2:forward(y + s)
+  self.output = self.bn2:forward(self.conv2:forward(h), s)
   return self.output
 end
 
 function BasicBlock:backward(x, grad)
-  local g = self.relu2:backward(nil, grad)
-  local gh = self.conv2:backward(self._h, self.bn2:backward(self.conv2.output, g))
-  gh = self.relu1:backward(nil, gh)
+  local gy, gs = self.bn2:backward(self.conv2.output, grad)
+  local gh = self.conv2:backward(self._h, gy)
   local gx = self.conv1:backward(x, self.bn1:backward(self.conv1.output, gh))
-  local gs = self.downsample and self.downsample:backward(x, g) or g
-  self.grad_input = gx + gs
+  if self.downsample then gs = self.downsample:backward(x, gs) end
+  self.grad_input = gx:add_(gs)
   return self.grad_input
 end
 
@@ -54,34 +52,30 @@ Bottleneck.expansion = 4
 
 function Bottleneck:__init(cin, planes, stride, downsample, opts)
   self:add_module('conv1', conv1x1(cin, planes))
-  self:add_module('bn1', nn.BatchNorm2d(planes))
+  self:add_module('bn1', nn.BatchNorm2d(planes, { relu = true }))
   self:add_module('conv2', conv3x3(planes, planes, stride))
-  self:add_module('bn2', nn.BatchNorm2d(planes))
+  self:add_module('bn2', nn.BatchNorm2d(planes, { relu = true }))
   self:add_module('conv3', conv1x1(planes, planes * 4))
-  self:add_module('bn3', nn.BatchNorm2d(planes * 4, { zero_init = opts and opts.zero_init_residual }))
+  self:add_module('bn3', nn.BatchNorm2d(planes * 4, { relu = true, zero_init = opts and opts.zero_init_residual }))
   if downsample then self:add_module('downsample', downsample) end
-  self.relu1, self.relu2, self.relu3 = nn.ReLU(), nn.ReLU(), nn.ReLU()
 end
 
 function Bottleneck:forward(x)
-  local h1 = self.relu1:forward(self.bn1:forward(self.conv1:forward(x)))
-  local h2 = self.relu2:forward(self.bn2:forward(self.conv2:forward(h1)))
-  local y = self.bn3:forward(self.conv3:forward(h2))
+  local h1 = self.bn1:forward(self.conv1:forward(x))
+  local h2 = self.bn2:forward(self.conv2:forward(h1))
   local s = self.downsample and self.downsample:forward(x) or x
   self._h1, self._h2 = h1, h2
-  self.output = self.relu3:forward(y + s)
+  self.output = self.bn3:forward(self.conv3:forward(h2), s)
   return self.output
 end
 
 function Bottleneck:backward(x, grad)
-  local g = self.relu3:backward(nil, grad)
-  local g2 = self.conv3:backward(self._h2, self.bn3:backward(self.conv3.output, g))
-  g2 = self.relu2:backward(nil, g2)
+  local gy, gs = self.bn3:backward(self.conv3.output, grad)
+  local g2 = self.conv3:backward(self._h2, gy)
   local g1 = self.conv2:backward(self._h1, self.bn2:backward(self.conv2.output, g2))
-  g1 = self.relu1:backward(nil, g1)
   local gx = self.conv1:backward(x, self.bn1:backward(self.conv1.output, g1))
-  local gs = self.downsample and self.downsample:backward(x, g) or g
-  self.grad_input = gx + gs
+  if self.downsample then gs = self.downsample:backward(x, gs) end
+  self.grad_input = gx:add_(gs)
   return self.grad_input
 end
 
@@ -106,8 +100,7 @@ function ResNet:__init(block, layers, opts)
   opts = opts or {}
   local c = 64
   self:add_module('conv1', nn.Conv2d(opts.in_channels or 3, 64, 7, { stride = 2, padding = 3, bias = false }))
-  self:add_module('bn1', nn.BatchNorm2d(64))
-  self:add_module('relu', nn.ReLU())
+  self:add_module('bn1', nn.BatchNorm2d(64, { relu = true }))
   self:add_module('maxpool', nn.MaxPool2d(3, { stride = 2, padding = 1 }))
   local planes = { 64, 128, 256, 512 }
   for i = 1, 4 do
@@ -118,7 +111,7 @@ function ResNet:__init(block, layers, opts)
   self:add_module('avgpool', nn.AdaptiveAvgPool2d(1))
   self:add_module('flatten', nn.Flatten())
   self:add_module('fc', nn.Linear(c, opts.num_classes or 1000))
-  self.order = { 'conv1', 'bn1', 'relu', 'maxpool', 'layer1', 'layer2', 'layer3', 'layer4', 'avgpool', 'flatten', 'fc' }
+  self.order = { 'conv1', 'bn1', 'maxpool', 'layer1', 'layer2', 'layer3', 'layer4', 'avgpool', 'flatten', 'fc' }
 end
 
 -- A fixed chain of named children: forward in order, backward in reverse.
@@ -167,8 +160,7 @@ function CifarResNet:__init(n, opts)
   opts = opts or {}
   self.depth = 6 * n + 2
   self:add_module('conv1', conv3x3(opts.in_channels or 3, 16))
-  self:add_module('bn1', nn.BatchNorm2d(16))
-  self:add_module('relu', nn.ReLU())
+  self:add_module('bn1', nn.BatchNorm2d(16, { relu = true }))
   local c = 16
   for i, planes in ipairs({ 16, 32, 64 }) do
     local layer
@@ -178,7 +170,7 @@ function CifarResNet:__init(n, opts)
   self:add_module('avgpool', nn.AdaptiveAvgPool2d(1))
   self:add_module('flatten', nn.Flatten())
   self:add_module('fc', nn.Linear(64, opts.num_classes or 10))
-  self.order = { 'conv1', 'bn1', 'relu', 'layer1', 'layer2', 'layer3', 'avgpool', 'flatten', 'fc' }
+  self.order = { 'conv1', 'bn1', 'layer1', 'layer2', 'layer3', 'avgpool', 'flatten', 'fc' }
 end
 CifarResNet.forward, CifarResNet.backward = chain_forward, chain_backward
 function CifarResNet:extra_repr() return 'depth ' .. self.depth end

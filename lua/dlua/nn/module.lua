@@ -162,6 +162,29 @@ function Module:flatten()
   return arena
 end
 
+-- to(dtype) / to('cpu'): converts every floating parameter, gradient and buffer (integer
+-- buffers such as num_batches_tracked stay). Call it before flatten() or creating an
+-- optimizer: a flat arena is rebuilt on the next flatten().
+function Module:to(what)
+  local dtypes = { float32 = true, float64 = true, float16 = true, bfloat16 = true, float = 'float32',
+    double = 'float64', half = 'float16' }
+  if what == 'cpu' then return self end
+  local dt = dtypes[what]
+  if not dt then error(string.format("%s:to: expected a floating dtype or 'cpu', got %s", self.__name, tostring(what)), 2) end
+  if dt ~= true then what = dt end
+  if self._arena then error(self.__name .. ':to: the parameters are already in a flat arena (used by an optimizer); convert before', 2) end
+  self:walk(function(_, m)
+    for _, f in ipairs(m._params) do
+      m[f] = m[f]:to(what)
+      m['grad_' .. f] = m['grad_' .. f]:to(what)
+    end
+    for _, f in ipairs(m._buffers) do
+      if m[f]:is_floating_point() then m[f] = m[f]:to(what) end
+    end
+  end)
+  return self
+end
+
 -- The flat layout as a Lua table (flattening first if needed).
 function Module:layout()
   local a = self:flatten()

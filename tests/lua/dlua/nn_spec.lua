@@ -196,3 +196,44 @@ describe('dlua.nn modules', function()
     assert.equals(0, (d:forward(x) - x):abs():max():item())
   end)
 end)
+
+describe('a ResNet built from dlua.nn', function()
+  local resnet = require 'models.resnet'
+
+  it('uses torchvision parameter names', function()
+    local m = resnet.resnet18({ num_classes = 7 })
+    local sd = m:state_dict()
+    for _, k in ipairs({ 'conv1.weight', 'bn1.running_mean', 'layer1.0.conv1.weight', 'layer1.0.bn1.running_var',
+      'layer2.0.downsample.0.weight', 'layer2.0.downsample.1.weight', 'layer4.1.bn2.num_batches_tracked',
+      'fc.weight', 'fc.bias' }) do
+      assert.is_truthy(sd[k], k)
+    end
+    assert.same({ 7, 512 }, sd['fc.weight']:size())
+    assert.equals(11689512 - 1000 * 513 + 7 * 513, m:num_parameters()) -- torchvision's resnet18, 7 classes
+  end)
+
+  it('ResNet-20 backward matches finite differences in float64 (conv, fused batch-norm, residuals, pooling)', function()
+    dlua.manual_seed(4)
+    local m = resnet.resnet20({ in_channels = 1, num_classes = 3 }):to('float64')
+    local crit = nn.CrossEntropyLoss()
+    local x = dlua.randn(4, 1, 8, 8, { dtype = 'float64' })
+    local y = dlua.tensor({ 1, 2, 3, 1 }, { dtype = 'int64' })
+    m:zero_grad()
+    local out = m:forward(x)
+    crit:forward(out, y)
+    m:backward(x, crit:backward(out, y))
+    local named = {}
+    for _, e in ipairs(m:named_parameters()) do named[e.name] = e end
+    for _, name in ipairs({ 'conv1.weight', 'layer1.0.bn2.weight', 'layer2.0.downsample.0.weight', 'layer3.2.conv2.weight',
+      'fc.bias' }) do
+      local p, g = named[name].param:view(-1), named[name].grad:view(-1)
+      for i = 1, p:numel(), math.max(1, math.floor(p:numel() / 3)) do
+        local v, h = p[i], 1e-5
+        p[i] = v + h; local lp = crit:forward(m:forward(x), y):item()
+        p[i] = v - h; local lm = crit:forward(m:forward(x), y):item()
+        p[i] = v
+        assert.near((lp - lm) / (2 * h), g[i], 1e-6, name .. '[' .. i .. ']')
+      end
+    end
+  end)
+end)
