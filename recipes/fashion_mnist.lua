@@ -1,0 +1,121 @@
+-- Fashion-MNIST with a CIFAR-style ResNet-20: SGD + Nesterov, warmup then cosine, crop/flip augmentation.
+local dlua = require 'dlua'
+local nn = require 'dlua.nn'
+local optim = require 'dlua.optim'
+local lr = require 'dlua.lr'
+local data = require 'dlua.data'
+local cli = require 'dlua.cli'
+local resnet = require 'models.resnet'
+
+local opt = cli.parse(arg, {
+  epochs = 10, batch = 128, lr = 0.1, momentum = 0.9, weight_decay = 5e-4, warmup = 1,
+  label_smoothing = 0.0, model = 'resnet20', threads = 0, seed = 1, data = '',
+  limit = 0, eval_batch = 1000, channels_last = true,
+}, {
+  description = 'Trains a ResNet on Fashion-MNIST (Debian package dataset-fashion-mnist).',
+  help = {
+    epochs = 'passes over the 60000 training images',
+    batch = 'images per step',
+    lr = 'peak learning rate (after warmup)',
+    warmup = 'epochs of linear warmup before the cosine decay',
+    weight_decay = 'L2 decay on weights (none on batch-norm and bias)',
+    label_smoothing = 'cross-entropy label smoothing',
+    model = 'resnet20, resnet32, resnet56 or small_cnn',
+    threads = 'CPU threads (0: all cores)',
+    data = 'folder holding the Fashion-MNIST IDX files (default: the Debian package)',
+    limit = 'train on the first N images only (0: all), for quick checks',
+    eval_batch = 'images per evaluation step',
+    channels_last = 'keep activations in NHWC memory (faster convolutions)',
+  },
+})
+
+io.stdout:setvbuf('line') -- progress lines appear as they happen, also in a log file
+if opt.threads > 0 then dlua.set_num_threads(opt.threads) end
+dlua.manual_seed(opt.seed)
+
+local root = opt.data ~= '' and opt.data or nil
+local train = data.FashionMNIST({ root = root, train = true })
+local test = data.FashionMNIST({ root = root, train = false })
+if opt.limit > 0 and opt.limit < train:size() then train = train:narrow(1, opt.limit) end
+
+local build = resnet[opt.model]
+if not build then error(('unknown --model %s (resnet20, resnet32, resnet56, small_cnn)'):format(opt.model), 0) end
+local model = build({ in_channels = 1, num_classes = 10 })
+local criterion = nn.CrossEntropyLoss({ label_smoothing = opt.label_smoothing })
+local sgd = optim.SGD(model, {
+  lr = opt.lr, momentum = opt.momentum, nesterov = true, weight_decay = opt.weight_decay,
+  groups = { { filter = function(_, p) return p:dim() <= 1 end, weight_decay = 0 } },
+})
+local steps_per_epoch = data.num_batches(train, { batch = opt.batch, drop_last = true })
+local total = opt.epochs * steps_per_epoch
+local warm = math.min(math.floor(opt.warmup * steps_per_epoch), total - 1)
+local schedule = warm > 0
+    and lr.sequential({ lr.linear_warmup({ lr = opt.lr, steps = warm, start_factor = 0.1 }),
+      lr.cosine({ lr = opt.lr, steps = total - warm }) })
+    or lr.cosine({ lr = opt.lr, steps = total })
+
+print(model)
+print(('%d parameters, %d steps of %d images, lr %s, %d threads'):format(model:num_parameters(), total, opt.batch,
+  tostring(schedule), dlua.get_num_threads()))
+
+-- A redrawn progress bar on a terminal, plain periodic lines otherwise (LuaJIT has no isatty).
+local tty
+do
+  local st = os.execute('test -t 1')
+  tty = st == true or st == 0
+end
+
+local function progress(epoch, i, n, loss, ips, eta)
+  local line = ('epoch %d  %5d/%d  loss %.4f  %6.0f img/s  ETA %ds'):format(epoch, i, n, loss, ips, eta)
+  if tty then
+    local width = 20
+    local done = math.floor(width * i / n)
+    io.stdout:write('\r[' .. string.rep('=', done) .. string.rep(' ', width - done) .. '] ' .. line)
+    io.stdout:flush()
+  elseif i % 100 == 0 or i == n then
+    print(line)
+  end
+end
+
+local mean, std = train.mean, train.std
+local function to_input(x)
+  if opt.channels_last then return x:permute(1, 3, 4, 2):contiguous():permute(1, 4, 2, 3) end
+  return x
+end
+
+local function evaluate()
+  model:evaluate()
+  local correct, seen = 0, 0
+  for _, x, y in data.batches(test, { batch = opt.eval_batch, mean = mean, std = std }) do
+    local logits = model:forward(to_input(x))
+    correct = correct + logits:argmax(2):eq(y):sum():item()
+    seen = seen + y:numel()
+  end
+  model:train()
+  return correct / seen
+end
+
+local step = 0
+local t_start = dlua.perf_counter()
+for epoch = 1, opt.epochs do
+  local t0, loss_sum, images = dlua.perf_counter(), 0, 0
+  for i, x, y in data.batches(train, { batch = opt.batch, shuffle = true, seed = opt.seed, epoch = epoch,
+    drop_last = true, augment = { crop_pad = 2, flip = true }, mean = mean, std = std }) do
+    sgd:set_lr(schedule(step))
+    sgd:zero_grad()
+    local input = to_input(x)
+    local out = model:forward(input)
+    local loss = criterion:forward(out, y):item()
+    model:backward(input, criterion:backward(out, y))
+    sgd:step()
+    step = step + 1
+    loss_sum, images = loss_sum + loss * y:numel(), images + y:numel()
+    local dt = dlua.perf_counter() - t0
+    progress(epoch, i, steps_per_epoch, loss_sum / images, images / dt, math.floor((total - step) * dt / i))
+  end
+  if tty then io.stdout:write('\n') end
+  local dt = dlua.perf_counter() - t0
+  print(('epoch %d  train loss %.4f  test accuracy %.4f  img/s %.0f'):format(epoch, loss_sum / images, evaluate(),
+    images / dt))
+end
+print(('done in %.0f s'):format(dlua.perf_counter() - t_start))

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The recipes from the command line: option errors by name, --help, and a tiny real run.
+# usage: test_recipes.sh path/to/dlua
+set -u
+DLUA=$(readlink -f "${1:?usage: test_recipes.sh path/to/dlua}")
+cd "$(dirname "$0")/../.."
+passed=0
+failed=0
+check() { # name, condition-result, detail
+  if [ "$2" = 0 ]; then passed=$((passed + 1)); echo "ok   - $1"; else failed=$((failed + 1)); echo "FAIL - $1"; echo "$3" | sed 's/^/       /'; fi
+}
+
+out=$("$DLUA" recipes/fashion_mnist.lua --epoch 3 2>&1); rc=$?
+[ $rc = 2 ] && grep -q "unknown option '--epoch'" <<<"$out" && grep -q "epochs" <<<"$out"
+check "fashion_mnist rejects an unknown option by name, suggesting the closest" $? "rc=$rc: $out"
+
+out=$("$DLUA" recipes/fashion_mnist.lua --help 2>&1); rc=$?
+[ $rc = 0 ] && grep -q -- "--label-smoothing" <<<"$out" && grep -q -- "--epochs" <<<"$out"
+check "fashion_mnist --help lists the options" $? "rc=$rc: $out"
+
+out=$("$DLUA" recipes/fashion_mnist.lua --lr abc 2>&1); rc=$?
+[ $rc = 2 ] && grep -q "lr" <<<"$out"
+check "a bad number names the option" $? "rc=$rc: $out"
+
+if [ -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ]; then
+  out=$(timeout 300 "$DLUA" recipes/fashion_mnist.lua --epochs 1 --limit 512 --batch 64 --model small_cnn 2>&1); rc=$?
+  [ $rc = 0 ] && grep -Eq "^epoch 1  train loss [0-9.]+  test accuracy 0\.[0-9]{4}  img/s [0-9]+$" <<<"$out"
+  check "a tiny Fashion-MNIST run prints the epoch line" $? "rc=$rc: $out"
+else
+  echo "skip - tiny Fashion-MNIST run: dataset-fashion-mnist is not installed"
+fi
+
+echo "$passed passed, $failed failed"
+[ "$failed" = 0 ]
