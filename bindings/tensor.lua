@@ -41,5 +41,13 @@ end
 function M.memory_peak(device)
   return tonumber(core.C.dlua_memory_peak(core.device('memory_peak', device)))
 end
+-- Bytes kept by the allocator for reuse, and releasing them (PyTorch's torch.cuda.memory_reserved /
+-- empty_cache, here for the CPU too).
+function M.memory_cached(device)
+  return tonumber(core.C.dlua_memory_cached(core.device('memory_cached', device)))
+end
+function M.empty_cache(device)
+  core.C.dlua_memory_empty_cache(core.device('empty_cache', device))
+end
 
 return M

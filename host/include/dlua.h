@@ -133,6 +133,9 @@ dlua_status_t dlua_tensor_eye(dlua_tensor_t **out, int64_t n, int64_t m, dlua_dt
 int64_t dlua_memory_allocated(int device);
 int64_t dlua_memory_peak(int device);
 int64_t dlua_memory_allocated_total(void); /* all devices: drives the Lua GC's pacing */
+/* Bytes the allocator keeps for reuse (freed blocks), and giving them back to the system. */
+int64_t dlua_memory_cached(int device);
+void dlua_memory_empty_cache(int device);
 
 /* ==== random numbers ======================================================================= */
 
