@@ -28,26 +28,29 @@ if pid == 0:
     os.execve(DLUA, [DLUA], env)
 
 buf = b""
+pos = 0  # what earlier read_until calls consumed
 
 
 def read_until(pattern, timeout=10.0):
-    """Reads the terminal until `pattern` (bytes) appears after what was read before."""
-    global buf
-    start = len(buf)
+    """Reads the terminal until `pattern` (bytes) appears after what earlier calls consumed."""
+    global buf, pos
     end = time.time() + timeout
-    while time.time() < end:
-        if pattern in buf[start:]:
+    while True:
+        k = buf.find(pattern, pos)
+        if k >= 0:
+            pos = k + len(pattern)
             return True
+        if time.time() >= end:
+            return False
         r, _, _ = select.select([fd], [], [], 0.1)
         if r:
             try:
                 data = os.read(fd, 4096)
             except OSError:
-                break
+                return False
             if not data:
-                break
+                return False
             buf += data
-    return pattern in buf[start:]
 
 
 def send(s):
@@ -102,7 +105,7 @@ check("history saved in ~/.dlua_history", "x = 40" in text and "=x + 2" in text,
 pid, fd = pty.fork()
 if pid == 0:
     os.execve(DLUA, [DLUA], env)
-buf = b""
+buf, pos = b"", 0
 read_until(b"> ")
 send("\x1b[A\r")
 check("history recalled in a new session", read_until(b"0.1"), repr(buf[-300:]))
