@@ -5,7 +5,6 @@ local K = require 'bindings.nn'
 
 local nn = { Module = Module }
 
-local function shape_str(t) return tostring(t:size()) end
 
 ---------------------------------------------------------------------------------------------
 -- Containers
