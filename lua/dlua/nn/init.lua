@@ -1,10 +1,9 @@
--- dlua.nn: Torch7-style modules with PyTorch's names; containers and the layers built on tensor ops.
+-- dlua.nn: Torch7-style modules with PyTorch's names: containers, layers and criterions over the C kernels.
 local dlua = require 'dlua'
 local Module = require 'dlua.nn.module'
 local K = require 'bindings.nn'
 
 local nn = { Module = Module }
-
 
 ---------------------------------------------------------------------------------------------
 -- Containers
