@@ -7,6 +7,8 @@
 #include "core/api.h"
 #include "core/tensor.h"
 
+#include "testutil.h"
+
 START_TEST(test_large_blocks_are_reused) {
   dlua_memory_empty_cache(DLUA_CPU);
   int64_t live0 = dlua_memory_allocated(DLUA_CPU);
@@ -80,9 +82,5 @@ int main(void) {
   tcase_add_test(tc, test_tensor_storage_goes_through_the_cache);
   tcase_add_test(tc, test_impossible_size_reports_bytes);
   suite_add_tcase(s, tc);
-  SRunner *sr = srunner_create(s);
-  srunner_run_all(sr, CK_NORMAL);
-  int failed = srunner_ntests_failed(sr);
-  srunner_free(sr);
-  return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+  return tu_run(s);
 }

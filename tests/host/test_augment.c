@@ -8,11 +8,7 @@
 #include "core/api.h"
 #include "data/augment.h"
 
-static dlua_tensor_t *new_t(int ndim, const int64_t *sizes, dlua_dtype_t dtype) {
-  dlua_tensor_t *t = NULL;
-  ck_assert_int_eq(dlua_tensor_empty(&t, ndim, sizes, dtype, DLUA_CPU), DLUA_OK);
-  return t;
-}
+#include "testutil.h"
 
 /* Images (N, C, H, W) whose element (n, c, y, x) is v(n, c, y, x) = 1 + (31 n + 17 c + 5 y + x) mod 250:
    never 0, so a padded (zero) pixel cannot pass for an image pixel. */
@@ -20,7 +16,7 @@ static int pix(int64_t n, int64_t c, int64_t y, int64_t x) { return 1 + (int)((3
 
 static dlua_tensor_t *images(int64_t N, int64_t C, int64_t H, int64_t W, dlua_dtype_t dtype) {
   int64_t s[4] = {N, C, H, W};
-  dlua_tensor_t *t = new_t(4, s, dtype);
+  dlua_tensor_t *t = tu_new_t(4, s, dtype);
   void *p = dlua_tensor_data(t);
   int64_t i = 0;
   for (int64_t n = 0; n < N; n++)
@@ -180,7 +176,7 @@ START_TEST(test_gather_by_index_and_views) {
 
   // Into a given float32 out: uint8 converts in the same pass.
   int64_t os[4] = {B, C, H, W};
-  out = new_t(4, os, DLUA_DTYPE_F32);
+  out = tu_new_t(4, os, DLUA_DTYPE_F32);
   dlua_tensor_t *given = out;
   ck_assert_int_eq(dlua_data_augment(&out, x, index, 1, 2, 0.5, 77, 3), DLUA_OK);
   ck_assert_ptr_eq(out, given);
@@ -240,7 +236,7 @@ END_TEST
 
 START_TEST(test_augment_errors) {
   int64_t s3[3] = {2, 5, 5}, s4[4] = {2, 1, 5, 5};
-  dlua_tensor_t *x3 = new_t(3, s3, DLUA_DTYPE_U8), *xi = new_t(4, s4, DLUA_DTYPE_I64), *x = new_t(4, s4, DLUA_DTYPE_U8);
+  dlua_tensor_t *x3 = tu_new_t(3, s3, DLUA_DTYPE_U8), *xi = tu_new_t(4, s4, DLUA_DTYPE_I64), *x = tu_new_t(4, s4, DLUA_DTYPE_U8);
   dlua_tensor_t *out = NULL;
   ck_assert_int_eq(dlua_data_augment(&out, x3, NULL, 0, 1, 0.5, 0, 0), DLUA_ERR_ARG);
   ck_assert_msg(strstr(dlua_last_error(), "augment: expected images (N, C, H, W)") &&
@@ -263,7 +259,7 @@ START_TEST(test_augment_errors) {
   ck_assert_ptr_null(out);
   // A given out of the wrong shape.
   int64_t wrong[4] = {3, 1, 5, 5};
-  out = new_t(4, wrong, DLUA_DTYPE_F32);
+  out = tu_new_t(4, wrong, DLUA_DTYPE_F32);
   ck_assert_int_eq(dlua_data_augment(&out, x, NULL, 0, 1, 0.5, 0, 0), DLUA_ERR_ARG);
   ck_assert_msg(strstr(dlua_last_error(), "augment: output (3, 1, 5, 5) float32"), "%s", dlua_last_error());
   dlua_tensor_free(out);
@@ -328,7 +324,7 @@ START_TEST(test_normalize) {
   out = NULL;
   // Empty batch.
   int64_t es[4] = {0, 3, 2, 2};
-  dlua_tensor_t *e = new_t(4, es, DLUA_DTYPE_U8);
+  dlua_tensor_t *e = tu_new_t(4, es, DLUA_DTYPE_U8);
   ck_assert_int_eq(dlua_data_normalize(&out, e, 1.0, 3, mean, std), DLUA_OK);
   ck_assert_int_eq(dlua_tensor_numel(out), 0);
   dlua_tensor_free(out);
@@ -341,7 +337,7 @@ START_TEST(test_normalize) {
   ck_assert_int_eq(dlua_data_normalize(&out, x, 1.0, 3, mean, zs), DLUA_ERR_ARG);
   ck_assert_msg(strstr(dlua_last_error(), "channel 1"), "%s", dlua_last_error());
   int64_t n5 = 5;
-  dlua_tensor_t *v = new_t(1, &n5, DLUA_DTYPE_F32);
+  dlua_tensor_t *v = tu_new_t(1, &n5, DLUA_DTYPE_F32);
   ck_assert_int_eq(dlua_data_normalize(&out, v, 1.0, 1, mean, std), DLUA_ERR_ARG);
   ck_assert_ptr_null(out);
   dlua_tensor_free(v);
@@ -367,9 +363,5 @@ int main(void) {
   tcase_add_test(tc, test_augment_errors);
   tcase_add_test(tc, test_normalize);
   suite_add_tcase(s, tc);
-  SRunner *sr = srunner_create(s);
-  srunner_run_all(sr, CK_NORMAL);
-  int failed = srunner_ntests_failed(sr);
-  srunner_free(sr);
-  return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+  return tu_run(s);
 }

@@ -10,20 +10,16 @@
 #include "core/api.h"
 #include "core/tensor.h"
 
+#include "testutil.h"
+
 /* ---- helpers ---------------------------------------------------------------------------------- */
 
 static uint64_t rng_state = 0x2545F4914F6CDD1Dull;
-static double urand(void) {  // [-1, 1), splitmix64
-  uint64_t z = (rng_state += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  z ^= z >> 31;
-  return (double)(z >> 11) * (2.0 / 9007199254740992.0) - 1.0;
-}
 
+/* Not tu_rand_vals: only this suite offsets its draws. */
 static double *rand_vals(int64_t n, double scale, double offset) {
   double *v = malloc((size_t)(n > 0 ? n : 1) * sizeof(double));
-  for (int64_t i = 0; i < n; i++) v[i] = offset + scale * urand();
+  for (int64_t i = 0; i < n; i++) v[i] = offset + scale * tu_splitmix(&rng_state);
   return v;
 }
 
@@ -56,35 +52,10 @@ static dlua_tensor_t *mk(dlua_dtype_t dt, int nd, const int64_t *sz, const doubl
 
 static dlua_tensor_t *vec(dlua_dtype_t dt, int64_t n, const double *v) { return mk(dt, 1, &n, v, 0); }
 
-/* Logical row-major values of t as doubles (caller frees). */
-static double *rd(const dlua_tensor_t *t) {
-  dlua_tensor_t *d = NULL;
-  ck_assert_int_eq(dlua_tensor_to_dtype(&d, t, DLUA_DTYPE_F64), DLUA_OK);
-  int64_t n = dlua_tensor_numel(t);
-  double *v = malloc((size_t)(n > 0 ? n : 1) * sizeof(double));
-  ck_assert_int_eq(dlua_tensor_to_data(d, v, (size_t)n * sizeof(double)), DLUA_OK);
-  dlua_tensor_free(d);
-  return v;
-}
-
-static void expect_close(const double *got, const double *want, int64_t n, double tol, const char *what) {
-  for (int64_t i = 0; i < n; i++) {
-    double err = fabs(got[i] - want[i]), lim = tol * (1 + fabs(want[i]));
-    ck_assert_msg(err <= lim, "%s: element %lld got %.17g want %.17g", what, (long long)i, got[i], want[i]);
-  }
-}
-
 static void expect_tensor(const dlua_tensor_t *t, const double *want, double tol, const char *what) {
-  double *g = rd(t);
-  expect_close(g, want, dlua_tensor_numel(t), tol, what);
+  double *g = tu_values(t);
+  tu_expect_close(g, want, dlua_tensor_numel(t), tol, what);
   free(g);
-}
-
-static void expect_error(dlua_status_t s, const char *op, const char *needle) {
-  ck_assert_int_eq(s, DLUA_ERR_ARG);
-  const char *m = dlua_last_error();
-  ck_assert_msg(strncmp(m, op, strlen(op)) == 0, "error \"%s\" does not start with \"%s\"", m, op);
-  ck_assert_msg(strstr(m, needle) != NULL, "error \"%s\" lacks \"%s\"", m, needle);
 }
 
 static int is_channels_last(const dlua_tensor_t *t) { return dlua_tensor_strides(t)[1] == 1 && dlua_tensor_sizes(t)[1] > 1; }
@@ -156,17 +127,17 @@ START_TEST(test_forward_reference) {
           // The reference sees exactly the values the kernel sees.
           dlua_tensor_t *tx = mk(dt, s->nd, s->sz, x, cl), *tsk = variant == 2 ? mk(dt, s->nd, s->sz, sk, cl) : NULL;
           free(x);
-          x = rd(tx);
+          x = tu_values(tx);
           if (tsk) {
             free(sk);
-            sk = rd(tsk);
+            sk = tu_values(tsk);
           }
           dlua_tensor_t *tg = affine ? vec(DLUA_DTYPE_F32, s->C, gm) : NULL, *tb = affine ? vec(DLUA_DTYPE_F32, s->C, bt) : NULL;
           if (tg) {
             free(gm);
-            gm = rd(tg);
+            gm = tu_values(tg);
             free(bt);
-            bt = rd(tb);
+            bt = tu_values(tb);
           }
           ref_forward(s, x, affine ? gm : NULL, affine ? bt : NULL, tsk ? sk : NULL, NULL, NULL, 1, 1e-5, relu, y, mean, inv);
           dlua_tensor_t *out = NULL, *sm = NULL, *si_ = NULL;
@@ -244,7 +215,7 @@ START_TEST(test_eval_reference_and_train_differs) {
     expect_tensor(out, y, 1e-12, "eval forward");
     expect_tensor(rm, rmv, 0, "running_mean untouched by eval");
     ck_assert_int_eq(dlua_nn_batch_norm_forward(&out2, NULL, NULL, tx, tg, tb, NULL, NULL, NULL, 1, 0.1, 1e-3, 0), DLUA_OK);
-    double *a = rd(out), *b = rd(out2);
+    double *a = tu_values(out), *b = tu_values(out2);
     ck_assert(fabs(a[0] - b[0]) > 1e-3);
     free(a), free(b), free(x), free(rmv), free(rvv), free(gm), free(bt), free(y);
     dlua_tensor_free(tx), dlua_tensor_free(rm), dlua_tensor_free(rv), dlua_tensor_free(tg), dlua_tensor_free(tb),
@@ -264,7 +235,7 @@ static double loss(const shape_t *s, const double *x, const double *gm, const do
   ck_assert_int_eq(dlua_nn_batch_norm_forward(&y, NULL, NULL, tx, tg, tb, ts, train ? NULL : rm, train ? NULL : rv, train,
                                               0.1, 1e-5, relu),
                    DLUA_OK);
-  double *v = rd(y), L = 0;
+  double *v = tu_values(y), L = 0;
   for (int64_t i = 0; i < numel(s); i++) L += w[i] * v[i];
   free(v);
   dlua_tensor_free(tx), dlua_tensor_free(tg), dlua_tensor_free(tb), dlua_tensor_free(ts), dlua_tensor_free(rm),
@@ -315,12 +286,12 @@ START_TEST(test_backward_finite_differences) {
                                                      train, relu, 1),
                          DLUA_OK);
         ck_assert_int_eq(is_channels_last(gx), is_channels_last(dy));
-        double *agx = rd(gx), *agg = rd(gg), *agb = rd(gb);
+        double *agx = tu_values(gx), *agg = tu_values(gg), *agb = tu_values(gb);
         fd_check(x, n, agx, "grad_input", s, x, gm, bt, sk, rmv, rvv, train, relu, cl, w);
         fd_check(gm, C, agg, "grad_gamma", s, x, gm, bt, sk, rmv, rvv, train, relu, cl, w);
         fd_check(bt, C, agb, "grad_beta", s, x, gm, bt, sk, rmv, rvv, train, relu, cl, w);
         if (useskip) {
-          double *ags = rd(gs);
+          double *ags = tu_values(gs);
           fd_check(sk, n, ags, "grad_skip", s, x, gm, bt, sk, rmv, rvv, train, relu, cl, w);
           free(ags);
         }
@@ -346,19 +317,19 @@ START_TEST(test_gradient_accumulation) {
   ck_assert_int_eq(dlua_tensor_slice(&gg, arena, 0, 0, an, 2), DLUA_OK);
   ck_assert_int_eq(dlua_tensor_slice(&gb, arena, 0, 1, an, 2), DLUA_OK);
   ck_assert_int_eq(dlua_nn_batch_norm_backward(NULL, NULL, gg, gb, dy, tx, y, tg, sm, sv, 1, 1, 1), DLUA_OK);
-  double *g1 = rd(gg), *b1 = rd(gb);
+  double *g1 = tu_values(gg), *b1 = tu_values(gb);
   int nonzero = 0;
   for (int64_t c = 0; c < C; c++) nonzero += g1[c] != 0 && b1[c] != 0;
   ck_assert_int_eq(nonzero, C);
   ck_assert_int_eq(dlua_nn_batch_norm_backward(&gx, NULL, gg, gb, dy, tx, y, tg, sm, sv, 1, 1, 1), DLUA_OK);
-  double *g2 = rd(gg), *b2 = rd(gb);
+  double *g2 = tu_values(gg), *b2 = tu_values(gb);
   for (int64_t c = 0; c < C; c++) {
     ck_assert_double_eq_tol(g2[c], 2 * g1[c], 1e-12 * (1 + fabs(g1[c])));
     ck_assert_double_eq_tol(b2[c], 2 * b1[c], 1e-12 * (1 + fabs(b1[c])));
   }
   ck_assert_int_eq(dlua_nn_batch_norm_backward(&gx, NULL, gg, gb, dy, tx, y, tg, sm, sv, 1, 1, 0), DLUA_OK);
-  double *g3 = rd(gg);
-  expect_close(g3, g1, C, 1e-12, "accumulate = 0 overwrites");
+  double *g3 = tu_values(gg);
+  tu_expect_close(g3, g1, C, 1e-12, "accumulate = 0 overwrites");
   free(x), free(w), free(gm), free(g1), free(b1), free(g2), free(b2), free(g3);
   dlua_tensor_t *all[] = {tx, dy, tg, y, sm, sv, gg, gb, gx, arena};
   for (size_t k = 0; k < sizeof all / sizeof all[0]; k++) dlua_tensor_free(all[k]);
@@ -410,7 +381,7 @@ START_TEST(test_dtypes_views_and_outputs) {
   const dlua_dtype_t half[2] = {DLUA_DTYPE_F16, DLUA_DTYPE_BF16};
   for (int h = 0; h < 2; h++) {
     dlua_tensor_t *tx = mk(half[h], 4, s.sz, x, 1), *out = NULL, *sm = NULL;
-    double *xv = rd(tx);
+    double *xv = tu_values(tx);
     ref_forward(&s, xv, NULL, NULL, NULL, NULL, NULL, 1, 1e-5, 0, y, m, iv);
     ck_assert_int_eq(dlua_nn_batch_norm_forward(&out, &sm, NULL, tx, NULL, NULL, NULL, NULL, NULL, 1, 0.1, 1e-5, 0), DLUA_OK);
     ck_assert_int_eq(dlua_tensor_dtype(out), half[h]);
@@ -465,33 +436,33 @@ START_TEST(test_errors) {
                 *x5 = NULL, *g4 = mk(DLUA_DTYPE_F32, 1, &c4, v, 0), *xi = NULL, *y = NULL;
   ck_assert_int_eq(dlua_tensor_zeros(&x5, 5, s5, DLUA_DTYPE_F32, DLUA_CPU), DLUA_OK);
   ck_assert_int_eq(dlua_tensor_zeros(&xi, 4, s4, DLUA_DTYPE_I32, DLUA_CPU), DLUA_OK);
-  expect_error(dlua_nn_batch_norm_forward(&y, NULL, NULL, x1, NULL, NULL, NULL, NULL, NULL, 1, 0.1, 1e-5, 0), "batch_norm:",
-               "(3) float32");
-  expect_error(dlua_nn_batch_norm_forward(&y, NULL, NULL, x5, NULL, NULL, NULL, NULL, NULL, 1, 0.1, 1e-5, 0), "batch_norm:",
-               "2 to 4 dimensions");
-  expect_error(dlua_nn_batch_norm_forward(&y, NULL, NULL, x4, g4, NULL, NULL, NULL, NULL, 1, 0.1, 1e-5, 0), "batch_norm:",
-               "gamma (4) float32 cpu must have shape (3)");
-  expect_error(dlua_nn_batch_norm_forward(&y, NULL, NULL, xo, NULL, NULL, NULL, NULL, NULL, 1, 0.1, 1e-5, 0), "batch_norm:",
-               "more than 1 value per channel when training, got input (1, 3, 1, 1)");
-  expect_error(dlua_nn_batch_norm_forward(&y, NULL, NULL, x4, NULL, NULL, NULL, NULL, NULL, 0, 0.1, 1e-5, 0), "batch_norm:",
-               "running_mean and running_var");
-  expect_error(dlua_nn_batch_norm_forward(&y, NULL, NULL, x4, NULL, NULL, xo, NULL, NULL, 1, 0.1, 1e-5, 0), "batch_norm:",
-               "skip (1, 3, 1, 1) float32 cpu must have the shape of input (2, 3, 2, 2)");
-  expect_error(dlua_nn_batch_norm_forward(&y, NULL, NULL, xi, NULL, NULL, NULL, NULL, NULL, 1, 0.1, 1e-5, 0), "batch_norm:",
-               "floating-point");
-  expect_error(dlua_nn_batch_norm_forward(&y, NULL, NULL, x4, NULL, NULL, NULL, NULL, NULL, 1, 0.1, -1, 0), "batch_norm:",
-               "eps");
+  tu_expect_error_at(dlua_nn_batch_norm_forward(&y, NULL, NULL, x1, NULL, NULL, NULL, NULL, NULL, 1, 0.1, 1e-5, 0), "batch_norm:",
+                     "(3) float32");
+  tu_expect_error_at(dlua_nn_batch_norm_forward(&y, NULL, NULL, x5, NULL, NULL, NULL, NULL, NULL, 1, 0.1, 1e-5, 0), "batch_norm:",
+                     "2 to 4 dimensions");
+  tu_expect_error_at(dlua_nn_batch_norm_forward(&y, NULL, NULL, x4, g4, NULL, NULL, NULL, NULL, 1, 0.1, 1e-5, 0), "batch_norm:",
+                     "gamma (4) float32 cpu must have shape (3)");
+  tu_expect_error_at(dlua_nn_batch_norm_forward(&y, NULL, NULL, xo, NULL, NULL, NULL, NULL, NULL, 1, 0.1, 1e-5, 0), "batch_norm:",
+                     "more than 1 value per channel when training, got input (1, 3, 1, 1)");
+  tu_expect_error_at(dlua_nn_batch_norm_forward(&y, NULL, NULL, x4, NULL, NULL, NULL, NULL, NULL, 0, 0.1, 1e-5, 0), "batch_norm:",
+                     "running_mean and running_var");
+  tu_expect_error_at(dlua_nn_batch_norm_forward(&y, NULL, NULL, x4, NULL, NULL, xo, NULL, NULL, 1, 0.1, 1e-5, 0), "batch_norm:",
+                     "skip (1, 3, 1, 1) float32 cpu must have the shape of input (2, 3, 2, 2)");
+  tu_expect_error_at(dlua_nn_batch_norm_forward(&y, NULL, NULL, xi, NULL, NULL, NULL, NULL, NULL, 1, 0.1, 1e-5, 0), "batch_norm:",
+                     "floating-point");
+  tu_expect_error_at(dlua_nn_batch_norm_forward(&y, NULL, NULL, x4, NULL, NULL, NULL, NULL, NULL, 1, 0.1, -1, 0), "batch_norm:",
+                     "eps");
   ck_assert_ptr_null(y);
   dlua_tensor_t *sm = NULL, *sv = NULL, *gx = NULL;
   ck_assert_int_eq(dlua_nn_batch_norm_forward(&y, &sm, &sv, x4, NULL, NULL, NULL, NULL, NULL, 1, 0.1, 1e-5, 1), DLUA_OK);
-  expect_error(dlua_nn_batch_norm_backward(&gx, NULL, NULL, NULL, x4, x4, NULL, NULL, sm, sv, 1, 1, 1),
-               "batch_norm_backward:", "relu needs the forward's output");
-  expect_error(dlua_nn_batch_norm_backward(&gx, NULL, NULL, NULL, xo, x4, NULL, NULL, sm, sv, 1, 0, 1),
-               "batch_norm_backward:", "grad_output (1, 3, 1, 1)");
-  expect_error(dlua_nn_batch_norm_backward(&gx, NULL, g4, NULL, x4, x4, NULL, NULL, sm, sv, 1, 0, 1),
-               "batch_norm_backward:", "grad_gamma (4)");
-  expect_error(dlua_nn_batch_norm_backward(&gx, NULL, NULL, NULL, x4, x4, NULL, NULL, NULL, sv, 1, 0, 1),
-               "batch_norm_backward:", "save_mean");
+  tu_expect_error_at(dlua_nn_batch_norm_backward(&gx, NULL, NULL, NULL, x4, x4, NULL, NULL, sm, sv, 1, 1, 1),
+                     "batch_norm_backward:", "relu needs the forward's output");
+  tu_expect_error_at(dlua_nn_batch_norm_backward(&gx, NULL, NULL, NULL, xo, x4, NULL, NULL, sm, sv, 1, 0, 1),
+                     "batch_norm_backward:", "grad_output (1, 3, 1, 1)");
+  tu_expect_error_at(dlua_nn_batch_norm_backward(&gx, NULL, g4, NULL, x4, x4, NULL, NULL, sm, sv, 1, 0, 1),
+                     "batch_norm_backward:", "grad_gamma (4)");
+  tu_expect_error_at(dlua_nn_batch_norm_backward(&gx, NULL, NULL, NULL, x4, x4, NULL, NULL, NULL, sv, 1, 0, 1),
+                     "batch_norm_backward:", "save_mean");
   ck_assert_ptr_null(gx);
   dlua_tensor_t *all[] = {x1, x4, xo, x5, g4, xi, y, sm, sv};
   for (size_t k = 0; k < sizeof all / sizeof all[0]; k++) dlua_tensor_free(all[k]);
@@ -511,9 +482,5 @@ int main(void) {
   tcase_add_test(tc, test_dtypes_views_and_outputs);
   tcase_add_test(tc, test_errors);
   suite_add_tcase(s, tc);
-  SRunner *sr = srunner_create(s);
-  srunner_run_all(sr, CK_NORMAL);
-  int failed = srunner_ntests_failed(sr);
-  srunner_free(sr);
-  return failed ? 1 : 0;
+  return tu_run(s);
 }

@@ -11,40 +11,11 @@
 #include "core/tensor.h"
 #include "cpu/conv.h"
 
+#include "testutil.h"
+
 /* ---- helpers -------------------------------------------------------------------------------- */
 
 static uint64_t rng_state = 88172645463325252ull;
-static double urand(void) {  // xorshift64: uniform in [-1, 1)
-  rng_state ^= rng_state << 13;
-  rng_state ^= rng_state >> 7;
-  rng_state ^= rng_state << 17;
-  return (double)(rng_state >> 11) / (double)(1ull << 52) - 1.0;
-}
-
-static dlua_tensor_t *make(int nd, const int64_t *sizes, dlua_dtype_t dtype, const double *vals) {
-  dlua_tensor_t *d = NULL, *t = NULL;
-  ck_assert_int_eq(dlua_tensor_from_data(&d, nd, sizes, DLUA_DTYPE_F64, vals), DLUA_OK);
-  ck_assert_int_eq(dlua_tensor_to_dtype(&t, d, dtype), DLUA_OK);
-  dlua_tensor_free(d);
-  return t;
-}
-
-static double *rand_vals(int64_t n) {
-  double *v = malloc(sizeof(double) * (size_t)(n ? n : 1));
-  for (int64_t i = 0; i < n; i++) v[i] = urand();
-  return v;
-}
-
-/* Row-major (logical order) float64 copy of t's elements (caller frees). */
-static double *values(const dlua_tensor_t *t) {
-  int64_t n = dlua_tensor_numel(t);
-  dlua_tensor_t *d = NULL;
-  ck_assert_int_eq(dlua_tensor_to_dtype(&d, t, DLUA_DTYPE_F64), DLUA_OK);
-  double *v = malloc(sizeof(double) * (size_t)(n ? n : 1));
-  ck_assert_int_eq(dlua_tensor_to_data(d, v, sizeof(double) * (size_t)n), DLUA_OK);
-  dlua_tensor_free(d);
-  return v;
-}
 
 /* A channels-last copy of a 4-D tensor: (N, H, W, C) memory, logically (N, C, H, W). */
 static dlua_tensor_t *to_channels_last(const dlua_tensor_t *t) {
@@ -62,14 +33,6 @@ static dlua_tensor_t *to_channels_last(const dlua_tensor_t *t) {
 static int is_channels_last(const dlua_tensor_t *t) {
   const int64_t *s = dlua_tensor_sizes(t), *st = dlua_tensor_strides(t);
   return st[1] == 1 && st[3] == s[1] && st[2] == s[3] * s[1] && st[0] == s[2] * s[3] * s[1];
-}
-
-static void expect_close(const double *got, const double *want, int64_t n, double tol, const char *what) {
-  for (int64_t i = 0; i < n; i++) {
-    double err = fabs(got[i] - want[i]);
-    if (!(err <= tol * (1.0 + fabs(want[i]))))
-      ck_abort_msg("%s: element %lld is %.9g, expected %.9g (tolerance %g)", what, (long long)i, got[i], want[i], tol);
-  }
 }
 
 static void expect_error(dlua_status_t s, const char *prefix, const char *needle1, const char *needle2) {
@@ -169,10 +132,10 @@ static void problem_init(problem_t *p, const cfg_t *k) {
   p->xn = dlua_shape_numel(4, xs);
   p->wn = dlua_shape_numel(4, ws);
   p->yn = dlua_shape_numel(4, ys);
-  p->x = rand_vals(p->xn);
-  p->w = rand_vals(p->wn);
-  p->b = rand_vals(k->o);
-  p->gy = rand_vals(p->yn);
+  p->x = tu_rand_vals(tu_xorshift, &rng_state, p->xn, 1.0);
+  p->w = tu_rand_vals(tu_xorshift, &rng_state, p->wn, 1.0);
+  p->b = tu_rand_vals(tu_xorshift, &rng_state, k->o, 1.0);
+  p->gy = tu_rand_vals(tu_xorshift, &rng_state, p->yn, 1.0);
   p->y = malloc(sizeof(double) * (size_t)(p->yn ? p->yn : 1));
   p->gx = malloc(sizeof(double) * (size_t)(p->xn ? p->xn : 1));
   p->gw = malloc(sizeof(double) * (size_t)(p->wn ? p->wn : 1));
@@ -190,8 +153,8 @@ static void check_cfg(const cfg_t *k, dlua_dtype_t dt, int layout, double tol) {
   char what[160];
   problem_t p;
   problem_init(&p, k);
-  dlua_tensor_t *x = make(4, p.xs, dt, p.x), *w = make(4, p.ws, dt, p.w), *gy = make(4, p.ys, dt, p.gy);
-  dlua_tensor_t *b = k->bias ? make(1, p.bs, dt, p.b) : NULL;
+  dlua_tensor_t *x = tu_make(4, p.xs, dt, p.x), *w = tu_make(4, p.ws, dt, p.w), *gy = tu_make(4, p.ys, dt, p.gy);
+  dlua_tensor_t *b = k->bias ? tu_make(1, p.bs, dt, p.b) : NULL;
   if (layout & 1) {
     dlua_tensor_t *t = to_channels_last(x);
     dlua_tensor_free(x), x = t;
@@ -213,24 +176,24 @@ static void check_cfg(const cfg_t *k, dlua_dtype_t dt, int layout, double tol) {
   for (int d = 0; d < 4; d++) ck_assert_int_eq(dlua_tensor_sizes(y)[d], p.ys[d]);
   if ((layout & 1) && k->o > 1) ck_assert_msg(is_channels_last(y), "%s: output is not channels-last", what);
   if (!(layout & 1)) ck_assert_msg(dlua_tensor_is_contiguous(y), "%s: output is not contiguous", what);
-  double *v = values(y);
+  double *v = tu_values(y);
   char w2[200];
   snprintf(w2, sizeof w2, "%s forward", what);
-  expect_close(v, p.y, p.yn, tol, w2);
+  tu_expect_close(v, p.y, p.yn, tol, w2);
   free(v);
 
   dlua_tensor_t *gx = NULL;
   s = dlua_conv2d_backward_data(&gx, gy, w, p.xs, k->sh, k->sw, k->ph, k->pw, k->dh, k->dw, k->g);
   if (s != DLUA_OK) ck_abort_msg("%s: backward data failed: %s", what, dlua_last_error());
   if ((layout & 1) && k->c > 1) ck_assert_msg(is_channels_last(gx), "%s: grad_input is not channels-last", what);
-  v = values(gx);
+  v = tu_values(gx);
   snprintf(w2, sizeof w2, "%s backward data", what);
-  expect_close(v, p.gx, p.xn, tol, w2);
+  tu_expect_close(v, p.gx, p.xn, tol, w2);
   free(v);
 
   // Parameter gradients accumulate onto what the tensors hold: start from known junk.
-  double *junk_w = rand_vals(p.wn), *junk_b = rand_vals(k->o);
-  dlua_tensor_t *gw = make(4, p.ws, dt, junk_w), *gb = make(1, p.bs, dt, junk_b);
+  double *junk_w = tu_rand_vals(tu_xorshift, &rng_state, p.wn, 1.0), *junk_b = tu_rand_vals(tu_xorshift, &rng_state, k->o, 1.0);
+  dlua_tensor_t *gw = tu_make(4, p.ws, dt, junk_w), *gb = tu_make(1, p.bs, dt, junk_b);
   if (layout & 2) {
     dlua_tensor_t *t = to_channels_last(gw);
     dlua_tensor_free(gw), gw = t;
@@ -239,26 +202,26 @@ static void check_cfg(const cfg_t *k, dlua_dtype_t dt, int layout, double tol) {
   if (s != DLUA_OK) ck_abort_msg("%s: backward weights failed: %s", what, dlua_last_error());
   for (int64_t i = 0; i < p.wn; i++) junk_w[i] += p.gw[i];
   for (int64_t i = 0; i < k->o; i++) junk_b[i] += p.gb[i];
-  v = values(gw);
+  v = tu_values(gw);
   snprintf(w2, sizeof w2, "%s backward weights (accumulated)", what);
-  expect_close(v, junk_w, p.wn, tol, w2);
+  tu_expect_close(v, junk_w, p.wn, tol, w2);
   free(v);
   if (k->bias) {
-    v = values(gb);
+    v = tu_values(gb);
     snprintf(w2, sizeof w2, "%s backward bias (accumulated)", what);
-    expect_close(v, junk_b, k->o, tol, w2);
+    tu_expect_close(v, junk_b, k->o, tol, w2);
     free(v);
   }
   // accumulate = 0 overwrites.
   s = dlua_conv2d_backward_weights(gw, k->bias ? gb : NULL, x, gy, k->sh, k->sw, k->ph, k->pw, k->dh, k->dw, k->g, 0);
   ck_assert_int_eq(s, DLUA_OK);
-  v = values(gw);
+  v = tu_values(gw);
   snprintf(w2, sizeof w2, "%s backward weights (overwritten)", what);
-  expect_close(v, p.gw, p.wn, tol, w2);
+  tu_expect_close(v, p.gw, p.wn, tol, w2);
   free(v);
   if (k->bias) {
-    v = values(gb);
-    expect_close(v, p.gb, k->o, tol, what);
+    v = tu_values(gb);
+    tu_expect_close(v, p.gb, k->o, tol, what);
     free(v);
   }
   free(junk_w), free(junk_b);
@@ -294,8 +257,8 @@ END_TEST
 static void check_fd(const cfg_t *k, int layout) {
   problem_t p;
   problem_init(&p, k);
-  dlua_tensor_t *x = make(4, p.xs, DLUA_DTYPE_F64, p.x), *w = make(4, p.ws, DLUA_DTYPE_F64, p.w);
-  dlua_tensor_t *b = make(1, p.bs, DLUA_DTYPE_F64, p.b), *r = make(4, p.ys, DLUA_DTYPE_F64, p.gy);
+  dlua_tensor_t *x = tu_make(4, p.xs, DLUA_DTYPE_F64, p.x), *w = tu_make(4, p.ws, DLUA_DTYPE_F64, p.w);
+  dlua_tensor_t *b = tu_make(1, p.bs, DLUA_DTYPE_F64, p.b), *r = tu_make(4, p.ys, DLUA_DTYPE_F64, p.gy);
   if (layout) {
     dlua_tensor_t *t = to_channels_last(x);
     dlua_tensor_free(x), x = t;
@@ -307,7 +270,7 @@ static void check_fd(const cfg_t *k, int layout) {
   ck_assert_int_eq(dlua_tensor_zeros(&gw, 4, p.ws, DLUA_DTYPE_F64, DLUA_CPU), DLUA_OK);
   ck_assert_int_eq(dlua_tensor_zeros(&gb, 1, p.bs, DLUA_DTYPE_F64, DLUA_CPU), DLUA_OK);
   ck_assert_int_eq(dlua_conv2d_backward_weights(gw, gb, x, r, k->sh, k->sw, k->ph, k->pw, k->dh, k->dw, k->g, 1), DLUA_OK);
-  double *ax = values(gx), *aw = values(gw), *ab = values(gb);
+  double *ax = tu_values(gx), *aw = tu_values(gw), *ab = tu_values(gb);
 
   const double eps = 1e-6;
   double *pv[3] = {p.x, p.w, p.b}, *an[3] = {ax, aw, ab};
@@ -318,10 +281,10 @@ static void check_fd(const cfg_t *k, int layout) {
       for (int side = 0; side < 2; side++) {
         double keep = pv[which][i];
         pv[which][i] = keep + (side ? -eps : eps);
-        dlua_tensor_t *xt = make(4, p.xs, DLUA_DTYPE_F64, p.x), *wt = make(4, p.ws, DLUA_DTYPE_F64, p.w);
-        dlua_tensor_t *bt = make(1, p.bs, DLUA_DTYPE_F64, p.b), *y = NULL;
+        dlua_tensor_t *xt = tu_make(4, p.xs, DLUA_DTYPE_F64, p.x), *wt = tu_make(4, p.ws, DLUA_DTYPE_F64, p.w);
+        dlua_tensor_t *bt = tu_make(1, p.bs, DLUA_DTYPE_F64, p.b), *y = NULL;
         ck_assert_int_eq(dlua_conv2d_forward(&y, xt, wt, bt, k->sh, k->sw, k->ph, k->pw, k->dh, k->dw, k->g), DLUA_OK);
-        double *yv = values(y);
+        double *yv = tu_values(y);
         loss[side] = 0;
         for (int64_t j = 0; j < p.yn; j++) loss[side] += yv[j] * p.gy[j];
         free(yv);
@@ -358,18 +321,18 @@ START_TEST(test_accumulate_doubles) {
     dlua_dtype_t dt = dti ? DLUA_DTYPE_F64 : DLUA_DTYPE_F32;
     problem_t p;
     problem_init(&p, &k);
-    dlua_tensor_t *x = make(4, p.xs, dt, p.x), *gy = make(4, p.ys, dt, p.gy), *gw = NULL, *gb = NULL;
+    dlua_tensor_t *x = tu_make(4, p.xs, dt, p.x), *gy = tu_make(4, p.ys, dt, p.gy), *gw = NULL, *gb = NULL;
     ck_assert_int_eq(dlua_tensor_zeros(&gw, 4, p.ws, dt, DLUA_CPU), DLUA_OK);
     ck_assert_int_eq(dlua_tensor_zeros(&gb, 1, p.bs, dt, DLUA_CPU), DLUA_OK);
     for (int rep = 0; rep < 2; rep++)
       ck_assert_int_eq(dlua_conv2d_backward_weights(gw, gb, x, gy, 1, 1, 1, 1, 1, 1, 1, 1), DLUA_OK);
     for (int64_t i = 0; i < p.wn; i++) p.gw[i] *= 2;
     for (int64_t i = 0; i < k.o; i++) p.gb[i] *= 2;
-    double *v = values(gw);
-    expect_close(v, p.gw, p.wn, dti ? 1e-12 : 2e-5, "twice-accumulated weights");
+    double *v = tu_values(gw);
+    tu_expect_close(v, p.gw, p.wn, dti ? 1e-12 : 2e-5, "twice-accumulated weights");
     free(v);
-    v = values(gb);
-    expect_close(v, p.gb, k.o, dti ? 1e-12 : 2e-5, "twice-accumulated bias");
+    v = tu_values(gb);
+    tu_expect_close(v, p.gb, k.o, dti ? 1e-12 : 2e-5, "twice-accumulated bias");
     free(v);
     dlua_tensor_free(x), dlua_tensor_free(gy), dlua_tensor_free(gw), dlua_tensor_free(gb);
     problem_free(&p);
@@ -387,12 +350,12 @@ START_TEST(test_noncontiguous_operands) {
   naive_forward(&k, p.x, p.w, p.b, p.y);
 
   int64_t wide[4] = {2, 3, 5, 9};
-  double *wv = rand_vals(2 * 3 * 5 * 9);
+  double *wv = tu_rand_vals(tu_xorshift, &rng_state, 2 * 3 * 5 * 9, 1.0);
   for (int64_t n = 0; n < 2; n++)
     for (int64_t c = 0; c < 3; c++)
       for (int64_t h = 0; h < 5; h++)
         for (int64_t q = 0; q < 6; q++) wv[X4(n, c, h, q + 2, 3, 5, 9)] = p.x[X4(n, c, h, q, 3, 5, 6)];
-  dlua_tensor_t *xw = make(4, wide, DLUA_DTYPE_F32, wv), *x = NULL;
+  dlua_tensor_t *xw = tu_make(4, wide, DLUA_DTYPE_F32, wv), *x = NULL;
   ck_assert_int_eq(dlua_tensor_narrow(&x, xw, 3, 2, 6), DLUA_OK);
   // w stored as (kW, C, kH, O) and permuted back to (O, C, kH, kW).
   int64_t wphys[4] = {k.kw, k.c, k.kh, k.o};
@@ -401,11 +364,11 @@ START_TEST(test_noncontiguous_operands) {
     for (int64_t c = 0; c < k.c; c++)
       for (int64_t i = 0; i < k.kh; i++)
         for (int64_t j = 0; j < k.kw; j++) wp[X4(j, c, i, o, k.c, k.kh, k.o)] = p.w[X4(o, c, i, j, k.c, k.kh, k.kw)];
-  dlua_tensor_t *wt = make(4, wphys, DLUA_DTYPE_F32, wp), *w = NULL;
+  dlua_tensor_t *wt = tu_make(4, wphys, DLUA_DTYPE_F32, wp), *w = NULL;
   static const int perm[4] = {3, 1, 2, 0};
   ck_assert_int_eq(dlua_tensor_permute(&w, wt, perm), DLUA_OK);
   int64_t one = 1, bo = k.o;
-  dlua_tensor_t *b1 = make(1, &one, DLUA_DTYPE_F32, p.b), *b = NULL;
+  dlua_tensor_t *b1 = tu_make(1, &one, DLUA_DTYPE_F32, p.b), *b = NULL;
   ck_assert_int_eq(dlua_tensor_expand(&b, b1, 1, &bo), DLUA_OK);
 
   // The output given as a float64 tensor viewed through a transpose (not NCHW nor NHWC).
@@ -416,23 +379,23 @@ START_TEST(test_noncontiguous_operands) {
   dlua_tensor_t *yo = y;
   ck_assert_int_eq(dlua_conv2d_forward(&y, x, w, b, 1, 1, 1, 0, 1, 1, 1), DLUA_OK);
   ck_assert_ptr_eq(y, yo);
-  double *v = values(y);
-  expect_close(v, p.y, p.yn, 2e-5, "forward into a transposed float64 output");
+  double *v = tu_values(y);
+  tu_expect_close(v, p.y, p.yn, 2e-5, "forward into a transposed float64 output");
   free(v);
 
   // Weight gradient accumulated into a float64 OHWI tensor, from a float32 problem.
-  dlua_tensor_t *gy = make(4, p.ys, DLUA_DTYPE_F32, p.gy), *gw0 = NULL, *gw = NULL, *gb = NULL;
+  dlua_tensor_t *gy = tu_make(4, p.ys, DLUA_DTYPE_F32, p.gy), *gw0 = NULL, *gw = NULL, *gb = NULL;
   ck_assert_int_eq(dlua_tensor_zeros(&gw0, 4, p.ws, DLUA_DTYPE_F64, DLUA_CPU), DLUA_OK);
   gw = to_channels_last(gw0);
   ck_assert_int_eq(dlua_tensor_fill_(gw, 0.5), DLUA_OK);
   ck_assert_int_eq(dlua_tensor_zeros(&gb, 1, p.bs, DLUA_DTYPE_F64, DLUA_CPU), DLUA_OK);
   ck_assert_int_eq(dlua_conv2d_backward_weights(gw, gb, x, gy, 1, 1, 1, 0, 1, 1, 1, 1), DLUA_OK);
   for (int64_t i = 0; i < p.wn; i++) p.gw[i] += 0.5;
-  v = values(gw);
-  expect_close(v, p.gw, p.wn, 2e-5, "weight gradient accumulated into float64 OHWI");
+  v = tu_values(gw);
+  tu_expect_close(v, p.gw, p.wn, 2e-5, "weight gradient accumulated into float64 OHWI");
   free(v);
-  v = values(gb);
-  expect_close(v, p.gb, k.o, 2e-5, "bias gradient into float64");
+  v = tu_values(gb);
+  tu_expect_close(v, p.gb, k.o, 2e-5, "bias gradient into float64");
   free(v);
 
   free(wv), free(wp);
@@ -467,14 +430,14 @@ START_TEST(test_empty) {
     ck_assert_int_eq(dlua_tensor_fill_(gw, 7.0), DLUA_OK);
     ck_assert_int_eq(dlua_tensor_fill_(gb, 7.0), DLUA_OK);
     ck_assert_int_eq(dlua_conv2d_backward_weights(gw, gb, x, y, 2, 2, 1, 1, 1, 1, 1, 1), DLUA_OK);
-    double *v = values(gw);
+    double *v = tu_values(gw);
     for (int i = 0; i < 108; i++) ck_assert(v[i] == 7.0);
     free(v);
     ck_assert_int_eq(dlua_conv2d_backward_weights(gw, gb, x, y, 2, 2, 1, 1, 1, 1, 1, 0), DLUA_OK);
-    v = values(gw);
+    v = tu_values(gw);
     for (int i = 0; i < 108; i++) ck_assert(v[i] == 0.0);
     free(v);
-    v = values(gb);
+    v = tu_values(gb);
     for (int i = 0; i < 4; i++) ck_assert(v[i] == 0.0);
     free(v);
     dlua_tensor_free(y), dlua_tensor_free(gx);
@@ -490,7 +453,7 @@ START_TEST(test_empty) {
     ck_assert_int_eq(dlua_conv2d_forward(&y, x2, w2, b, 1, 1, 1, 0, 1, 1, 1), DLUA_OK);
     int64_t want2[4] = {2, 4, 2, 4};
     for (int d = 0; d < 4; d++) ck_assert_int_eq(dlua_tensor_sizes(y)[d], want2[d]);
-    v = values(y);
+    v = tu_values(y);
     for (int i = 0; i < 64; i++) ck_assert(v[i] == 3.0);
     free(v);
     dlua_tensor_free(x), dlua_tensor_free(w), dlua_tensor_free(b), dlua_tensor_free(y);
@@ -515,8 +478,8 @@ START_TEST(test_f64_thread_independent) {
   const cfg_t k = {4, 8, 16, 15, 8, 3, 3, 1, 2, 1, 1, 1, 1, 2, 1};
   problem_t p;
   problem_init(&p, &k);
-  dlua_tensor_t *x = make(4, p.xs, DLUA_DTYPE_F64, p.x), *w = make(4, p.ws, DLUA_DTYPE_F64, p.w);
-  dlua_tensor_t *b = make(1, p.bs, DLUA_DTYPE_F64, p.b), *gy = make(4, p.ys, DLUA_DTYPE_F64, p.gy);
+  dlua_tensor_t *x = tu_make(4, p.xs, DLUA_DTYPE_F64, p.x), *w = tu_make(4, p.ws, DLUA_DTYPE_F64, p.w);
+  dlua_tensor_t *b = tu_make(1, p.bs, DLUA_DTYPE_F64, p.b), *gy = tu_make(4, p.ys, DLUA_DTYPE_F64, p.gy);
   double *res[2][3];
   int saved = dlua_get_num_threads();
   for (int t = 0; t < 2; t++) {
@@ -526,14 +489,14 @@ START_TEST(test_f64_thread_independent) {
     ck_assert_int_eq(dlua_conv2d_backward_data(&gx, gy, w, p.xs, 1, 2, 1, 1, 1, 1, 2), DLUA_OK);
     ck_assert_int_eq(dlua_tensor_zeros(&gw, 4, p.ws, DLUA_DTYPE_F64, DLUA_CPU), DLUA_OK);
     ck_assert_int_eq(dlua_conv2d_backward_weights(gw, NULL, x, gy, 1, 2, 1, 1, 1, 1, 2, 1), DLUA_OK);
-    res[t][0] = values(y), res[t][1] = values(gx), res[t][2] = values(gw);
+    res[t][0] = tu_values(y), res[t][1] = tu_values(gx), res[t][2] = tu_values(gw);
     dlua_tensor_free(y), dlua_tensor_free(gx), dlua_tensor_free(gw);
   }
   ck_assert_int_eq(dlua_set_num_threads(saved), DLUA_OK);
   ck_assert(memcmp(res[0][0], res[1][0], sizeof(double) * (size_t)p.yn) == 0);
   ck_assert(memcmp(res[0][1], res[1][1], sizeof(double) * (size_t)p.xn) == 0);
   ck_assert(memcmp(res[0][2], res[1][2], sizeof(double) * (size_t)p.wn) == 0);
-  expect_close(res[0][0], p.y, p.yn, 1e-12, "f64 forward");
+  tu_expect_close(res[0][0], p.y, p.yn, 1e-12, "f64 forward");
   for (int t = 0; t < 2; t++)
     for (int i = 0; i < 3; i++) free(res[t][i]);
   dlua_tensor_free(x), dlua_tensor_free(w), dlua_tensor_free(b), dlua_tensor_free(gy);
@@ -548,8 +511,8 @@ START_TEST(test_primitive_cache) {
   dlua_conv_cache_stats(&n0, &h0, &m0);
   ck_assert_int_eq(n0, 0);
   int64_t xs[4] = {1, 2, 6, 6}, ws[4] = {3, 2, 3, 3};
-  double *xv = rand_vals(72), *wv = rand_vals(54);
-  dlua_tensor_t *x = make(4, xs, DLUA_DTYPE_F32, xv), *w = make(4, ws, DLUA_DTYPE_F32, wv);
+  double *xv = tu_rand_vals(tu_xorshift, &rng_state, 72, 1.0), *wv = tu_rand_vals(tu_xorshift, &rng_state, 54, 1.0);
+  dlua_tensor_t *x = tu_make(4, xs, DLUA_DTYPE_F32, xv), *w = tu_make(4, ws, DLUA_DTYPE_F32, wv);
   for (int rep = 0; rep < 3; rep++) {
     dlua_tensor_t *y = NULL;
     ck_assert_int_eq(dlua_conv2d_forward(&y, x, w, NULL, 1, 1, 1, 1, 1, 1, 1), DLUA_OK);
@@ -653,9 +616,5 @@ static Suite *conv_suite(void) {
 }
 
 int main(void) {
-  SRunner *sr = srunner_create(conv_suite());
-  srunner_run_all(sr, CK_NORMAL);
-  int failed = srunner_ntests_failed(sr);
-  srunner_free(sr);
-  return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+  return tu_run(conv_suite());
 }

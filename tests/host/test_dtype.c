@@ -8,6 +8,8 @@
 #include "core/api.h"
 #include "core/tensor.h"
 
+#include "testutil.h"
+
 static uint32_t fbits(float f) {
   uint32_t u;
   memcpy(&u, &f, 4);
@@ -322,9 +324,5 @@ int main(void) {
   tcase_add_test(tc, test_casts);
   tcase_add_test(tc, test_cast_matrix);
   suite_add_tcase(s, tc);
-  SRunner *sr = srunner_create(s);
-  srunner_run_all(sr, CK_NORMAL);
-  int failed = srunner_ntests_failed(sr);
-  srunner_free(sr);
-  return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+  return tu_run(s);
 }

@@ -9,6 +9,8 @@
 #include "core/runtime.h"
 #include "core/api.h"
 
+#include "testutil.h"
+
 START_TEST(test_message_has_file_and_line) {
   dlua_clear_error();
   dlua_status_t s = DLUA_ERR(DLUA_ERR_ARG, "add: shapes (%d) and (%d) differ", 3, 4);
@@ -94,9 +96,5 @@ int main(void) {
   tcase_add_test(tc, test_interrupt_flag);
   tcase_add_test(tc, test_versions);
   suite_add_tcase(s, tc);
-  SRunner *sr = srunner_create(s);
-  srunner_run_all(sr, CK_NORMAL);
-  int failed = srunner_ntests_failed(sr);
-  srunner_free(sr);
-  return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+  return tu_run(s);
 }

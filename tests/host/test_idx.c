@@ -10,6 +10,8 @@
 
 #include "core/api.h"
 
+#include "testutil.h"
+
 static char tmpdir[256];
 
 static void make_tmpdir(void) {
@@ -398,9 +400,5 @@ int main(void) {
   tcase_add_test(tc, test_mnist_pairs);
   tcase_add_test(tc, test_fashion_mnist_if_installed);
   suite_add_tcase(s, tc);
-  SRunner *sr = srunner_create(s);
-  srunner_run_all(sr, CK_NORMAL);
-  int failed = srunner_ntests_failed(sr);
-  srunner_free(sr);
-  return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+  return tu_run(s);
 }

@@ -8,33 +8,17 @@
 #include "core/api.h"
 #include "core/tensor.h"
 
-static uint64_t rng_state = 0x2545f4914f6cdd1dull;
-static double urand(void) {  // xorshift64: uniform in [-1, 1)
-  rng_state ^= rng_state << 13;
-  rng_state ^= rng_state >> 7;
-  rng_state ^= rng_state << 17;
-  return (double)(rng_state >> 11) / (double)(1ull << 52) - 1.0;
-}
-static int64_t irand(int64_t n) { return (int64_t)((urand() + 1.0) / 2.0 * (double)n) % (n ? n : 1); }
+#include "testutil.h"
 
-/* A tensor of dtype holding vals (zeros when vals is NULL). */
-static dlua_tensor_t *make(int nd, const int64_t *sizes, dlua_dtype_t dtype, const double *vals) {
-  int64_t n = dlua_shape_numel(nd, sizes);
-  double *zeros = calloc((size_t)(n ? n : 1), sizeof(double));
-  dlua_tensor_t *d = NULL, *t = NULL;
-  ck_assert_int_eq(dlua_tensor_from_data(&d, nd, sizes, DLUA_DTYPE_F64, vals ? vals : zeros), DLUA_OK);
-  ck_assert_int_eq(dlua_tensor_to_dtype(&t, d, dtype), DLUA_OK);
-  dlua_tensor_free(d);
-  free(zeros);
-  return t;
-}
+static uint64_t rng_state = 0x2545f4914f6cdd1dull;
+static int64_t irand(int64_t n) { return (int64_t)((tu_xorshift(&rng_state) + 1.0) / 2.0 * (double)n) % (n ? n : 1); }
 
 /* Small integers stored exactly in every dtype (bool: 0/1). */
 static dlua_tensor_t *make_rand(int nd, const int64_t *sizes, dlua_dtype_t dtype) {
   int64_t n = dlua_shape_numel(nd, sizes);
   double *v = malloc(sizeof(double) * (size_t)(n ? n : 1));
   for (int64_t i = 0; i < n; i++) v[i] = dtype == DLUA_DTYPE_BOOL ? (double)irand(2) : (double)irand(200) - (dtype == DLUA_DTYPE_U8 ? 0 : 100);
-  dlua_tensor_t *t = make(nd, sizes, dtype, v);
+  dlua_tensor_t *t = tu_make(nd, sizes, dtype, v);
   free(v);
   return t;
 }
@@ -43,32 +27,17 @@ static dlua_tensor_t *make_index(int nd, const int64_t *sizes, dlua_dtype_t dtyp
   int64_t n = dlua_shape_numel(nd, sizes);
   double *v = malloc(sizeof(double) * (size_t)(n ? n : 1));
   for (int64_t i = 0; i < n; i++) v[i] = (double)(lo + irand(span));
-  dlua_tensor_t *t = make(nd, sizes, dtype, v);
+  dlua_tensor_t *t = tu_make(nd, sizes, dtype, v);
   free(v);
   return t;
 }
 
-static double *values(const dlua_tensor_t *t) {
-  int64_t n = dlua_tensor_numel(t);
-  dlua_tensor_t *d = NULL;
-  ck_assert_int_eq(dlua_tensor_to_dtype(&d, t, DLUA_DTYPE_F64), DLUA_OK);
-  double *v = malloc(sizeof(double) * (size_t)(n ? n : 1));
-  ck_assert_int_eq(dlua_tensor_to_data(d, v, sizeof(double) * (size_t)n), DLUA_OK);
-  dlua_tensor_free(d);
-  return v;
-}
-
 static void expect_values(const dlua_tensor_t *t, const double *want, int64_t n, const char *what) {
   ck_assert_int_eq(dlua_tensor_numel(t), n);
-  double *got = values(t);
+  double *got = tu_values(t);
   for (int64_t i = 0; i < n; i++)
     ck_assert_msg(got[i] == want[i], "%s: element %lld is %g, expected %g", what, (long long)i, got[i], want[i]);
   free(got);
-}
-
-static void expect_error(dlua_status_t s, const char *needle) {
-  ck_assert_int_eq(s, DLUA_ERR_ARG);
-  ck_assert_msg(strstr(dlua_last_error(), needle) != NULL, "message '%s' lacks '%s'", dlua_last_error(), needle);
 }
 
 static const dlua_dtype_t all_dtypes[] = {DLUA_DTYPE_F32, DLUA_DTYPE_F64, DLUA_DTYPE_F16, DLUA_DTYPE_BF16,
@@ -81,7 +50,7 @@ static void check_index_select(const dlua_tensor_t *a, int dim, const dlua_tenso
                                const char *what) {
   const int64_t *s = dlua_tensor_sizes(a);
   int64_t n = dlua_tensor_numel(index);
-  double *av = values(a), *iv = values(index);
+  double *av = tu_values(a), *iv = tu_values(index);
   int64_t os[3] = {s[0], s[1], s[2]};
   os[dim] = n;
   double *want = malloc(sizeof(double) * (size_t)(os[0] * os[1] * os[2] + 1));
@@ -136,8 +105,8 @@ START_TEST(test_index_select) {
   int rev[4] = {3, 2, 1, 0};
   dlua_tensor_t *q0 = make_rand(4, (int64_t[]){2, 3, 4, 5}, DLUA_DTYPE_I64), *q = NULL;
   ck_assert_int_eq(dlua_tensor_permute(&q, q0, rev), DLUA_OK);  // (5, 4, 3, 2)
-  double qi[3] = {4, 0, 2}, *qv = values(q), want[3 * 24];
-  dlua_tensor_t *qix = make(1, (int64_t[]){3}, DLUA_DTYPE_I64, qi), *qo = NULL;
+  double qi[3] = {4, 0, 2}, *qv = tu_values(q), want[3 * 24];
+  dlua_tensor_t *qix = tu_make(1, (int64_t[]){3}, DLUA_DTYPE_I64, qi), *qo = NULL;
   for (int r = 0; r < 3; r++) memcpy(want + r * 24, qv + (int64_t)qi[r] * 24, sizeof(double) * 24);
   ck_assert_int_eq(dlua_tensor_index_select(&qo, q, 0, qix, 0), DLUA_OK);
   expect_values(qo, want, 72, "reversed 4-D");
@@ -151,14 +120,14 @@ START_TEST(test_index_select_errors) {
   int64_t s[2] = {5, 3}, si[1] = {3};
   dlua_tensor_t *a = make_rand(2, s, DLUA_DTYPE_F32), *out = NULL;
   double bad0[3] = {0, 5, 1}, bad1[3] = {1, 0, 2}, neg[3] = {-1, 0, 0};
-  dlua_tensor_t *b0 = make(1, si, DLUA_DTYPE_I64, bad0), *b1 = make(1, si, DLUA_DTYPE_I32, bad1);
-  dlua_tensor_t *bn = make(1, si, DLUA_DTYPE_I64, neg), *fi = make(1, si, DLUA_DTYPE_F32, bad1);
-  expect_error(dlua_tensor_index_select(&out, a, 0, b0, 0), "index_select: index 5 is out of range for dimension 0 of size 5 (valid: 0..4)");
+  dlua_tensor_t *b0 = tu_make(1, si, DLUA_DTYPE_I64, bad0), *b1 = tu_make(1, si, DLUA_DTYPE_I32, bad1);
+  dlua_tensor_t *bn = tu_make(1, si, DLUA_DTYPE_I64, neg), *fi = tu_make(1, si, DLUA_DTYPE_F32, bad1);
+  tu_expect_error(dlua_tensor_index_select(&out, a, 0, b0, 0), "index_select: index 5 is out of range for dimension 0 of size 5 (valid: 0..4)");
   ck_assert_ptr_null(out);
-  expect_error(dlua_tensor_index_select(&out, a, 0, b1, 1), "index_select: index 0 is out of range for dimension 1 of size 5 (valid: 1..5)");
-  expect_error(dlua_tensor_index_select(&out, a, 1, bn, 0), "index -1 is out of range");
-  expect_error(dlua_tensor_index_select(&out, a, 0, fi, 0), "index_select: index must be int32 or int64");
-  expect_error(dlua_tensor_index_select(&out, a, 2, b0, 0), "index_select: dimension 2 is out of range");
+  tu_expect_error(dlua_tensor_index_select(&out, a, 0, b1, 1), "index_select: index 0 is out of range for dimension 1 of size 5 (valid: 1..5)");
+  tu_expect_error(dlua_tensor_index_select(&out, a, 1, bn, 0), "index -1 is out of range");
+  tu_expect_error(dlua_tensor_index_select(&out, a, 0, fi, 0), "index_select: index must be int32 or int64");
+  tu_expect_error(dlua_tensor_index_select(&out, a, 2, b0, 0), "index_select: dimension 2 is out of range");
   dlua_tensor_t *ts[] = {a, b0, b1, bn, fi};
   for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) dlua_tensor_free(ts[i]);
 }
@@ -170,14 +139,14 @@ START_TEST(test_gather) {
   int64_t s[3] = {3, 5, 7};
   for (size_t d = 0; d < sizeof all_dtypes / sizeof all_dtypes[0]; d++) {
     dlua_tensor_t *a = make_rand(3, s, all_dtypes[d]);
-    double *av = values(a);
+    double *av = tu_values(a);
     for (int dim = 0; dim < 3; dim++) {
       // Index smaller than a in the other dims, any size along dim.
       int64_t is[3] = {2, 4, 6};
       is[dim] = 9;
       for (int b = 0; b < 2; b++) {
         dlua_tensor_t *idx = make_index(3, is, b ? DLUA_DTYPE_I32 : DLUA_DTYPE_I64, b, s[dim]);
-        double *iv = values(idx);
+        double *iv = tu_values(idx);
         int64_t n = is[0] * is[1] * is[2];
         double *want = malloc(sizeof(double) * (size_t)n);
         for (int64_t i = 0; i < is[0]; i++)
@@ -210,7 +179,7 @@ START_TEST(test_gather_strided_and_errors) {
   ck_assert_int_eq(dlua_tensor_transpose(&a, a0, 0, 1), DLUA_OK);  // (4, 6) strided
   dlua_tensor_t *i0 = make_index(2, st, DLUA_DTYPE_I64, 1, 6), *it = NULL;
   ck_assert_int_eq(dlua_tensor_transpose(&it, i0, 0, 1), DLUA_OK);  // (4, 3) strided
-  double *av = values(a), *iv = values(it), want[12];
+  double *av = tu_values(a), *iv = tu_values(it), want[12];
   for (int i = 0; i < 4; i++)
     for (int j = 0; j < 3; j++) want[i * 3 + j] = av[i * 6 + (int64_t)iv[i * 3 + j] - 1];
   dlua_tensor_t *out = NULL;
@@ -220,12 +189,12 @@ START_TEST(test_gather_strided_and_errors) {
   out = NULL;
   // Errors: out of range (named as the caller counts), wrong ndim, index larger than input.
   double bad[3] = {1, 7, 2};
-  dlua_tensor_t *b = make(2, (int64_t[]){1, 3}, DLUA_DTYPE_I64, bad);
-  expect_error(dlua_tensor_gather(&out, a, 1, b, 1), "gather: index 7 is out of range for dimension 2 of size 6 (valid: 1..6)");
-  dlua_tensor_t *b1 = make(1, (int64_t[]){3}, DLUA_DTYPE_I64, bad);
-  expect_error(dlua_tensor_gather(&out, a, 1, b1, 1), "same number of dimensions");
+  dlua_tensor_t *b = tu_make(2, (int64_t[]){1, 3}, DLUA_DTYPE_I64, bad);
+  tu_expect_error(dlua_tensor_gather(&out, a, 1, b, 1), "gather: index 7 is out of range for dimension 2 of size 6 (valid: 1..6)");
+  dlua_tensor_t *b1 = tu_make(1, (int64_t[]){3}, DLUA_DTYPE_I64, bad);
+  tu_expect_error(dlua_tensor_gather(&out, a, 1, b1, 1), "same number of dimensions");
   dlua_tensor_t *big = make_index(2, (int64_t[]){5, 2}, DLUA_DTYPE_I64, 0, 6);
-  expect_error(dlua_tensor_gather(&out, a, 1, big, 0), "larger than input");
+  tu_expect_error(dlua_tensor_gather(&out, a, 1, big, 0), "larger than input");
   ck_assert_ptr_null(out);
   (void)s;
   free(av);
@@ -242,7 +211,7 @@ START_TEST(test_scatter_add_known) {
   static const dlua_dtype_t dts[] = {DLUA_DTYPE_F32, DLUA_DTYPE_F64, DLUA_DTYPE_F16, DLUA_DTYPE_BF16,
                                      DLUA_DTYPE_I32, DLUA_DTYPE_I64, DLUA_DTYPE_U8};
   for (size_t d = 0; d < sizeof dts / sizeof dts[0]; d++) {
-    dlua_tensor_t *t = make(1, s5, dts[d], NULL), *i = make(1, s6, DLUA_DTYPE_I32, idx), *sr = make(1, s6, dts[d], src);
+    dlua_tensor_t *t = tu_make(1, s5, dts[d], NULL), *i = tu_make(1, s6, DLUA_DTYPE_I32, idx), *sr = tu_make(1, s6, dts[d], src);
     ck_assert_int_eq(dlua_tensor_fill_(t, 0), DLUA_OK);
     ck_assert_int_eq(dlua_tensor_scatter_add_(t, 0, i, sr, 1), DLUA_OK);
     expect_values(t, want, 5, dlua_dtype_name(dts[d]));
@@ -251,12 +220,12 @@ START_TEST(test_scatter_add_known) {
     dlua_tensor_free(sr);
   }
   // Bool cannot be added into; out of range; src smaller than index.
-  dlua_tensor_t *tb = make(1, s5, DLUA_DTYPE_BOOL, NULL), *i = make(1, s6, DLUA_DTYPE_I64, idx), *sr = make(1, s6, DLUA_DTYPE_F32, src);
-  expect_error(dlua_tensor_scatter_add_(tb, 0, i, sr, 1), "scatter_add_: cannot add into");
-  dlua_tensor_t *t = make(1, s5, DLUA_DTYPE_F32, NULL);
-  expect_error(dlua_tensor_scatter_add_(t, 0, i, sr, 0), "scatter_add_: index 5 is out of range for dimension 0 of size 5 (valid: 0..4)");
-  dlua_tensor_t *small = make(1, s5, DLUA_DTYPE_F32, src);
-  expect_error(dlua_tensor_scatter_add_(t, 0, i, small, 1), "scatter_add_: index (6) int64 cpu is larger than src");
+  dlua_tensor_t *tb = tu_make(1, s5, DLUA_DTYPE_BOOL, NULL), *i = tu_make(1, s6, DLUA_DTYPE_I64, idx), *sr = tu_make(1, s6, DLUA_DTYPE_F32, src);
+  tu_expect_error(dlua_tensor_scatter_add_(tb, 0, i, sr, 1), "scatter_add_: cannot add into");
+  dlua_tensor_t *t = tu_make(1, s5, DLUA_DTYPE_F32, NULL);
+  tu_expect_error(dlua_tensor_scatter_add_(t, 0, i, sr, 0), "scatter_add_: index 5 is out of range for dimension 0 of size 5 (valid: 0..4)");
+  dlua_tensor_t *small = tu_make(1, s5, DLUA_DTYPE_F32, src);
+  tu_expect_error(dlua_tensor_scatter_add_(t, 0, i, small, 1), "scatter_add_: index (6) int64 cpu is larger than src");
   dlua_tensor_t *ts[] = {tb, i, sr, t, small};
   for (size_t q = 0; q < sizeof ts / sizeof ts[0]; q++) dlua_tensor_free(ts[q]);
 }
@@ -267,7 +236,7 @@ static void check_scatter(dlua_tensor_t *t, int dim, const int64_t *is, const dl
                           const char *what) {
   const int64_t *ts = dlua_tensor_sizes(t), *ss = dlua_tensor_sizes(src);
   dlua_tensor_t *idx = make_index(3, is, DLUA_DTYPE_I64, base, ts[dim]);
-  double *tv = values(t), *iv = values(idx), *sv = values(src);
+  double *tv = tu_values(t), *iv = tu_values(idx), *sv = tu_values(src);
   for (int64_t i = 0; i < is[0]; i++)
     for (int64_t j = 0; j < is[1]; j++)
       for (int64_t k = 0; k < is[2]; k++) {
@@ -312,8 +281,8 @@ START_TEST(test_scatter_add_threads) {
   dlua_tensor_t *idx = make_index(2, si, DLUA_DTYPE_I64, 0, 64), *src = NULL;
   int64_t ss[2] = {n, 3};
   double *v = malloc(sizeof(double) * (size_t)(n * 3));
-  for (int64_t i = 0; i < n * 3; i++) v[i] = urand() * 1e4;
-  src = make(2, ss, DLUA_DTYPE_F32, v);
+  for (int64_t i = 0; i < n * 3; i++) v[i] = tu_xorshift(&rng_state) * 1e4;
+  src = tu_make(2, ss, DLUA_DTYPE_F32, v);
   dlua_tensor_t *t1 = NULL, *t2 = NULL;
   ck_assert_int_eq(dlua_tensor_zeros(&t1, 2, st, DLUA_DTYPE_F32, DLUA_CPU), DLUA_OK);
   ck_assert_int_eq(dlua_tensor_zeros(&t2, 2, st, DLUA_DTYPE_F32, DLUA_CPU), DLUA_OK);
@@ -325,10 +294,10 @@ START_TEST(test_scatter_add_threads) {
   dlua_set_num_threads(saved);
   ck_assert(memcmp(dlua_tensor_data(t1), dlua_tensor_data(t2), 64 * 3 * 4) == 0);
   // And it is close to the exact sum.
-  double *iv = values(idx), want[192] = {0};
+  double *iv = tu_values(idx), want[192] = {0};
   for (int64_t i = 0; i < n; i++)
     for (int j = 0; j < 3; j++) want[(int64_t)iv[i * 3 + j] * 3 + j] += (float)v[i * 3 + j];
-  double *got = values(t1);
+  double *got = tu_values(t1);
   for (int i = 0; i < 192; i++) ck_assert_msg(fabs(got[i] - want[i]) < 1e-3 * (1 + fabs(want[i])) + 1.0, "slot %d", i);
   free(v);
   free(iv);
@@ -347,7 +316,7 @@ START_TEST(test_cat) {
   dlua_tensor_t *a = make_rand(2, (int64_t[]){2, 3}, DLUA_DTYPE_F32), *b = make_rand(2, (int64_t[]){2, 1}, DLUA_DTYPE_F32);
   dlua_tensor_t *c0 = make_rand(2, (int64_t[]){4, 2}, DLUA_DTYPE_F32), *c = NULL;
   ck_assert_int_eq(dlua_tensor_transpose(&c, c0, 0, 1), DLUA_OK);
-  double *av = values(a), *bv = values(b), *cv = values(c), want[16];
+  double *av = tu_values(a), *bv = tu_values(b), *cv = tu_values(c), want[16];
   for (int i = 0; i < 2; i++) {
     for (int j = 0; j < 3; j++) want[i * 8 + j] = av[i * 3 + j];
     want[i * 8 + 3] = bv[i];
@@ -359,10 +328,10 @@ START_TEST(test_cat) {
   expect_values(out, want, 16, "cat dim 1");
   dlua_tensor_free(out);
   // Along dim 0 with dtype promotion (int32 + float32 -> float32) and a skipped (0,) tensor.
-  dlua_tensor_t *ai = make_rand(2, (int64_t[]){3, 2}, DLUA_DTYPE_I32), *e = make(1, (int64_t[]){0}, DLUA_DTYPE_F64, NULL);
+  dlua_tensor_t *ai = make_rand(2, (int64_t[]){3, 2}, DLUA_DTYPE_I32), *e = tu_make(1, (int64_t[]){0}, DLUA_DTYPE_F64, NULL);
   dlua_tensor_t *bt = NULL;
   ck_assert_int_eq(dlua_tensor_transpose(&bt, a, 0, 1), DLUA_OK);  // (3, 2) float32 strided
-  double *aiv = values(ai), *btv = values(bt), w2[12];
+  double *aiv = tu_values(ai), *btv = tu_values(bt), w2[12];
   memcpy(w2, aiv, sizeof(double) * 6);
   memcpy(w2 + 6, btv, sizeof(double) * 6);
   dlua_tensor_t *p2[3] = {ai, e, bt};
@@ -380,9 +349,9 @@ START_TEST(test_cat) {
   expect_values(o64, w2, 12, "cat into int64");
   // Mismatch and bad dim.
   out = NULL;
-  expect_error(dlua_tensor_cat(&out, 2, (dlua_tensor_t *[]){a, ai}, 1), "cat: tensor 2 (3, 2) int32 cpu does not match");
-  expect_error(dlua_tensor_cat(&out, 1, (dlua_tensor_t *[]){a}, 2), "cat: dimension 2 is out of range");
-  expect_error(dlua_tensor_cat(&out, 0, parts, 0), "cat: expected at least one tensor");
+  tu_expect_error(dlua_tensor_cat(&out, 2, (dlua_tensor_t *[]){a, ai}, 1), "cat: tensor 2 (3, 2) int32 cpu does not match");
+  tu_expect_error(dlua_tensor_cat(&out, 1, (dlua_tensor_t *[]){a}, 2), "cat: dimension 2 is out of range");
+  tu_expect_error(dlua_tensor_cat(&out, 0, parts, 0), "cat: expected at least one tensor");
   ck_assert_ptr_null(out);
   free(av);
   free(bv);
@@ -399,7 +368,7 @@ START_TEST(test_stack) {
   double *xv[3];
   for (int i = 0; i < 3; i++) {
     x[i] = make_rand(2, (int64_t[]){2, 5}, i == 1 ? DLUA_DTYPE_I64 : DLUA_DTYPE_F32);
-    xv[i] = values(x[i]);
+    xv[i] = tu_values(x[i]);
   }
   for (int dim = 0; dim <= 2; dim++) {
     dlua_tensor_t *out = NULL;
@@ -422,8 +391,8 @@ START_TEST(test_stack) {
     dlua_tensor_free(out);
   }
   dlua_tensor_t *odd = make_rand(2, (int64_t[]){5, 2}, DLUA_DTYPE_F32), *out = NULL;
-  expect_error(dlua_tensor_stack(&out, 2, (dlua_tensor_t *[]){x[0], odd}, 0), "stack: tensor 2 (5, 2) float32 cpu does not have the shape");
-  expect_error(dlua_tensor_stack(&out, 1, x, 3), "stack: dimension 3 is out of range");
+  tu_expect_error(dlua_tensor_stack(&out, 2, (dlua_tensor_t *[]){x[0], odd}, 0), "stack: tensor 2 (5, 2) float32 cpu does not have the shape");
+  tu_expect_error(dlua_tensor_stack(&out, 1, x, 3), "stack: dimension 3 is out of range");
   dlua_tensor_free(odd);
   for (int i = 0; i < 3; i++) {
     dlua_tensor_free(x[i]);
@@ -436,7 +405,7 @@ END_TEST
 
 START_TEST(test_one_hot) {
   double lab[6] = {3, 1, 2, 3, 1, 1};
-  dlua_tensor_t *l = make(2, (int64_t[]){2, 3}, DLUA_DTYPE_I64, lab), *out = NULL;
+  dlua_tensor_t *l = tu_make(2, (int64_t[]){2, 3}, DLUA_DTYPE_I64, lab), *out = NULL;
   ck_assert_int_eq(dlua_tensor_one_hot(&out, l, 4, 1, DLUA_DTYPE_F32), DLUA_OK);
   ck_assert(dlua_tensor_ndim(out) == 3 && dlua_tensor_sizes(out)[2] == 4);
   double want[24] = {0};
@@ -444,7 +413,7 @@ START_TEST(test_one_hot) {
   expect_values(out, want, 24, "one_hot f32");
   dlua_tensor_free(out);
   // Inferred class count (largest label) with 0-based int32 labels, bool and f16 outputs.
-  dlua_tensor_t *l0 = make(1, (int64_t[]){6}, DLUA_DTYPE_I32, lab);
+  dlua_tensor_t *l0 = tu_make(1, (int64_t[]){6}, DLUA_DTYPE_I32, lab);
   static const dlua_dtype_t dts[] = {DLUA_DTYPE_BOOL, DLUA_DTYPE_F16, DLUA_DTYPE_BF16, DLUA_DTYPE_I64, DLUA_DTYPE_F64};
   double w4[24] = {0};
   for (int i = 0; i < 6; i++) w4[i * 4 + (int)lab[i]] = 1;
@@ -456,10 +425,10 @@ START_TEST(test_one_hot) {
     dlua_tensor_free(out);
   }
   out = NULL;
-  expect_error(dlua_tensor_one_hot(&out, l, 2, 1, DLUA_DTYPE_F32), "one_hot: index 3 is out of range for the classes of size 2 (valid: 1..2)");
-  expect_error(dlua_tensor_one_hot(&out, l, 3, 0, DLUA_DTYPE_F32), "one_hot: index 3 is out of range");
-  dlua_tensor_t *e = make(1, (int64_t[]){0}, DLUA_DTYPE_I64, NULL);
-  expect_error(dlua_tensor_one_hot(&out, e, -1, 0, DLUA_DTYPE_F32), "one_hot: cannot infer");
+  tu_expect_error(dlua_tensor_one_hot(&out, l, 2, 1, DLUA_DTYPE_F32), "one_hot: index 3 is out of range for the classes of size 2 (valid: 1..2)");
+  tu_expect_error(dlua_tensor_one_hot(&out, l, 3, 0, DLUA_DTYPE_F32), "one_hot: index 3 is out of range");
+  dlua_tensor_t *e = tu_make(1, (int64_t[]){0}, DLUA_DTYPE_I64, NULL);
+  tu_expect_error(dlua_tensor_one_hot(&out, e, -1, 0, DLUA_DTYPE_F32), "one_hot: cannot infer");
   ck_assert_ptr_null(out);
   ck_assert_int_eq(dlua_tensor_one_hot(&out, e, 5, 0, DLUA_DTYPE_F32), DLUA_OK);
   ck_assert(dlua_tensor_sizes(out)[0] == 0 && dlua_tensor_sizes(out)[1] == 5);
@@ -485,9 +454,5 @@ int main(void) {
   tcase_add_test(tc, test_stack);
   tcase_add_test(tc, test_one_hot);
   suite_add_tcase(s, tc);
-  SRunner *sr = srunner_create(s);
-  srunner_run_all(sr, CK_NORMAL);
-  int failed = srunner_ntests_failed(sr);
-  srunner_free(sr);
-  return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+  return tu_run(s);
 }

@@ -8,43 +8,19 @@
 #include "core/api.h"
 #include "core/tensor.h"
 
+#include "testutil.h"
+
 /* ---- helpers -------------------------------------------------------------------------------- */
 
 static uint64_t rng_state = 88172645463325252ull;
-static double urand(void) {  // xorshift64: uniform in [-1, 1)
-  rng_state ^= rng_state << 13;
-  rng_state ^= rng_state >> 7;
-  rng_state ^= rng_state << 17;
-  return (double)(rng_state >> 11) / (double)(1ull << 52) - 1.0;
-}
-
-/* A new tensor of dtype holding `vals` (converted through float64). */
-static dlua_tensor_t *make(int nd, const int64_t *sizes, dlua_dtype_t dtype, const double *vals) {
-  dlua_tensor_t *d = NULL, *t = NULL;
-  ck_assert_int_eq(dlua_tensor_from_data(&d, nd, sizes, DLUA_DTYPE_F64, vals), DLUA_OK);
-  ck_assert_int_eq(dlua_tensor_to_dtype(&t, d, dtype), DLUA_OK);
-  dlua_tensor_free(d);
-  return t;
-}
 
 static dlua_tensor_t *make_rand(int nd, const int64_t *sizes, dlua_dtype_t dtype) {
   int64_t n = dlua_shape_numel(nd, sizes);
   double *v = malloc(sizeof(double) * (size_t)(n ? n : 1));
-  for (int64_t i = 0; i < n; i++) v[i] = dtype == DLUA_DTYPE_I32 || dtype == DLUA_DTYPE_I64 ? floor(urand() * 10) : urand();
-  dlua_tensor_t *t = make(nd, sizes, dtype, v);
+  for (int64_t i = 0; i < n; i++) v[i] = dtype == DLUA_DTYPE_I32 || dtype == DLUA_DTYPE_I64 ? floor(tu_xorshift(&rng_state) * 10) : tu_xorshift(&rng_state);
+  dlua_tensor_t *t = tu_make(nd, sizes, dtype, v);
   free(v);
   return t;
-}
-
-/* Row-major float64 copy of t's elements (caller frees). */
-static double *values(const dlua_tensor_t *t) {
-  int64_t n = dlua_tensor_numel(t);
-  dlua_tensor_t *d = NULL;
-  ck_assert_int_eq(dlua_tensor_to_dtype(&d, t, DLUA_DTYPE_F64), DLUA_OK);
-  double *v = malloc(sizeof(double) * (size_t)(n ? n : 1));
-  ck_assert_int_eq(dlua_tensor_to_data(d, v, sizeof(double) * (size_t)n), DLUA_OK);
-  dlua_tensor_free(d);
-  return v;
 }
 
 /* Reference product of row-major (m, k) and (k, n) double arrays, optionally batched. */
@@ -55,14 +31,6 @@ static void ref_mm(int64_t m, int64_t n, int64_t k, const double *a, const doubl
       for (int64_t p = 0; p < k; p++) s += a[i * k + p] * b[p * n + j];
       c[i * n + j] = s;
     }
-}
-
-static void expect_close(const double *got, const double *want, int64_t n, double tol, const char *what) {
-  for (int64_t i = 0; i < n; i++) {
-    double err = fabs(got[i] - want[i]);
-    if (!(err <= tol * (1.0 + fabs(want[i]))))
-      ck_abort_msg("%s: element %lld is %.9g, expected %.9g (tolerance %g)", what, (long long)i, got[i], want[i], tol);
-  }
 }
 
 static void expect_shape(const dlua_tensor_t *t, int nd, const int64_t *sizes) {
@@ -78,9 +46,9 @@ static void check_sgemm(int ta, int tb, int64_t m, int64_t n, int64_t k, float a
   float *a = malloc(sizeof(float) * (size_t)(ar * lda + 1)), *b = malloc(sizeof(float) * (size_t)(br * ldb + 1));
   float *c = malloc(sizeof(float) * (size_t)(m * ldc + 1));
   double *want = malloc(sizeof(double) * (size_t)(m * n + 1));
-  for (int64_t i = 0; i < ar * lda; i++) a[i] = (float)urand();
-  for (int64_t i = 0; i < br * ldb; i++) b[i] = (float)urand();
-  for (int64_t i = 0; i < m * ldc; i++) c[i] = (float)urand();
+  for (int64_t i = 0; i < ar * lda; i++) a[i] = (float)tu_xorshift(&rng_state);
+  for (int64_t i = 0; i < br * ldb; i++) b[i] = (float)tu_xorshift(&rng_state);
+  for (int64_t i = 0; i < m * ldc; i++) c[i] = (float)tu_xorshift(&rng_state);
   for (int64_t i = 0; i < m; i++)
     for (int64_t j = 0; j < n; j++) {
       double s = 0;
@@ -142,15 +110,15 @@ END_TEST
 /* out = a @ b for 2-D tensors of any layout, checked against ref_mm on their values. */
 static void check_mm_tensors(const dlua_tensor_t *a, const dlua_tensor_t *b, double tol, const char *what) {
   int64_t m = dlua_tensor_sizes(a)[0], k = dlua_tensor_sizes(a)[1], n = dlua_tensor_sizes(b)[1];
-  double *av = values(a), *bv = values(b), *want = malloc(sizeof(double) * (size_t)(m * n + 1));
+  double *av = tu_values(a), *bv = tu_values(b), *want = malloc(sizeof(double) * (size_t)(m * n + 1));
   ref_mm(m, n, k, av, bv, want);
   dlua_tensor_t *out = NULL;
   ck_assert_msg(dlua_tensor_mm(&out, a, b) == DLUA_OK, "%s: %s", what, dlua_last_error());
   int64_t os[2] = {m, n};
   expect_shape(out, 2, os);
   ck_assert_int_eq(dlua_tensor_dtype(out), dlua_dtype_promote(dlua_tensor_dtype(a), dlua_tensor_dtype(b)));
-  double *got = values(out);
-  expect_close(got, want, m * n, tol, what);
+  double *got = tu_values(out);
+  tu_expect_close(got, want, m * n, tol, what);
   free(av);
   free(bv);
   free(want);
@@ -230,7 +198,7 @@ START_TEST(test_mm_empty) {
     b = make_rand(2, sd, dt);
     out = NULL;
     ck_assert_int_eq(dlua_tensor_mm(&out, a, b), DLUA_OK);
-    double *v = values(out);
+    double *v = tu_values(out);
     for (int i = 0; i < 12; i++) ck_assert(v[i] == 0.0);
     free(v);
     dlua_tensor_free(out);
@@ -271,7 +239,7 @@ END_TEST
 START_TEST(test_mm_into_out) {
   int64_t sa[2] = {4, 3}, sb[2] = {3, 5}, so[2] = {4, 5}, sot[2] = {5, 4};
   dlua_tensor_t *a = make_rand(2, sa, DLUA_DTYPE_F32), *b = make_rand(2, sb, DLUA_DTYPE_F32);
-  double *av = values(a), *bv = values(b), want[20];
+  double *av = tu_values(a), *bv = tu_values(b), want[20];
   ref_mm(4, 5, 3, av, bv, want);
   // A contiguous out of the same dtype is written in place (same handle back).
   dlua_tensor_t *o = NULL;
@@ -279,16 +247,16 @@ START_TEST(test_mm_into_out) {
   dlua_tensor_t *keep = o;
   ck_assert_int_eq(dlua_tensor_mm(&o, a, b), DLUA_OK);
   ck_assert_ptr_eq(o, keep);
-  double *got = values(o);
-  expect_close(got, want, 20, 1e-5, "mm into out");
+  double *got = tu_values(o);
+  tu_expect_close(got, want, 20, 1e-5, "mm into out");
   free(got);
   // A transposed float64 out: cast and strided write.
   dlua_tensor_t *base = NULL, *ot = NULL;
   ck_assert_int_eq(dlua_tensor_zeros(&base, 2, sot, DLUA_DTYPE_F64, DLUA_CPU), DLUA_OK);
   ck_assert_int_eq(dlua_tensor_transpose(&ot, base, 0, 1), DLUA_OK);
   ck_assert_int_eq(dlua_tensor_mm(&ot, a, b), DLUA_OK);
-  got = values(ot);
-  expect_close(got, want, 20, 1e-5, "mm into transposed f64 out");
+  got = tu_values(ot);
+  tu_expect_close(got, want, 20, 1e-5, "mm into transposed f64 out");
   free(got);
   free(av);
   free(bv);
@@ -307,14 +275,14 @@ START_TEST(test_bmm) {
   ck_assert_int_eq(dlua_tensor_permute(&bt, bt0, perm), DLUA_OK);
   const dlua_tensor_t *bs[2] = {b, bt};
   for (int v = 0; v < 2; v++) {
-    double *av = values(a), *bv = values(bs[v]), want[4 * 3 * 2];
+    double *av = tu_values(a), *bv = tu_values(bs[v]), want[4 * 3 * 2];
     for (int i = 0; i < 4; i++) ref_mm(3, 2, 5, av + i * 15, bv + i * 10, want + i * 6);
     dlua_tensor_t *out = NULL;
     ck_assert_int_eq(dlua_tensor_bmm(&out, a, bs[v]), DLUA_OK);
     int64_t os[3] = {4, 3, 2};
     expect_shape(out, 3, os);
-    double *got = values(out);
-    expect_close(got, want, 24, 1e-5, v ? "bmm transposed b" : "bmm");
+    double *got = tu_values(out);
+    tu_expect_close(got, want, 24, 1e-5, v ? "bmm transposed b" : "bmm");
     free(av);
     free(bv);
     free(got);
@@ -333,15 +301,15 @@ START_TEST(test_matmul_vectors) {
   int64_t s7[1] = {7}, s37[2] = {3, 7}, s73[2] = {7, 3};
   dlua_tensor_t *x = make_rand(1, s7, DLUA_DTYPE_F32), *y = make_rand(1, s7, DLUA_DTYPE_F32);
   dlua_tensor_t *m = make_rand(2, s37, DLUA_DTYPE_F32), *mt = make_rand(2, s73, DLUA_DTYPE_F32);
-  double *xv = values(x), *yv = values(y), *mv = values(m), *mtv = values(mt);
+  double *xv = tu_values(x), *yv = tu_values(y), *mv = tu_values(m), *mtv = tu_values(mt);
   // dot -> 0-d
   dlua_tensor_t *out = NULL;
   ck_assert_int_eq(dlua_tensor_matmul(&out, x, y), DLUA_OK);
   ck_assert_int_eq(dlua_tensor_ndim(out), 0);
   double dot = 0;
   for (int i = 0; i < 7; i++) dot += xv[i] * yv[i];
-  double *g = values(out);
-  expect_close(g, &dot, 1, 1e-5, "dot");
+  double *g = tu_values(out);
+  tu_expect_close(g, &dot, 1, 1e-5, "dot");
   free(g);
   dlua_tensor_free(out);
   // (3, 7) @ (7) -> (3)
@@ -351,8 +319,8 @@ START_TEST(test_matmul_vectors) {
   expect_shape(out, 1, s3);
   double want[3];
   ref_mm(3, 1, 7, mv, xv, want);
-  g = values(out);
-  expect_close(g, want, 3, 1e-5, "matrix @ vector");
+  g = tu_values(out);
+  tu_expect_close(g, want, 3, 1e-5, "matrix @ vector");
   free(g);
   dlua_tensor_free(out);
   // (7) @ (7, 3) -> (3)
@@ -360,8 +328,8 @@ START_TEST(test_matmul_vectors) {
   ck_assert_int_eq(dlua_tensor_matmul(&out, x, mt), DLUA_OK);
   expect_shape(out, 1, s3);
   ref_mm(1, 3, 7, xv, mtv, want);
-  g = values(out);
-  expect_close(g, want, 3, 1e-5, "vector @ matrix");
+  g = tu_values(out);
+  tu_expect_close(g, want, 3, 1e-5, "vector @ matrix");
   free(g);
   dlua_tensor_free(out);
   // Size mismatch names matmul.
@@ -419,15 +387,15 @@ static void check_matmul(int na, const int64_t *sa, int nb, const int64_t *sb, i
   } else {
     a = make_rand(na, sa, DLUA_DTYPE_F32);
   }
-  double *av = values(a), *bv = values(b);
+  double *av = tu_values(a), *bv = tu_values(b);
   int64_t total = dlua_shape_numel(no, so);
   double *want = malloc(sizeof(double) * (size_t)total);
   ref_matmul(na, sa, av, nb, sb, bv, no, so, want);
   dlua_tensor_t *out = NULL;
   ck_assert_msg(dlua_tensor_matmul(&out, a, b) == DLUA_OK, "%s: %s", what, dlua_last_error());
   expect_shape(out, no, so);
-  double *got = values(out);
-  expect_close(got, want, total, 1e-5, what);
+  double *got = tu_values(out);
+  tu_expect_close(got, want, total, 1e-5, what);
   free(av);
   free(bv);
   free(want);
@@ -460,21 +428,21 @@ START_TEST(test_matmul_batched) {
   {  // (7) @ (2, 7, 3) -> (2, 3) and (2, 3, 7) @ (7) -> (2, 3)
     int64_t s7[1] = {7}, sb[3] = {2, 7, 3}, sa[3] = {2, 3, 7}, so[2] = {2, 3};
     dlua_tensor_t *v = make_rand(1, s7, DLUA_DTYPE_F32), *b = make_rand(3, sb, DLUA_DTYPE_F32), *a = make_rand(3, sa, DLUA_DTYPE_F32);
-    double *vv = values(v), *bv = values(b), *av = values(a), want[6];
+    double *vv = tu_values(v), *bv = tu_values(b), *av = tu_values(a), want[6];
     for (int i = 0; i < 2; i++) ref_mm(1, 3, 7, vv, bv + i * 21, want + i * 3);
     dlua_tensor_t *out = NULL;
     ck_assert_int_eq(dlua_tensor_matmul(&out, v, b), DLUA_OK);
     expect_shape(out, 2, so);
-    double *g = values(out);
-    expect_close(g, want, 6, 1e-5, "vector @ batch");
+    double *g = tu_values(out);
+    tu_expect_close(g, want, 6, 1e-5, "vector @ batch");
     free(g);
     dlua_tensor_free(out);
     for (int i = 0; i < 2; i++) ref_mm(3, 1, 7, av + i * 21, vv, want + i * 3);
     out = NULL;
     ck_assert_int_eq(dlua_tensor_matmul(&out, a, v), DLUA_OK);
     expect_shape(out, 2, so);
-    g = values(out);
-    expect_close(g, want, 6, 1e-5, "batch @ vector");
+    g = tu_values(out);
+    tu_expect_close(g, want, 6, 1e-5, "batch @ vector");
     free(g);
     dlua_tensor_free(out);
     free(vv);
@@ -501,47 +469,47 @@ START_TEST(test_addmm) {
   int64_t sa[2] = {5, 3}, sb[2] = {3, 4}, sc[1] = {4}, so[2] = {5, 4};
   dlua_tensor_t *a = make_rand(2, sa, DLUA_DTYPE_F32), *b = make_rand(2, sb, DLUA_DTYPE_F32);
   dlua_tensor_t *bias = make_rand(1, sc, DLUA_DTYPE_F32);
-  double *av = values(a), *bv = values(b), *cv = values(bias), p[20], want[20];
+  double *av = tu_values(a), *bv = tu_values(b), *cv = tu_values(bias), p[20], want[20];
   ref_mm(5, 4, 3, av, bv, p);
   for (int i = 0; i < 20; i++) want[i] = 0.5 * cv[i % 4] + 2.0 * p[i];
   dlua_tensor_t *out = NULL;
   ck_assert_int_eq(dlua_tensor_addmm(&out, bias, a, b, 0.5, 2.0), DLUA_OK);
   expect_shape(out, 2, so);
-  double *g = values(out);
-  expect_close(g, want, 20, 1e-5, "addmm broadcast bias");
+  double *g = tu_values(out);
+  tu_expect_close(g, want, 20, 1e-5, "addmm broadcast bias");
   free(g);
   dlua_tensor_free(out);
   // beta = 0: c is not read, so NaN in it does not leak.
   double nanv[4] = {NAN, NAN, NAN, NAN};
-  dlua_tensor_t *cn = make(1, sc, DLUA_DTYPE_F32, nanv);
+  dlua_tensor_t *cn = tu_make(1, sc, DLUA_DTYPE_F32, nanv);
   out = NULL;
   ck_assert_int_eq(dlua_tensor_addmm(&out, cn, a, b, 0.0, 1.0), DLUA_OK);
-  g = values(out);
-  expect_close(g, p, 20, 1e-5, "addmm beta 0");
+  g = tu_values(out);
+  tu_expect_close(g, p, 20, 1e-5, "addmm beta 0");
   free(g);
   dlua_tensor_free(out);
   // In place: out is c itself (addmm_).
   dlua_tensor_t *c2 = make_rand(2, so, DLUA_DTYPE_F32), *keep = c2;
-  double *c2v = values(c2);
+  double *c2v = tu_values(c2);
   for (int i = 0; i < 20; i++) want[i] = c2v[i] + p[i];
   ck_assert_int_eq(dlua_tensor_addmm(&c2, c2, a, b, 1.0, 1.0), DLUA_OK);
   ck_assert_ptr_eq(c2, keep);
-  g = values(c2);
-  expect_close(g, want, 20, 1e-5, "addmm in place");
+  g = tu_values(c2);
+  tu_expect_close(g, want, 20, 1e-5, "addmm in place");
   free(g);
   // float64 with a transposed a.
   int64_t sat[2] = {3, 5};
   dlua_tensor_t *a64 = make_rand(2, sat, DLUA_DTYPE_F64), *a64t = NULL, *b64 = NULL;
   ck_assert_int_eq(dlua_tensor_transpose(&a64t, a64, 0, 1), DLUA_OK);
   ck_assert_int_eq(dlua_tensor_to_dtype(&b64, b, DLUA_DTYPE_F64), DLUA_OK);
-  double *a64v = values(a64t);
+  double *a64v = tu_values(a64t);
   ref_mm(5, 4, 3, a64v, bv, p);
   for (int i = 0; i < 20; i++) want[i] = -1.0 * cv[i % 4] + 3.0 * p[i];
   out = NULL;
   ck_assert_int_eq(dlua_tensor_addmm(&out, bias, a64t, b64, -1.0, 3.0), DLUA_OK);
   ck_assert_int_eq(dlua_tensor_dtype(out), DLUA_DTYPE_F64);
-  g = values(out);
-  expect_close(g, want, 20, 1e-6, "addmm float64");  // bias is float32, exact in float64
+  g = tu_values(out);
+  tu_expect_close(g, want, 20, 1e-6, "addmm float64");  // bias is float32, exact in float64
   free(g);
   dlua_tensor_free(out);
   // A c that does not broadcast.
@@ -626,9 +594,5 @@ int main(void) {
   tcase_add_test(tc, test_f64_large);
   tcase_add_test(tc, test_thread_independent);
   suite_add_tcase(s, tc);
-  SRunner *sr = srunner_create(s);
-  srunner_run_all(sr, CK_NORMAL);
-  int failed = srunner_ntests_failed(sr);
-  srunner_free(sr);
-  return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+  return tu_run(s);
 }

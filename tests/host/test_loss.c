@@ -10,14 +10,14 @@
 #include "core/api.h"
 #include "core/tensor.h"
 
+#include "testutil.h"
+
 /* ---- helpers ---------------------------------------------------------------------------------- */
 
 static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
-static double urand(void) {  // [-1, 1)
-  rng_state = rng_state * 6364136223846793005ull + 1442695040888963407ull;
-  return (double)(rng_state >> 11) * (2.0 / 9007199254740992.0) - 1.0;
-}
 
+/* Not tu_put: casts straight to int32/uint8 (bool is not x != 0), and the masks and labels below were
+   written against that; so mk stays local too. */
 static void put(dlua_dtype_t dt, void *buf, int64_t i, double x) {
   switch (dt) {
     case DLUA_DTYPE_F32: ((float *)buf)[i] = (float)x; break;
@@ -27,18 +27,6 @@ static void put(dlua_dtype_t dt, void *buf, int64_t i, double x) {
     case DLUA_DTYPE_I32: ((int32_t *)buf)[i] = (int32_t)x; break;
     case DLUA_DTYPE_I64: ((int64_t *)buf)[i] = (int64_t)x; break;
     default: ((uint8_t *)buf)[i] = (uint8_t)x; break;
-  }
-}
-
-static double get(dlua_dtype_t dt, const void *buf, int64_t i) {
-  switch (dt) {
-    case DLUA_DTYPE_F32: return ((const float *)buf)[i];
-    case DLUA_DTYPE_F64: return ((const double *)buf)[i];
-    case DLUA_DTYPE_F16: return dlua_f16_to_f32(((const uint16_t *)buf)[i]);
-    case DLUA_DTYPE_BF16: return dlua_bf16_to_f32(((const uint16_t *)buf)[i]);
-    case DLUA_DTYPE_I32: return ((const int32_t *)buf)[i];
-    case DLUA_DTYPE_I64: return (double)((const int64_t *)buf)[i];
-    default: return ((const uint8_t *)buf)[i];
   }
 }
 
@@ -52,29 +40,11 @@ static dlua_tensor_t *mk(dlua_dtype_t dt, int nd, const int64_t *sz, const doubl
   return t;
 }
 
-/* Row-major values of t as doubles (caller frees). */
-static double *rd(const dlua_tensor_t *t) {
-  int64_t n = dlua_tensor_numel(t);
-  size_t es = dlua_dtype_size(dlua_tensor_dtype(t));
-  void *buf = malloc((size_t)(n > 0 ? n : 1) * es);
-  ck_assert_int_eq(dlua_tensor_to_data(t, buf, (size_t)n * es), DLUA_OK);
-  double *v = malloc((size_t)(n > 0 ? n : 1) * sizeof(double));
-  for (int64_t i = 0; i < n; i++) v[i] = get(dlua_tensor_dtype(t), buf, i);
-  free(buf);
-  return v;
-}
-
 static double scalar(const dlua_tensor_t *t) {
   ck_assert_int_eq(dlua_tensor_numel(t), 1);
-  double *v = rd(t), x = v[0];
+  double *v = tu_rd(t), x = v[0];
   free(v);
   return x;
-}
-
-static double *rand_vals(int64_t n, double scale) {
-  double *v = malloc((size_t)(n > 0 ? n : 1) * sizeof(double));
-  for (int64_t i = 0; i < n; i++) v[i] = scale * urand();
-  return v;
 }
 
 /* Values as the dtype stores them, so references see exactly the kernel's inputs. */
@@ -82,21 +52,17 @@ static void round_to(dlua_dtype_t dt, double *v, int64_t n) {
   for (int64_t i = 0; i < n; i++) {
     uint8_t buf[8];
     put(dt, buf, 0, v[i]);
-    v[i] = get(dt, buf, 0);
+    v[i] = tu_get(dt, buf, 0);
   }
 }
 
+/* Not tu_expect_close: here NaN may match NaN. */
 static void expect_close(const double *got, const double *want, int64_t n, double tol, const char *what) {
   for (int64_t i = 0; i < n; i++) {
     double err = fabs(got[i] - want[i]), lim = tol * (1 + fabs(want[i]));
     ck_assert_msg(err <= lim || (isnan(got[i]) && isnan(want[i])), "%s: element %lld got %.17g want %.17g", what,
                   (long long)i, got[i], want[i]);
   }
-}
-
-static void expect_error(dlua_status_t s, const char *needle) {
-  ck_assert_int_eq(s, DLUA_ERR_ARG);
-  ck_assert_msg(strstr(dlua_last_error(), needle) != NULL, "error \"%s\" lacks \"%s\"", dlua_last_error(), needle);
 }
 
 static double tol_for(dlua_dtype_t dt) {
@@ -142,14 +108,14 @@ START_TEST(test_softmax_forward) {
           if (d < dim) outer *= cases[c].sz[d];
           if (d > dim) inner *= cases[c].sz[d];
         }
-        double *x = rand_vals(n, 8.0), *want = malloc((size_t)(n + 1) * sizeof(double));
+        double *x = tu_rand_vals(tu_lcg, &rng_state, n, 8.0), *want = malloc((size_t)(n + 1) * sizeof(double));
         round_to(dt, x, n);
         ref_softmax(x, want, outer, K, inner, lg);
         dlua_tensor_t *t = mk(dt, nd, cases[c].sz, x), *y = NULL;
         ck_assert_int_eq(dlua_nn_softmax(&y, t, dim, lg), DLUA_OK);
         ck_assert_int_eq(dlua_tensor_dtype(y), dt);
         ck_assert_int_eq(dlua_tensor_ndim(y), nd);
-        double *got = rd(y);
+        double *got = tu_rd(y);
         char what[64];
         snprintf(what, sizeof what, "softmax case %zu %s log %d", c, dlua_dtype_name(dt), lg);
         // f16/bf16 results are rounded to the dtype: compare relative to that rounding.
@@ -166,7 +132,7 @@ END_TEST
 /* Non-contiguous input, an output of another dtype, in place, and large extremes. */
 START_TEST(test_softmax_views) {
   int64_t sz[2] = {6, 9};
-  double *x = rand_vals(54, 5.0), want[54], xt[54];
+  double *x = tu_rand_vals(tu_lcg, &rng_state, 54, 5.0), want[54], xt[54];
   dlua_tensor_t *base = mk(DLUA_DTYPE_F64, 2, sz, x), *t = NULL, *y = NULL;
   ck_assert_int_eq(dlua_tensor_transpose(&t, base, 0, 1), DLUA_OK);  // (9, 6): t[i][j] = x[j*9+i]
   for (int i = 0; i < 9; i++)
@@ -176,13 +142,13 @@ START_TEST(test_softmax_views) {
   int64_t szt[2] = {9, 6};
   ck_assert_int_eq(dlua_tensor_empty(&y, 2, szt, DLUA_DTYPE_F32, DLUA_CPU), DLUA_OK);
   ck_assert_int_eq(dlua_nn_softmax(&y, t, 1, 0), DLUA_OK);
-  double *got = rd(y);
+  double *got = tu_rd(y);
   expect_close(got, want, 54, 1e-6, "transposed into f32");
   free(got);
   // In place over the transposed view: base changes through the strides.
   ck_assert_int_eq(dlua_nn_softmax(&t, t, 1, 1), DLUA_OK);
   ref_softmax(xt, want, 9, 6, 1, 1);
-  got = rd(t);
+  got = tu_rd(t);
   expect_close(got, want, 54, 1e-13, "in place, transposed");
   free(got);
   // Huge logits: max subtraction keeps it finite.
@@ -190,12 +156,12 @@ START_TEST(test_softmax_views) {
   double big[3] = {1000, 1001, -1000}, e1 = exp(-1.0), w3[3] = {e1 / (1 + e1), 1 / (1 + e1), 0};
   dlua_tensor_t *b = mk(DLUA_DTYPE_F32, 1, &s3, big), *yb = NULL;
   ck_assert_int_eq(dlua_nn_softmax(&yb, b, 0, 0), DLUA_OK);
-  got = rd(yb);
+  got = tu_rd(yb);
   expect_close(got, w3, 3, 1e-6, "large logits");
   free(got);
   // Bad dims.
-  expect_error(dlua_nn_softmax(&yb, b, 1, 0), "softmax: dimension 1 out of range for (3) float32 cpu");
-  expect_error(dlua_nn_softmax(&yb, NULL, 0, 1), "log_softmax: x is NULL");
+  tu_expect_error(dlua_nn_softmax(&yb, b, 1, 0), "softmax: dimension 1 out of range for (3) float32 cpu");
+  tu_expect_error(dlua_nn_softmax(&yb, NULL, 0, 1), "log_softmax: x is NULL");
   dlua_tensor_free(yb);
   dlua_tensor_free(b);
   dlua_tensor_free(y);
@@ -215,7 +181,7 @@ START_TEST(test_softmax_backward_fd) {
         if (d < dim) outer *= sz[d];
         if (d > dim) inner *= sz[d];
       }
-      double *x = rand_vals(n, 3.0), *w = rand_vals(n, 1.0), y[30], num[30];
+      double *x = tu_rand_vals(tu_lcg, &rng_state, n, 3.0), *w = tu_rand_vals(tu_lcg, &rng_state, n, 1.0), y[30], num[30];
       const double h = 1e-6;
       for (int64_t i = 0; i < n; i++) {
         double keep = x[i], lp = 0, lm = 0;
@@ -231,7 +197,7 @@ START_TEST(test_softmax_backward_fd) {
       dlua_tensor_t *xt = mk(DLUA_DTYPE_F64, 3, sz, x), *wt = mk(DLUA_DTYPE_F64, 3, sz, w), *yt = NULL, *gx = NULL;
       ck_assert_int_eq(dlua_nn_softmax(&yt, xt, dim, lg), DLUA_OK);
       ck_assert_int_eq(dlua_nn_softmax_backward(&gx, wt, yt, dim, lg), DLUA_OK);
-      double *got = rd(gx);
+      double *got = tu_rd(gx);
       expect_close(got, num, n, 1e-7, lg ? "log_softmax backward" : "softmax backward");
       // f32 agrees with the f64 gradient to float rounding.
       dlua_tensor_t *x32 = NULL, *w32 = NULL, *y32 = NULL, *g32 = NULL;
@@ -239,7 +205,7 @@ START_TEST(test_softmax_backward_fd) {
       ck_assert_int_eq(dlua_tensor_to_dtype(&w32, wt, DLUA_DTYPE_F32), DLUA_OK);
       ck_assert_int_eq(dlua_nn_softmax(&y32, x32, dim, lg), DLUA_OK);
       ck_assert_int_eq(dlua_nn_softmax_backward(&g32, w32, y32, dim, lg), DLUA_OK);
-      double *got32 = rd(g32);
+      double *got32 = tu_rd(g32);
       expect_close(got32, got, n, 1e-5, "f32 softmax backward");
       free(got32);
       free(got);
@@ -258,7 +224,7 @@ START_TEST(test_softmax_backward_fd) {
   int64_t a[2] = {2, 3}, b[2] = {3, 2};
   double z[6] = {0};
   dlua_tensor_t *ta = mk(DLUA_DTYPE_F32, 2, a, z), *tb = mk(DLUA_DTYPE_F32, 2, b, z), *g = NULL;
-  expect_error(dlua_nn_softmax_backward(&g, ta, tb, 1, 0), "softmax_backward: grad_output (2, 3) float32 cpu and output (3, 2)");
+  tu_expect_error(dlua_nn_softmax_backward(&g, ta, tb, 1, 0), "softmax_backward: grad_output (2, 3) float32 cpu and output (3, 2)");
   ck_assert_ptr_null(g);
   dlua_tensor_free(ta);
   dlua_tensor_free(tb);
@@ -335,11 +301,11 @@ START_TEST(test_cross_entropy_by_hand) {
     ck_assert_msg(fabs(scalar(loss) - mean_want) < tol, "mean %.17g want %.17g", scalar(loss), mean_want);
     double lp_want[12] = {-2 * L2, -2 * L2, -2 * L2, -2 * L2, -3 * L2, -2 * L2, L3 - 3 * L2, -2 * L2,
                           -L2, -2 * L2, -3 * L2, -3 * L2};
-    double *got = rd(lp);
+    double *got = tu_rd(lp);
     expect_close(got, lp_want, 12, tol, "hand log_probs");
     free(got);
     ck_assert_int_eq(dlua_nn_cross_entropy_backward(&g, NULL, lp, lab, wt, DLUA_LOSS_MEAN, 0.2, 0, 1), DLUA_OK);
-    got = rd(g);
+    got = tu_rd(g);
     expect_close(got, g_want, 12, tol, "hand gradient");
     free(got);
     dlua_tensor_free(loss);
@@ -350,14 +316,14 @@ START_TEST(test_cross_entropy_by_hand) {
     loss = NULL;
     ck_assert_int_eq(dlua_nn_cross_entropy(&loss, NULL, x, lab, wt, DLUA_LOSS_NONE, 0.2, 0, 1), DLUA_OK);
     ck_assert_int_eq(dlua_tensor_ndim(loss), 1);
-    got = rd(loss);
+    got = tu_rd(loss);
     expect_close(got, none_want, 3, tol, "hand none");
     free(got);
     // Upstream gradient 2 for sum: twice the mean's gradient times 3.
     double two = 2;
     dlua_tensor_t *g2 = mk(dts[v], 0, NULL, &two), *gs = NULL;
     ck_assert_int_eq(dlua_nn_cross_entropy_backward(&gs, g2, lp, lab, wt, DLUA_LOSS_SUM, 0.2, 0, 1), DLUA_OK);
-    got = rd(gs);
+    got = tu_rd(gs);
     for (int i = 0; i < 12; i++) ck_assert_msg(fabs(got[i] - 6 * g_want[i]) < 8 * tol, "sum grad %d", i);
     free(got);
     dlua_tensor_free(g2);
@@ -391,11 +357,11 @@ START_TEST(test_cross_entropy_reference) {
         int base = opt & 1 ? 1 : 0, weighted = opt >= 2;
         double eps = opt == 1 || opt == 3 ? 0.15 : 0;
         int64_t ignore = base ? 0 : -100;  // class 0 from Lua; -100 from C
-        double *x = rand_vals(N * K * inner, 4.0), *w = rand_vals(K, 1.0), *labd = malloc((size_t)(P + 1) * 8);
+        double *x = tu_rand_vals(tu_lcg, &rng_state, N * K * inner, 4.0), *w = tu_rand_vals(tu_lcg, &rng_state, K, 1.0), *labd = malloc((size_t)(P + 1) * 8);
         int64_t *lab0 = malloc((size_t)(P + 1) * 8);
         for (int64_t k = 0; k < K; k++) w[k] = 1.5 + w[k];
         for (int64_t i = 0; i < P; i++) {
-          lab0[i] = (int64_t)((urand() + 1) * 0.5 * (double)K) % K;
+          lab0[i] = (int64_t)((tu_lcg(&rng_state) + 1) * 0.5 * (double)K) % K;
           if (P > 2 && i % 3 == 1) lab0[i] = -1;  // ignored
           labd[i] = lab0[i] < 0 ? (double)ignore : (double)(lab0[i] + base);
         }
@@ -406,7 +372,7 @@ START_TEST(test_cross_entropy_reference) {
         ck_assert_int_eq(dlua_nn_cross_entropy(&loss, NULL, xt, lt, wt, (dlua_loss_reduction_t)red, eps, ignore, base), DLUA_OK);
         char what[96];
         snprintf(what, sizeof what, "ce shape %zu opt %d reduction %d", c, opt, red);
-        double *got = rd(loss);
+        double *got = tu_rd(loss);
         if (red == DLUA_LOSS_NONE) {
           ck_assert_int_eq(dlua_tensor_ndim(loss), lnd);
           expect_close(got, none_want, P, 1e-13, what);
@@ -429,12 +395,12 @@ END_TEST
 /* backward against central differences of the reference, with upstream gradients, f64. */
 START_TEST(test_cross_entropy_backward_fd) {
   int64_t sz[3] = {4, 5, 3}, N = 4, K = 5, inner = 3, P = 12, n = 60, lsz[2] = {4, 3};
-  double *x = rand_vals(n, 2.0), w[5] = {0.5, 1, 2, 1.5, 0.25}, labd[12], gnone[12], num[60];
+  double *x = tu_rand_vals(tu_lcg, &rng_state, n, 2.0), w[5] = {0.5, 1, 2, 1.5, 0.25}, labd[12], gnone[12], num[60];
   int64_t lab0[12];
   for (int64_t i = 0; i < P; i++) {
     lab0[i] = i % 5 == 2 ? -1 : (i * 7) % K;
     labd[i] = lab0[i] < 0 ? 0 : (double)(lab0[i] + 1);
-    gnone[i] = urand();
+    gnone[i] = tu_lcg(&rng_state);
   }
   dlua_tensor_t *xt = mk(DLUA_DTYPE_F64, 3, sz, x), *lt = mk(DLUA_DTYPE_I64, 2, lsz, labd), *wt = mk(DLUA_DTYPE_F64, 1, &K, w);
   dlua_tensor_t *gn = mk(DLUA_DTYPE_F64, 2, lsz, gnone);
@@ -465,7 +431,7 @@ START_TEST(test_cross_entropy_backward_fd) {
         ck_assert_int_eq(dlua_nn_cross_entropy(&loss, &lp, xt, lt, wtd ? wt : NULL, (dlua_loss_reduction_t)red, eps, 0, 1), DLUA_OK);
         ck_assert_int_eq(dlua_nn_cross_entropy_backward(&g, red == DLUA_LOSS_NONE ? gn : gs, lp, lt, wtd ? wt : NULL,
                                                         (dlua_loss_reduction_t)red, eps, 0, 1), DLUA_OK);
-        double *got = rd(g);
+        double *got = tu_rd(g);
         char what[64];
         snprintf(what, sizeof what, "ce backward red %d smooth %d weight %d", red, sm, wtd);
         expect_close(got, num, n, 1e-7, what);
@@ -474,7 +440,7 @@ START_TEST(test_cross_entropy_backward_fd) {
         if (red != DLUA_LOSS_NONE) {
           ck_assert_int_eq(dlua_nn_cross_entropy_backward(&lp, gs, lp, lt, wtd ? wt : NULL, (dlua_loss_reduction_t)red,
                                                           eps, 0, 1), DLUA_OK);
-          got = rd(lp);
+          got = tu_rd(lp);
           expect_close(got, num, n, 1e-7, what);
           free(got);
         }
@@ -488,7 +454,7 @@ START_TEST(test_cross_entropy_backward_fd) {
   ck_assert_int_eq(dlua_nn_cross_entropy(&loss, &lp, xt, lt, NULL, DLUA_LOSS_SUM, 0, 0, 1), DLUA_OK);
   ck_assert_int_eq(dlua_nn_cross_entropy_backward(&g, NULL, lp, lt, NULL, DLUA_LOSS_SUM, 0, 0, 1), DLUA_OK);
   ck_assert_int_eq(dlua_nn_softmax(&sm, xt, 1, 0), DLUA_OK);
-  double *gv = rd(g), *sv = rd(sm);
+  double *gv = tu_rd(g), *sv = tu_rd(sm);
   for (int64_t nn = 0; nn < N; nn++)
     for (int64_t k = 0; k < K; k++)
       for (int64_t s = 0; s < inner; s++) {
@@ -514,7 +480,7 @@ END_TEST
 START_TEST(test_cross_entropy_views_and_errors) {
   // logits given as the transpose of a (K, N) tensor; labels a strided slice.
   int64_t kn[2] = {6, 9}, N = 9, K = 6, l18 = 18;
-  double *raw = rand_vals(54, 3.0), x[54], labraw[18];
+  double *raw = tu_rand_vals(tu_lcg, &rng_state, 54, 3.0), x[54], labraw[18];
   for (int i = 0; i < 18; i++) labraw[i] = (i * 5) % 6;  // 0-based
   for (int n = 0; n < 9; n++)
     for (int k = 0; k < 6; k++) x[n * 6 + k] = raw[k * 9 + n];
@@ -550,11 +516,11 @@ START_TEST(test_cross_entropy_views_and_errors) {
   double z12[12] = {0}, bad1[3] = {1, 5, 2}, bad0[3] = {0, 4, 1}, badneg[3] = {1, -3, 2};
   dlua_tensor_t *x34 = mk(DLUA_DTYPE_F32, 2, s34, z12), *l1 = mk(DLUA_DTYPE_I64, 1, &n3, bad1);
   dlua_tensor_t *l0 = mk(DLUA_DTYPE_I32, 1, &n3, bad0), *ln = mk(DLUA_DTYPE_I64, 1, &n3, badneg), *out = NULL;
-  expect_error(dlua_nn_cross_entropy(&out, NULL, x34, l1, NULL, DLUA_LOSS_MEAN, 0, -100, 1),
-               "cross_entropy: label 5 at target 2 is out of range for 4 classes: expected 1..4");
-  expect_error(dlua_nn_cross_entropy(&out, NULL, x34, l0, NULL, DLUA_LOSS_MEAN, 0, -100, 1), "label 0 at target 1");
-  expect_error(dlua_nn_cross_entropy(&out, NULL, x34, l0, NULL, DLUA_LOSS_MEAN, 0, -100, 0), "label 4 at target 1 is out of range for 4 classes: expected 0..3");
-  expect_error(dlua_nn_cross_entropy(&out, NULL, x34, ln, NULL, DLUA_LOSS_MEAN, 0, -100, 1), "label -3");
+  tu_expect_error(dlua_nn_cross_entropy(&out, NULL, x34, l1, NULL, DLUA_LOSS_MEAN, 0, -100, 1),
+                  "cross_entropy: label 5 at target 2 is out of range for 4 classes: expected 1..4");
+  tu_expect_error(dlua_nn_cross_entropy(&out, NULL, x34, l0, NULL, DLUA_LOSS_MEAN, 0, -100, 1), "label 0 at target 1");
+  tu_expect_error(dlua_nn_cross_entropy(&out, NULL, x34, l0, NULL, DLUA_LOSS_MEAN, 0, -100, 0), "label 4 at target 1 is out of range for 4 classes: expected 0..3");
+  tu_expect_error(dlua_nn_cross_entropy(&out, NULL, x34, ln, NULL, DLUA_LOSS_MEAN, 0, -100, 1), "label -3");
   // ... but a label equal to ignore_index is fine, even out of range.
   ck_assert_int_eq(dlua_nn_cross_entropy(&out, NULL, x34, l1, NULL, DLUA_LOSS_MEAN, 0, 5, 1), DLUA_OK);
   ck_assert_msg(fabs(scalar(out) - log(4.0)) < 1e-6, "uniform logits give ln 4");
@@ -571,21 +537,21 @@ START_TEST(test_cross_entropy_views_and_errors) {
   int64_t n2 = 2, n5 = 5;
   double d5[5] = {1, 1, 1, 1, 1};
   dlua_tensor_t *l2 = mk(DLUA_DTYPE_I64, 1, &n2, bad1), *w5 = mk(DLUA_DTYPE_F32, 1, &n5, d5), *lf = mk(DLUA_DTYPE_F32, 1, &n3, bad1);
-  expect_error(dlua_nn_cross_entropy(&out, NULL, x34, l2, NULL, DLUA_LOSS_MEAN, 0, -100, 1),
-               "cross_entropy: logits (3, 4) float32 cpu and labels (2) int64 cpu do not match");
-  expect_error(dlua_nn_cross_entropy(&out, NULL, x34, l1, w5, DLUA_LOSS_MEAN, 0, 5, 1),
-               "cross_entropy: weight (5) float32 cpu must be one value per class: (4)");
-  expect_error(dlua_nn_cross_entropy(&out, NULL, x34, lf, NULL, DLUA_LOSS_MEAN, 0, -100, 1), "labels must be an integer tensor");
-  expect_error(dlua_nn_cross_entropy(&out, NULL, x34, l1, NULL, DLUA_LOSS_MEAN, 1.5, 5, 1), "label_smoothing must be in [0, 1], got 1.5");
-  expect_error(dlua_nn_cross_entropy(&out, NULL, x34, l1, NULL, (dlua_loss_reduction_t)3, 0, 5, 1), "invalid reduction 3");
-  expect_error(dlua_nn_cross_entropy(&out, NULL, l1, l1, NULL, DLUA_LOSS_MEAN, 0, 5, 1), "logits must be a floating-point tensor");
+  tu_expect_error(dlua_nn_cross_entropy(&out, NULL, x34, l2, NULL, DLUA_LOSS_MEAN, 0, -100, 1),
+                  "cross_entropy: logits (3, 4) float32 cpu and labels (2) int64 cpu do not match");
+  tu_expect_error(dlua_nn_cross_entropy(&out, NULL, x34, l1, w5, DLUA_LOSS_MEAN, 0, 5, 1),
+                  "cross_entropy: weight (5) float32 cpu must be one value per class: (4)");
+  tu_expect_error(dlua_nn_cross_entropy(&out, NULL, x34, lf, NULL, DLUA_LOSS_MEAN, 0, -100, 1), "labels must be an integer tensor");
+  tu_expect_error(dlua_nn_cross_entropy(&out, NULL, x34, l1, NULL, DLUA_LOSS_MEAN, 1.5, 5, 1), "label_smoothing must be in [0, 1], got 1.5");
+  tu_expect_error(dlua_nn_cross_entropy(&out, NULL, x34, l1, NULL, (dlua_loss_reduction_t)3, 0, 5, 1), "invalid reduction 3");
+  tu_expect_error(dlua_nn_cross_entropy(&out, NULL, l1, l1, NULL, DLUA_LOSS_MEAN, 0, 5, 1), "logits must be a floating-point tensor");
   ck_assert_ptr_null(out);
   dlua_tensor_t *g = NULL, *gbad = mk(DLUA_DTYPE_F32, 1, &n2, d5);
-  expect_error(dlua_nn_cross_entropy_backward(&g, gbad, x34, l0, NULL, DLUA_LOSS_MEAN, 0, -100, 0),
-               "cross_entropy_backward: grad_output (2) float32 cpu of a reduced loss must hold one value");
-  expect_error(dlua_nn_cross_entropy_backward(&g, gbad, x34, l0, NULL, DLUA_LOSS_NONE, 0, -100, 0),
-               "grad_output (2) float32 cpu and labels (3) int32 cpu must have the same shape");
-  expect_error(dlua_nn_cross_entropy_backward(&g, NULL, x34, l1, NULL, DLUA_LOSS_MEAN, 0, -100, 1), "label 5 at target 2");
+  tu_expect_error(dlua_nn_cross_entropy_backward(&g, gbad, x34, l0, NULL, DLUA_LOSS_MEAN, 0, -100, 0),
+                  "cross_entropy_backward: grad_output (2) float32 cpu of a reduced loss must hold one value");
+  tu_expect_error(dlua_nn_cross_entropy_backward(&g, gbad, x34, l0, NULL, DLUA_LOSS_NONE, 0, -100, 0),
+                  "grad_output (2) float32 cpu and labels (3) int32 cpu must have the same shape");
+  tu_expect_error(dlua_nn_cross_entropy_backward(&g, NULL, x34, l1, NULL, DLUA_LOSS_MEAN, 0, -100, 1), "label 5 at target 2");
   ck_assert_ptr_null(g);
   dlua_tensor_free(gbad);
   dlua_tensor_free(l2);
@@ -607,7 +573,7 @@ END_TEST
 /* A reduced loss over many targets is the same for any thread count. */
 START_TEST(test_cross_entropy_threads) {
   int64_t sz[2] = {3001, 37}, n = 3001 * 37, N = 3001;
-  double *x = rand_vals(n, 3.0), *labd = malloc((size_t)N * 8);
+  double *x = tu_rand_vals(tu_lcg, &rng_state, n, 3.0), *labd = malloc((size_t)N * 8);
   for (int64_t i = 0; i < N; i++) labd[i] = (double)((i * 13) % 37);
   dlua_tensor_t *xt = mk(DLUA_DTYPE_F32, 2, sz, x), *lt = mk(DLUA_DTYPE_I64, 1, &N, labd);
   double r[2];
@@ -639,8 +605,8 @@ END_TEST
 
 START_TEST(test_mse) {
   int64_t sz[2] = {7, 5}, n = 35, one = 5;
-  double *x = rand_vals(n, 2.0), *t = rand_vals(n, 2.0), row[5];
-  for (int j = 0; j < 5; j++) row[j] = urand();
+  double *x = tu_rand_vals(tu_lcg, &rng_state, n, 2.0), *t = tu_rand_vals(tu_lcg, &rng_state, n, 2.0), row[5];
+  for (int j = 0; j < 5; j++) row[j] = tu_lcg(&rng_state);
   for (int i = 0; i < 7; i++)
     for (int j = 0; j < 5; j++) t[i * 5 + j] = row[j];  // the target is an expanded row below
   double sum = 0, none[35];
@@ -657,12 +623,12 @@ START_TEST(test_mse) {
   dlua_tensor_free(l);
   l = NULL;
   ck_assert_int_eq(dlua_nn_mse_loss(&l, xt, tt, DLUA_LOSS_NONE), DLUA_OK);
-  double *got = rd(l);
+  double *got = tu_rd(l);
   expect_close(got, none, n, 1e-15, "mse none");
   free(got);
   dlua_tensor_free(l);
   // backward vs central differences, each reduction; upstream per element for none.
-  double *gy = rand_vals(n, 1.0), g0 = 0.625, num[35];
+  double *gy = tu_rand_vals(tu_lcg, &rng_state, n, 1.0), g0 = 0.625, num[35];
   dlua_tensor_t *gyt = mk(DLUA_DTYPE_F64, 2, sz, gy), *g0t = mk(DLUA_DTYPE_F64, 0, NULL, &g0);
   for (int red = 0; red < 3; red++) {
     for (int i = 0; i < n; i++) {
@@ -678,7 +644,7 @@ START_TEST(test_mse) {
     }
     dlua_tensor_t *g = NULL;
     ck_assert_int_eq(dlua_nn_mse_loss_backward(&g, red == DLUA_LOSS_NONE ? gyt : g0t, xt, tt, (dlua_loss_reduction_t)red), DLUA_OK);
-    got = rd(g);
+    got = tu_rd(g);
     expect_close(got, num, n, 1e-9, "mse backward");
     free(got);
     dlua_tensor_free(g);
@@ -688,7 +654,7 @@ START_TEST(test_mse) {
   ck_assert_int_eq(dlua_tensor_to_dtype(&x32, xt, DLUA_DTYPE_F32), DLUA_OK);
   ck_assert_int_eq(dlua_nn_mse_loss_backward(&g, NULL, x32, tt, DLUA_LOSS_SUM), DLUA_OK);
   ck_assert_int_eq(dlua_tensor_dtype(g), DLUA_DTYPE_F64);  // promoted with the f64 target
-  got = rd(g);
+  got = tu_rd(g);
   for (int i = 0; i < n; i++) ck_assert(fabs(got[i] - 2 * ((float)x[i] - t[i])) < 1e-6);
   free(got);
   dlua_tensor_free(g);
@@ -703,7 +669,7 @@ START_TEST(test_mse) {
   ck_assert(scalar(le) == 0);
   dlua_tensor_free(le);
   le = NULL;
-  expect_error(dlua_nn_mse_loss(&le, xt, rt, DLUA_LOSS_SUM), "mse_loss: input (7, 5) float64 cpu and target (5) float64 cpu must have the same shape");
+  tu_expect_error(dlua_nn_mse_loss(&le, xt, rt, DLUA_LOSS_SUM), "mse_loss: input (7, 5) float64 cpu and target (5) float64 cpu must have the same shape");
   ck_assert_ptr_null(le);
   dlua_tensor_free(e);
   dlua_tensor_free(x32);
@@ -721,7 +687,7 @@ END_TEST
 /* Sums over several blocks: right, and the same for any thread count. */
 START_TEST(test_mse_large) {
   const int64_t n = 50021;
-  double *x = rand_vals(n, 1.0), *t = rand_vals(n, 1.0), want = 0, r[2];
+  double *x = tu_rand_vals(tu_lcg, &rng_state, n, 1.0), *t = tu_rand_vals(tu_lcg, &rng_state, n, 1.0), want = 0, r[2];
   round_to(DLUA_DTYPE_F32, x, n);
   round_to(DLUA_DTYPE_F32, t, n);
   for (int64_t i = 0; i < n; i++) want += (x[i] - t[i]) * (x[i] - t[i]);
@@ -748,7 +714,7 @@ END_TEST
 
 START_TEST(test_threshold_relu) {
   int64_t n = 41;  // prime; long runs go past the parallel threshold below
-  double *x = rand_vals(n, 3.0), *gy = rand_vals(n, 1.0);
+  double *x = tu_rand_vals(tu_lcg, &rng_state, n, 3.0), *gy = tu_rand_vals(tu_lcg, &rng_state, n, 1.0);
   x[3] = 0;
   x[5] = NAN;
   x[7] = 0.5;  // exactly the threshold used below
@@ -762,7 +728,7 @@ START_TEST(test_threshold_relu) {
     dlua_tensor_t *xt = mk(dt, 1, &n, xr), *gt = mk(dt, 1, &n, gr), *y = NULL, *gx = NULL, *gx2 = NULL;
     ck_assert_int_eq(dlua_nn_threshold(&y, xt, 0.5, -2), DLUA_OK);
     ck_assert_int_eq(dlua_nn_threshold_backward(&gx, gt, xt, 0.5), DLUA_OK);
-    double *yv = rd(y), *gv = rd(gx);
+    double *yv = tu_rd(y), *gv = tu_rd(gx);
     for (int i = 0; i < n; i++) {
       double wy = xr[i] <= 0.5 ? -2 : xr[i], wg = xr[i] <= 0.5 ? 0 : gr[i];
       ck_assert_msg(yv[i] == wy || (isnan(yv[i]) && isnan(wy)), "threshold %s at %d", dlua_dtype_name(dt), i);
@@ -776,12 +742,12 @@ START_TEST(test_threshold_relu) {
     dlua_tensor_t *r = NULL;
     ck_assert_int_eq(dlua_nn_threshold(&r, xt, 0, 0), DLUA_OK);
     ck_assert_int_eq(dlua_nn_relu_backward(&gx2, gt, r), DLUA_OK);
-    gv = rd(gx2);
+    gv = tu_rd(gx2);
     for (int i = 0; i < n; i++) ck_assert(gv[i] == (xr[i] > 0 || isnan(xr[i]) ? gr[i] : 0));
     free(gv);
     // In place: the gradient buffer is overwritten.
     ck_assert_int_eq(dlua_nn_relu_backward(&gt, gt, r), DLUA_OK);
-    gv = rd(gt);
+    gv = tu_rd(gt);
     for (int i = 0; i < n; i++) ck_assert(gv[i] == (xr[i] > 0 || isnan(xr[i]) ? gr[i] : 0));
     free(gv);
     dlua_tensor_free(r);
@@ -793,21 +759,21 @@ START_TEST(test_threshold_relu) {
   }
   // Non-contiguous grad (transposed) against a contiguous x of the transposed shape.
   int64_t s2[2] = {6, 7}, s2t[2] = {7, 6};
-  double *a = rand_vals(42, 1.0), *b = rand_vals(42, 1.0);
+  double *a = tu_rand_vals(tu_lcg, &rng_state, 42, 1.0), *b = tu_rand_vals(tu_lcg, &rng_state, 42, 1.0);
   dlua_tensor_t *ga = mk(DLUA_DTYPE_F32, 2, s2, a), *gT = NULL, *xb = mk(DLUA_DTYPE_F32, 2, s2t, b), *o = NULL;
   ck_assert_int_eq(dlua_tensor_transpose(&gT, ga, 0, 1), DLUA_OK);
   ck_assert_int_eq(dlua_nn_relu_backward(&o, gT, xb), DLUA_OK);
-  double *ov = rd(o);
+  double *ov = tu_rd(o);
   for (int i = 0; i < 7; i++)
     for (int j = 0; j < 6; j++)
       ck_assert(ov[i * 6 + j] == (b[i * 6 + j] > 0 ? (double)(float)a[j * 7 + i] : 0));
   free(ov);
-  expect_error(dlua_nn_relu_backward(&o, ga, xb), "relu_backward: grad_output (6, 7) float32 cpu and output (7, 6) float32 cpu must have the same shape");
+  tu_expect_error(dlua_nn_relu_backward(&o, ga, xb), "relu_backward: grad_output (6, 7) float32 cpu and output (7, 6) float32 cpu must have the same shape");
   // Writing into an expanded view is refused.
   int64_t one = 1, s7[2] = {7, 6};
   dlua_tensor_t *sc = mk(DLUA_DTYPE_F32, 1, &one, a), *ex = NULL;
   ck_assert_int_eq(dlua_tensor_expand(&ex, sc, 2, s7), DLUA_OK);
-  expect_error(dlua_nn_relu_backward(&ex, gT, xb), "cannot write into (7, 6) float32 cpu");
+  tu_expect_error(dlua_nn_relu_backward(&ex, gT, xb), "cannot write into (7, 6) float32 cpu");
   dlua_tensor_free(sc);
   dlua_tensor_free(ex);
   dlua_tensor_free(ga);
@@ -825,7 +791,7 @@ END_TEST
 
 START_TEST(test_dropout) {
   const int64_t n = 100003;  // several parallel chunks, odd tail
-  double *x = rand_vals(n, 1.0);
+  double *x = tu_rand_vals(tu_lcg, &rng_state, n, 1.0);
   dlua_tensor_t *xt = mk(DLUA_DTYPE_F32, 1, &n, x);
   const double p = 0.3;
   dlua_generator_t *g = NULL, *g2 = NULL;
@@ -837,7 +803,7 @@ START_TEST(test_dropout) {
   dlua_tensor_t *ref = NULL;
   ck_assert_int_eq(dlua_tensor_empty(&ref, 1, &n, DLUA_DTYPE_F64, DLUA_CPU), DLUA_OK);
   ck_assert_int_eq(dlua_tensor_bernoulli_(ref, 1 - p, g2), DLUA_OK);
-  double *rv = rd(ref);
+  double *rv = tu_rd(ref);
   dlua_tensor_t *y[2] = {NULL, NULL}, *m[2] = {NULL, NULL};
   int saved = omp_get_max_threads();
   for (int t = 0; t < 2; t++) {
@@ -848,7 +814,7 @@ START_TEST(test_dropout) {
   omp_set_num_threads(saved);
   ck_assert_uint_eq(dlua_generator_offset(g), dlua_generator_offset(g2));
   ck_assert_int_eq(dlua_tensor_dtype(m[0]), DLUA_DTYPE_BOOL);
-  double *y0 = rd(y[0]), *y1 = rd(y[1]), *m0 = rd(m[0]);
+  double *y0 = tu_rd(y[0]), *y1 = tu_rd(y[1]), *m0 = tu_rd(m[0]);
   int64_t kept = 0;
   float scale = (float)(1.0 / (1.0 - p));
   for (int64_t i = 0; i < n; i++) {
@@ -860,12 +826,12 @@ START_TEST(test_dropout) {
   // Binomial(n, 0.7): sd ~ 145; 6 sd.
   ck_assert_msg(llabs(kept - (int64_t)(0.7 * n)) < 900, "kept %lld of %lld", (long long)kept, (long long)n);
   // Backward: grad * mask / (1 - p), from a u8 mask too.
-  double *gy = rand_vals(n, 1.0);
+  double *gy = tu_rand_vals(tu_lcg, &rng_state, n, 1.0);
   dlua_tensor_t *gt = mk(DLUA_DTYPE_F64, 1, &n, gy), *gx = NULL, *m8 = NULL, *gx8 = NULL;
   ck_assert_int_eq(dlua_nn_dropout_backward(&gx, gt, m[0], p), DLUA_OK);
   ck_assert_int_eq(dlua_tensor_to_dtype(&m8, m[0], DLUA_DTYPE_U8), DLUA_OK);
   ck_assert_int_eq(dlua_nn_dropout_backward(&gx8, gt, m8, p), DLUA_OK);
-  double *gv = rd(gx), *gv8 = rd(gx8);
+  double *gv = tu_rd(gx), *gv8 = tu_rd(gx8);
   for (int64_t i = 0; i < n; i++) {
     ck_assert(gv[i] == (m0[i] ? gy[i] * (1.0 / (1.0 - p)) : 0.0));
     ck_assert(gv8[i] == gv[i]);
@@ -879,7 +845,7 @@ START_TEST(test_dropout) {
   uint64_t off = dlua_generator_offset(g);
   dlua_tensor_t *ye = NULL;
   ck_assert_int_eq(dlua_nn_dropout(&ye, NULL, xt, p, 0, g), DLUA_OK);
-  double *yev = rd(ye);
+  double *yev = tu_rd(ye);
   for (int64_t i = 0; i < n; i++) ck_assert(yev[i] == (double)(float)x[i]);
   free(yev);
   // p = 0 keeps all, p = 1 drops all; neither draws.
@@ -887,7 +853,7 @@ START_TEST(test_dropout) {
   ck_assert_int_eq(dlua_nn_dropout(&y0t, &m0t, xt, 0, 1, g), DLUA_OK);
   ck_assert_int_eq(dlua_nn_dropout(&y1t, &m1t, xt, 1, 1, g), DLUA_OK);
   ck_assert_uint_eq(dlua_generator_offset(g), off);
-  double *a = rd(y0t), *b = rd(y1t), *ma = rd(m0t), *mb = rd(m1t);
+  double *a = tu_rd(y0t), *b = tu_rd(y1t), *ma = tu_rd(m0t), *mb = tu_rd(m1t);
   for (int64_t i = 0; i < n; i++) ck_assert(a[i] == (double)(float)x[i] && b[i] == 0 && ma[i] == 1 && mb[i] == 0);
   free(a);
   free(b);
@@ -895,11 +861,11 @@ START_TEST(test_dropout) {
   free(mb);
   // Errors.
   dlua_tensor_t *bad = NULL;
-  expect_error(dlua_nn_dropout(&bad, NULL, xt, p, 1, g), "dropout: training needs a mask");
-  expect_error(dlua_nn_dropout(&bad, &bad, xt, 1.5, 1, g), "dropout: p must be in [0, 1], got 1.5");
+  tu_expect_error(dlua_nn_dropout(&bad, NULL, xt, p, 1, g), "dropout: training needs a mask");
+  tu_expect_error(dlua_nn_dropout(&bad, &bad, xt, 1.5, 1, g), "dropout: p must be in [0, 1], got 1.5");
   int64_t small = 3;
   dlua_tensor_t *ms = mk(DLUA_DTYPE_BOOL, 1, &small, rv);
-  expect_error(dlua_nn_dropout_backward(&bad, gt, ms, p), "dropout_backward: grad_output (100003) float64 cpu and mask (3) bool cpu");
+  tu_expect_error(dlua_nn_dropout_backward(&bad, gt, ms, p), "dropout_backward: grad_output (100003) float64 cpu and mask (3) bool cpu");
   ck_assert_ptr_null(bad);
   dlua_tensor_free(ms);
   dlua_tensor_free(y0t);
@@ -928,13 +894,13 @@ END_TEST
 /* Dropout on a transposed f64 view writes its mask in row-major order of the view. */
 START_TEST(test_dropout_views) {
   int64_t s[2] = {5, 8};
-  double *x = rand_vals(40, 1.0);
+  double *x = tu_rand_vals(tu_lcg, &rng_state, 40, 1.0);
   dlua_tensor_t *base = mk(DLUA_DTYPE_F64, 2, s, x), *xt = NULL, *y = NULL, *m = NULL;
   ck_assert_int_eq(dlua_tensor_transpose(&xt, base, 0, 1), DLUA_OK);  // (8, 5)
   dlua_generator_t *g = NULL;
   ck_assert_int_eq(dlua_generator_new(&g, 99), DLUA_OK);
   ck_assert_int_eq(dlua_nn_dropout(&y, &m, xt, 0.5, 1, g), DLUA_OK);
-  double *yv = rd(y), *mv = rd(m);
+  double *yv = tu_rd(y), *mv = tu_rd(m);
   for (int i = 0; i < 8; i++)
     for (int j = 0; j < 5; j++) ck_assert(yv[i * 5 + j] == (mv[i * 5 + j] ? 2 * x[j * 8 + i] : 0));
   free(yv);
@@ -966,9 +932,5 @@ int main(void) {
   tcase_add_test(tc, test_dropout);
   tcase_add_test(tc, test_dropout_views);
   suite_add_tcase(s, tc);
-  SRunner *sr = srunner_create(s);
-  srunner_run_all(sr, CK_NORMAL);
-  int failed = srunner_ntests_failed(sr);
-  srunner_free(sr);
-  return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+  return tu_run(s);
 }

@@ -10,13 +10,11 @@
 #include "core/api.h"
 #include "core/tensor.h"
 
+#include "testutil.h"
+
 /* ---- helpers ---------------------------------------------------------------------------------- */
 
 static uint64_t rng_state = 0xD1B54A32D192ED03ull;
-static double urand(void) {  // [-1, 1)
-  rng_state = rng_state * 6364136223846793005ull + 1442695040888963407ull;
-  return (double)(rng_state >> 11) * (2.0 / 9007199254740992.0) - 1.0;
-}
 
 /* A flat arena of n elements of dt holding v (rounded to dt; v is updated to the stored values). */
 static dlua_tensor_t *arena(dlua_dtype_t dt, int64_t n, double *v) {
@@ -38,12 +36,6 @@ static double at(const dlua_tensor_t *t, int64_t i) {
                                                 : ((const double *)dlua_tensor_data(t))[i];
 }
 
-static double *rand_vals(int64_t n, double scale) {
-  double *v = malloc((size_t)(n > 0 ? n : 1) * sizeof(double));
-  for (int64_t i = 0; i < n; i++) v[i] = scale * urand();
-  return v;
-}
-
 /* Inside [lo, hi) the tensor matches want to tol (relative to 1 + |want|); outside, it still
    holds `orig` exactly. */
 static void expect_arena(const dlua_tensor_t *t, const double *want, const double *orig, int64_t lo, int64_t hi,
@@ -58,11 +50,6 @@ static void expect_arena(const dlua_tensor_t *t, const double *want, const doubl
       ck_assert_msg(got == orig[i], "%s: element %lld outside the range changed: %.17g, was %.17g", what,
                     (long long)i, got, orig[i]);
   }
-}
-
-static void expect_error(dlua_status_t s, const char *needle) {
-  ck_assert_int_eq(s, DLUA_ERR_ARG);
-  ck_assert_msg(strstr(dlua_last_error(), needle) != NULL, "error \"%s\" lacks \"%s\"", dlua_last_error(), needle);
 }
 
 /* ---- SGD ---------------------------------------------------------------------------------------- */
@@ -97,14 +84,14 @@ START_TEST(test_sgd_reference) {
   for (size_t c = 0; c < sizeof cfgs / sizeof cfgs[0]; c++)
     for (int v = 0; v < 2; v++) {
       dlua_dtype_t dt = v ? DLUA_DTYPE_F32 : DLUA_DTYPE_F64;
-      double *p0 = rand_vals(n, 1.0), *b0 = rand_vals(n, 1.0), *g0 = rand_vals(n, 1.0);
+      double *p0 = tu_rand_vals(tu_lcg, &rng_state, n, 1.0), *b0 = tu_rand_vals(tu_lcg, &rng_state, n, 1.0), *g0 = tu_rand_vals(tu_lcg, &rng_state, n, 1.0);
       dlua_tensor_t *p = arena(dt, n, p0), *b = arena(dt, n, b0), *g = arena(dt, n, g0);
       double pr[37], br[37];
       memcpy(pr, p0, sizeof pr);
       memcpy(br, b0, sizeof br);  // garbage before the first step: first_step must ignore it
       for (int t = 1; t <= 3; t++) {
         double gv[37];
-        for (int64_t i = 0; i < n; i++) gv[i] = (t == 1 ? g0[i] : urand());
+        for (int64_t i = 0; i < n; i++) gv[i] = (t == 1 ? g0[i] : tu_lcg(&rng_state));
         dlua_tensor_free(g);
         g = arena(dt, n, gv);
         ref_sgd(pr, gv, br, lo, lo + len, &cfgs[c], t);
@@ -167,7 +154,7 @@ START_TEST(test_adamw_reference) {
     for (int v = 0; v < 2; v++)
       for (int64_t t0 = 1; t0 <= 7; t0 += 6) {  // first step 1, and a resumed run at step 7
         dlua_dtype_t dt = v ? DLUA_DTYPE_F32 : DLUA_DTYPE_F64;
-        double *p0 = rand_vals(n, 1.0), *m0 = rand_vals(n, 0.1), *s0 = rand_vals(n, 0.1), *x0 = rand_vals(n, 0.1);
+        double *p0 = tu_rand_vals(tu_lcg, &rng_state, n, 1.0), *m0 = tu_rand_vals(tu_lcg, &rng_state, n, 0.1), *s0 = tu_rand_vals(tu_lcg, &rng_state, n, 0.1), *x0 = tu_rand_vals(tu_lcg, &rng_state, n, 0.1);
         for (int64_t i = 0; i < n; i++) s0[i] = fabs(s0[i]) * 0.1, x0[i] = s0[i] * 1.5;  // v >= 0; vmax > v
         if (t0 == 1)
           for (int64_t i = 0; i < n; i++) m0[i] = s0[i] = x0[i] = 0;  // fresh state, as torch starts
@@ -180,7 +167,7 @@ START_TEST(test_adamw_reference) {
         for (int64_t t = t0; t < t0 + 3; t++) {
           // Shrinking gradients make v fall, so the amsgrad max matters.
           double gv[37], shrink = pow(0.1, (double)(t - t0));
-          for (int64_t i = 0; i < n; i++) gv[i] = urand() * shrink;
+          for (int64_t i = 0; i < n; i++) gv[i] = tu_lcg(&rng_state) * shrink;
           dlua_tensor_t *g = arena(dt, n, gv);
           ref_adamw(pr, gv, mr, sr, xr, lo, lo + len, &cfgs[c], t);
           ck_assert_int_eq(dlua_optim_adamw_step(p, g, m, s, cfgs[c].amsgrad ? x : NULL, lo, len, cfgs[c].lr,
@@ -253,14 +240,14 @@ START_TEST(test_lars_reference) {
   for (int v = 0; v < 2; v++)
     for (int use_excl = 0; use_excl < 2; use_excl++) {
       dlua_dtype_t dt = v ? DLUA_DTYPE_F32 : DLUA_DTYPE_F64;
-      double *p0 = rand_vals(n, 1.0), *b0 = rand_vals(n, 1.0);
+      double *p0 = tu_rand_vals(tu_lcg, &rng_state, n, 1.0), *b0 = tu_rand_vals(tu_lcg, &rng_state, n, 1.0);
       dlua_tensor_t *p = arena(dt, n, p0), *b = arena(dt, n, b0);
       double pr[61], br[61];
       memcpy(pr, p0, sizeof pr);
       memcpy(br, b0, sizeof br);
       for (int t = 1; t <= 3; t++) {
         double gv[61];
-        for (int64_t i = 0; i < n; i++) gv[i] = urand() * (i >= 50 && i < 60 ? 0 : 1);  // [50, 60): zero gradient
+        for (int64_t i = 0; i < n; i++) gv[i] = tu_lcg(&rng_state) * (i >= 50 && i < 60 ? 0 : 1);  // [50, 60): zero gradient
         dlua_tensor_t *g = arena(dt, n, gv);
         ref_lars(pr, gv, br, 5, off, len, use_excl ? excl : NULL, 0.5, 0.9, 0.01, 0.02, 1e-9, t == 1, 0.5);
         ck_assert_int_eq(dlua_optim_lars_step(p, g, b, 5, off, len, use_excl ? excl : NULL, 0.5, 0.9, 0.01, 0.02,
@@ -311,7 +298,7 @@ END_TEST
 
 START_TEST(test_threads) {
   const int64_t n = 300007;
-  double *p0 = rand_vals(n, 1.0), *g0 = rand_vals(n, 1.0), *z = calloc((size_t)n, sizeof(double));
+  double *p0 = tu_rand_vals(tu_lcg, &rng_state, n, 1.0), *g0 = tu_rand_vals(tu_lcg, &rng_state, n, 1.0), *z = calloc((size_t)n, sizeof(double));
   int64_t off[3] = {0, 100000, 100100}, len[3] = {100000, 100, 199907};
   float *res[2][3];
   int saved = omp_get_max_threads();
@@ -373,7 +360,7 @@ END_TEST
 
 START_TEST(test_unscale) {
   const int64_t n = 50, lo = 7, len = 31;
-  double *g0 = rand_vals(n, 100.0);
+  double *g0 = tu_rand_vals(tu_lcg, &rng_state, n, 100.0);
   g0[3] = INFINITY;   // outside: not counted, untouched
   g0[10] = INFINITY;  // inside
   g0[20] = -INFINITY;
@@ -432,24 +419,24 @@ START_TEST(test_bad_input) {
   ck_assert_int_eq(dlua_tensor_transpose(&pt, sq2, 0, 1), DLUA_OK);
   ck_assert_int_eq(dlua_tensor_narrow(&view, p, 0, 0, 37), DLUA_OK);
 
-  expect_error(dlua_optim_sgd_step(p, g36, NULL, 0, 36, 0.1, 0, 0, 0, 0, 0, 1, 1),
-               "sgd_step: grad (36) float32 cpu must have param's dtype and element count (param (37) float32 cpu)");
-  expect_error(dlua_optim_sgd_step(p, g64, NULL, 0, 37, 0.1, 0, 0, 0, 0, 0, 1, 1), "sgd_step: grad (37) float64 cpu");
-  expect_error(dlua_optim_sgd_step(p, g, NULL, 30, 10, 0.1, 0, 0, 0, 0, 0, 1, 1),
-               "sgd_step: range offset 30, length 10 is outside the arena of 37 elements");
-  expect_error(dlua_optim_sgd_step(p, g, NULL, -1, 3, 0.1, 0, 0, 0, 0, 0, 1, 1), "range offset -1, length 3");
-  expect_error(dlua_optim_sgd_step(p, g, NULL, 0, 37, -0.1, 0, 0, 0, 0, 0, 1, 1), "sgd_step: lr must be a finite number in [0, inf], got -0.1");
-  expect_error(dlua_optim_sgd_step(p, g, NULL, 0, 37, NAN, 0, 0, 0, 0, 0, 1, 1), "sgd_step: lr must be");
-  expect_error(dlua_optim_sgd_step(p, g, NULL, 0, 37, 0.1, 0, 0, -1e-4, 0, 0, 1, 1), "weight_decay must be");
-  expect_error(dlua_optim_sgd_step(p, g, b, 0, 37, 0.1, 0.9, 0.1, 0, 1, 0, 1, 1),
-               "sgd_step: Nesterov momentum needs momentum > 0 and dampening 0, got momentum 0.9, dampening 0.1");
-  expect_error(dlua_optim_sgd_step(p, g, NULL, 0, 37, 0.1, 0.9, 0, 0, 0, 0, 1, 1), "sgd_step: momentum 0.9 needs a momentum buffer");
-  expect_error(dlua_optim_sgd_step(p, g, NULL, 0, 37, 0.1, 0, 0, 0, 0, 0, 1, INFINITY), "grad_scale must be finite");
-  expect_error(dlua_optim_sgd_step(pi, g, NULL, 0, 37, 0.1, 0, 0, 0, 0, 0, 1, 1), "sgd_step: param must be float32 or float64, got (37) int32 cpu");
-  expect_error(dlua_optim_sgd_step(pt, g36, NULL, 0, 36, 0.1, 0, 0, 0, 0, 0, 1, 1), "sgd_step: param (6, 6) float32 cpu must be contiguous");
-  expect_error(dlua_optim_sgd_step(p, view, NULL, 0, 37, 0.1, 0, 0, 0, 0, 0, 1, 1), "sgd_step: grad and param share memory");
-  expect_error(dlua_optim_sgd_step(p, g, g, 0, 37, 0.1, 0.9, 0, 0, 0, 0, 1, 1), "sgd_step: momentum_buf and grad share memory");
-  expect_error(dlua_optim_sgd_step(NULL, g, NULL, 0, 37, 0.1, 0, 0, 0, 0, 0, 1, 1), "sgd_step: param is NULL");
+  tu_expect_error(dlua_optim_sgd_step(p, g36, NULL, 0, 36, 0.1, 0, 0, 0, 0, 0, 1, 1),
+                  "sgd_step: grad (36) float32 cpu must have param's dtype and element count (param (37) float32 cpu)");
+  tu_expect_error(dlua_optim_sgd_step(p, g64, NULL, 0, 37, 0.1, 0, 0, 0, 0, 0, 1, 1), "sgd_step: grad (37) float64 cpu");
+  tu_expect_error(dlua_optim_sgd_step(p, g, NULL, 30, 10, 0.1, 0, 0, 0, 0, 0, 1, 1),
+                  "sgd_step: range offset 30, length 10 is outside the arena of 37 elements");
+  tu_expect_error(dlua_optim_sgd_step(p, g, NULL, -1, 3, 0.1, 0, 0, 0, 0, 0, 1, 1), "range offset -1, length 3");
+  tu_expect_error(dlua_optim_sgd_step(p, g, NULL, 0, 37, -0.1, 0, 0, 0, 0, 0, 1, 1), "sgd_step: lr must be a finite number in [0, inf], got -0.1");
+  tu_expect_error(dlua_optim_sgd_step(p, g, NULL, 0, 37, NAN, 0, 0, 0, 0, 0, 1, 1), "sgd_step: lr must be");
+  tu_expect_error(dlua_optim_sgd_step(p, g, NULL, 0, 37, 0.1, 0, 0, -1e-4, 0, 0, 1, 1), "weight_decay must be");
+  tu_expect_error(dlua_optim_sgd_step(p, g, b, 0, 37, 0.1, 0.9, 0.1, 0, 1, 0, 1, 1),
+                  "sgd_step: Nesterov momentum needs momentum > 0 and dampening 0, got momentum 0.9, dampening 0.1");
+  tu_expect_error(dlua_optim_sgd_step(p, g, NULL, 0, 37, 0.1, 0.9, 0, 0, 0, 0, 1, 1), "sgd_step: momentum 0.9 needs a momentum buffer");
+  tu_expect_error(dlua_optim_sgd_step(p, g, NULL, 0, 37, 0.1, 0, 0, 0, 0, 0, 1, INFINITY), "grad_scale must be finite");
+  tu_expect_error(dlua_optim_sgd_step(pi, g, NULL, 0, 37, 0.1, 0, 0, 0, 0, 0, 1, 1), "sgd_step: param must be float32 or float64, got (37) int32 cpu");
+  tu_expect_error(dlua_optim_sgd_step(pt, g36, NULL, 0, 36, 0.1, 0, 0, 0, 0, 0, 1, 1), "sgd_step: param (6, 6) float32 cpu must be contiguous");
+  tu_expect_error(dlua_optim_sgd_step(p, view, NULL, 0, 37, 0.1, 0, 0, 0, 0, 0, 1, 1), "sgd_step: grad and param share memory");
+  tu_expect_error(dlua_optim_sgd_step(p, g, g, 0, 37, 0.1, 0.9, 0, 0, 0, 0, 1, 1), "sgd_step: momentum_buf and grad share memory");
+  tu_expect_error(dlua_optim_sgd_step(NULL, g, NULL, 0, 37, 0.1, 0, 0, 0, 0, 0, 1, 1), "sgd_step: param is NULL");
   // Nothing was written by the failed calls.
   for (int i = 0; i < 37; i++) ck_assert(at(p, i) == i && at(g, i) == i && at(b, i) == i);
   // An empty range is a valid no-op; a range ending exactly at the arena's end is fine.
@@ -458,34 +445,34 @@ START_TEST(test_bad_input) {
   ck_assert(at(p, 36) == 0 && at(p, 35) == 35);
 
   dlua_tensor_t *s = arena(DLUA_DTYPE_F32, 37, v);
-  expect_error(dlua_optim_adamw_step(p, g, b, s, NULL, 0, 37, 1e-3, 1.0, 0.999, 1e-8, 0, 1, 0, 0, 1),
-               "adamw_step: beta1 must be a finite number in [0, 1), got 1");
-  expect_error(dlua_optim_adamw_step(p, g, b, s, NULL, 0, 37, 1e-3, 0.9, -0.1, 1e-8, 0, 1, 0, 0, 1), "beta2 must be");
-  expect_error(dlua_optim_adamw_step(p, g, b, s, NULL, 0, 37, 1e-3, 0.9, 0.999, -1, 0, 1, 0, 0, 1), "eps must be");
-  expect_error(dlua_optim_adamw_step(p, g, b, s, NULL, 0, 37, 1e-3, 0.9, 0.999, 1e-8, 0, 0, 0, 0, 1),
-               "adamw_step: step counts this step from 1, got 0");
-  expect_error(dlua_optim_adamw_step(p, g, b, s, NULL, 0, 37, 1e-3, 0.9, 0.999, 1e-8, 0, 1, 1, 0, 1),
-               "adamw_step: amsgrad needs max_exp_avg_sq");
-  expect_error(dlua_optim_adamw_step(p, g, b, b, NULL, 0, 37, 1e-3, 0.9, 0.999, 1e-8, 0, 1, 0, 0, 1),
-               "adamw_step: exp_avg and exp_avg_sq share memory");
-  expect_error(dlua_optim_adamw_step(p, g, b, g36, NULL, 0, 37, 1e-3, 0.9, 0.999, 1e-8, 0, 1, 0, 0, 1),
-               "adamw_step: exp_avg_sq (36) float32 cpu must have param's dtype");
+  tu_expect_error(dlua_optim_adamw_step(p, g, b, s, NULL, 0, 37, 1e-3, 1.0, 0.999, 1e-8, 0, 1, 0, 0, 1),
+                  "adamw_step: beta1 must be a finite number in [0, 1), got 1");
+  tu_expect_error(dlua_optim_adamw_step(p, g, b, s, NULL, 0, 37, 1e-3, 0.9, -0.1, 1e-8, 0, 1, 0, 0, 1), "beta2 must be");
+  tu_expect_error(dlua_optim_adamw_step(p, g, b, s, NULL, 0, 37, 1e-3, 0.9, 0.999, -1, 0, 1, 0, 0, 1), "eps must be");
+  tu_expect_error(dlua_optim_adamw_step(p, g, b, s, NULL, 0, 37, 1e-3, 0.9, 0.999, 1e-8, 0, 0, 0, 0, 1),
+                  "adamw_step: step counts this step from 1, got 0");
+  tu_expect_error(dlua_optim_adamw_step(p, g, b, s, NULL, 0, 37, 1e-3, 0.9, 0.999, 1e-8, 0, 1, 1, 0, 1),
+                  "adamw_step: amsgrad needs max_exp_avg_sq");
+  tu_expect_error(dlua_optim_adamw_step(p, g, b, b, NULL, 0, 37, 1e-3, 0.9, 0.999, 1e-8, 0, 1, 0, 0, 1),
+                  "adamw_step: exp_avg and exp_avg_sq share memory");
+  tu_expect_error(dlua_optim_adamw_step(p, g, b, g36, NULL, 0, 37, 1e-3, 0.9, 0.999, 1e-8, 0, 1, 0, 0, 1),
+                  "adamw_step: exp_avg_sq (36) float32 cpu must have param's dtype");
 
   int64_t off[2] = {0, 10}, len[2] = {12, 5}, far[1] = {40}, one[1] = {1};
-  expect_error(dlua_optim_lars_step(p, g, b, 2, off, len, NULL, 0.1, 0.9, 0, 0.001, 0, 1, 1),
-               "lars_step: parameter ranges overlap: [0, 12) and [10, 15)");
-  expect_error(dlua_optim_lars_step(p, g, b, 1, far, one, NULL, 0.1, 0.9, 0, 0.001, 0, 1, 1),
-               "lars_step: parameter 0: range offset 40, length 1 is outside the arena of 37 elements");
-  expect_error(dlua_optim_lars_step(p, g, b, 2, NULL, len, NULL, 0.1, 0.9, 0, 0.001, 0, 1, 1), "lars_step: expected n_ranges >= 0");
-  expect_error(dlua_optim_lars_step(p, g, b, 1, off, len, NULL, 0.1, 0.9, 0, -1, 0, 1, 1), "trust_coefficient must be");
+  tu_expect_error(dlua_optim_lars_step(p, g, b, 2, off, len, NULL, 0.1, 0.9, 0, 0.001, 0, 1, 1),
+                  "lars_step: parameter ranges overlap: [0, 12) and [10, 15)");
+  tu_expect_error(dlua_optim_lars_step(p, g, b, 1, far, one, NULL, 0.1, 0.9, 0, 0.001, 0, 1, 1),
+                  "lars_step: parameter 0: range offset 40, length 1 is outside the arena of 37 elements");
+  tu_expect_error(dlua_optim_lars_step(p, g, b, 2, NULL, len, NULL, 0.1, 0.9, 0, 0.001, 0, 1, 1), "lars_step: expected n_ranges >= 0");
+  tu_expect_error(dlua_optim_lars_step(p, g, b, 1, off, len, NULL, 0.1, 0.9, 0, -1, 0, 1, 1), "trust_coefficient must be");
   ck_assert_int_eq(dlua_optim_lars_step(p, g, b, 0, NULL, NULL, NULL, 0.1, 0.9, 0, 0.001, 0, 1, 1), DLUA_OK);
 
   int64_t cnt = 5;
-  expect_error(dlua_optim_unscale(p, 0, 38, 0.5, &cnt), "unscale: range offset 0, length 38 is outside the arena of 37 elements");
+  tu_expect_error(dlua_optim_unscale(p, 0, 38, 0.5, &cnt), "unscale: range offset 0, length 38 is outside the arena of 37 elements");
   ck_assert_int_eq(cnt, 0);
-  expect_error(dlua_optim_unscale(p, 0, 37, INFINITY, NULL), "unscale: inv_scale must be finite");
-  expect_error(dlua_optim_unscale(pi, 0, 37, 0.5, NULL), "unscale: grad must be a floating-point tensor, got (37) int32 cpu");
-  expect_error(dlua_optim_unscale(pt, 0, 36, 0.5, NULL), "unscale: grad (6, 6) float32 cpu must be contiguous");
+  tu_expect_error(dlua_optim_unscale(p, 0, 37, INFINITY, NULL), "unscale: inv_scale must be finite");
+  tu_expect_error(dlua_optim_unscale(pi, 0, 37, 0.5, NULL), "unscale: grad must be a floating-point tensor, got (37) int32 cpu");
+  tu_expect_error(dlua_optim_unscale(pt, 0, 36, 0.5, NULL), "unscale: grad (6, 6) float32 cpu must be contiguous");
 
   dlua_tensor_free(s);
   dlua_tensor_free(p);
@@ -514,9 +501,5 @@ int main(void) {
   tcase_add_test(tc, test_unscale);
   tcase_add_test(tc, test_bad_input);
   suite_add_tcase(s, tc);
-  SRunner *sr = srunner_create(s);
-  srunner_run_all(sr, CK_NORMAL);
-  int failed = srunner_ntests_failed(sr);
-  srunner_free(sr);
-  return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+  return tu_run(s);
 }

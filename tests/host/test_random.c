@@ -9,21 +9,7 @@
 #include "core/api.h"
 #include "core/tensor.h"
 
-static dlua_tensor_t *new_t(int ndim, const int64_t *sizes, dlua_dtype_t dtype) {
-  dlua_tensor_t *t = NULL;
-  ck_assert_int_eq(dlua_tensor_empty(&t, ndim, sizes, dtype, DLUA_CPU), DLUA_OK);
-  return t;
-}
-
-static double *values(const dlua_tensor_t *t) {
-  dlua_tensor_t *d = NULL;
-  ck_assert_int_eq(dlua_tensor_to_dtype(&d, t, DLUA_DTYPE_F64), DLUA_OK);
-  int64_t n = dlua_tensor_numel(d);
-  double *v = malloc((size_t)(n ? n : 1) * sizeof(double));
-  ck_assert_int_eq(dlua_tensor_to_data(d, v, (size_t)n * sizeof(double)), DLUA_OK);
-  dlua_tensor_free(d);
-  return v;
-}
+#include "testutil.h"
 
 /* The word element i reads for draw d, per the documented rule (random.h). */
 static uint32_t word(uint64_t seed, uint64_t offset, int64_t i, uint32_t d) {
@@ -56,7 +42,7 @@ START_TEST(test_generator_state) {
   ck_assert_uint_eq(dlua_generator_seed(g), 1234);
   ck_assert_uint_eq(dlua_generator_offset(g), 0);
   int64_t n = 10;
-  dlua_tensor_t *t = new_t(1, &n, DLUA_DTYPE_F32);
+  dlua_tensor_t *t = tu_new_t(1, &n, DLUA_DTYPE_F32);
   ck_assert_int_eq(dlua_tensor_uniform_(t, 0, 1, g), DLUA_OK);
   ck_assert_uint_eq(dlua_generator_offset(g), 3);  // ceil(10 / 4) blocks
   ck_assert_int_eq(dlua_tensor_normal_(t, 0, 1, g), DLUA_OK);
@@ -87,13 +73,13 @@ START_TEST(test_counter_rule_uniform) {
   ck_assert_int_eq(dlua_generator_new(&g, seed), DLUA_OK);
   dlua_generator_set_offset(g, 0xfffffffeull);  // crosses into the counter's high word
   int64_t n = 23;
-  dlua_tensor_t *t = new_t(1, &n, DLUA_DTYPE_F64);
+  dlua_tensor_t *t = tu_new_t(1, &n, DLUA_DTYPE_F64);
   ck_assert_int_eq(dlua_tensor_uniform_(t, -3, 5, g), DLUA_OK);
   const double *v = dlua_tensor_data(t);
   for (int64_t i = 0; i < n; i++)
     ck_assert_double_eq(v[i], -3 + 8 * (word(seed, 0xfffffffeull, i, 0) / 4294967296.0));
   // float32 uses the top 24 bits.
-  dlua_tensor_t *f = new_t(1, &n, DLUA_DTYPE_F32);
+  dlua_tensor_t *f = tu_new_t(1, &n, DLUA_DTYPE_F32);
   dlua_generator_set_offset(g, 40);
   ck_assert_int_eq(dlua_tensor_uniform_(f, 0, 1, g), DLUA_OK);
   for (int64_t i = 0; i < n; i++)
@@ -109,7 +95,7 @@ START_TEST(test_counter_rule_normal) {
   dlua_generator_t *g = NULL;
   ck_assert_int_eq(dlua_generator_new(&g, 42), DLUA_OK);
   int64_t n = 9;
-  dlua_tensor_t *t = new_t(1, &n, DLUA_DTYPE_F64);
+  dlua_tensor_t *t = tu_new_t(1, &n, DLUA_DTYPE_F64);
   ck_assert_int_eq(dlua_tensor_normal_(t, 1, 2, g), DLUA_OK);
   const double *v = dlua_tensor_data(t);
   for (int64_t i = 0; i < n; i++) {
@@ -129,7 +115,7 @@ START_TEST(test_offset_resume) {
   dlua_generator_t *g = NULL;
   ck_assert_int_eq(dlua_generator_new(&g, 5), DLUA_OK);
   int64_t n = 100, m = 80;
-  dlua_tensor_t *all = new_t(1, &n, DLUA_DTYPE_F32), *tail = new_t(1, &m, DLUA_DTYPE_F32);
+  dlua_tensor_t *all = tu_new_t(1, &n, DLUA_DTYPE_F32), *tail = tu_new_t(1, &m, DLUA_DTYPE_F32);
   ck_assert_int_eq(dlua_tensor_normal_(all, 0, 1, g), DLUA_OK);
   dlua_generator_set_offset(g, 5);
   ck_assert_int_eq(dlua_tensor_normal_(tail, 0, 1, g), DLUA_OK);
@@ -137,7 +123,7 @@ START_TEST(test_offset_resume) {
   // Two generators with one seed agree; another seed differs.
   dlua_generator_t *h = NULL;
   ck_assert_int_eq(dlua_generator_new(&h, 5), DLUA_OK);
-  dlua_tensor_t *again = new_t(1, &n, DLUA_DTYPE_F32);
+  dlua_tensor_t *again = tu_new_t(1, &n, DLUA_DTYPE_F32);
   ck_assert_int_eq(dlua_tensor_normal_(again, 0, 1, h), DLUA_OK);
   ck_assert_mem_eq(dlua_tensor_data(all), dlua_tensor_data(again), 100 * sizeof(float));
   dlua_generator_manual_seed(h, 6);
@@ -172,7 +158,7 @@ START_TEST(test_thread_count_independent) {
         omp_set_num_threads(k == 0 ? 1 : 4);
         dlua_generator_t *g = NULL;
         ck_assert_int_eq(dlua_generator_new(&g, 2024), DLUA_OK);
-        r[k] = new_t(2, sizes, dts[di]);
+        r[k] = tu_new_t(2, sizes, dts[di]);
         ck_assert_int_eq(fills[fi](r[k], g), DLUA_OK);
         dlua_generator_free(g);
       }
@@ -180,7 +166,7 @@ START_TEST(test_thread_count_independent) {
                     "fill %d dtype %s differs between 1 and 4 threads", fi, dlua_dtype_name(dts[di]));
       // The same fill into a transposed view gives the same row-major sequence.
       int64_t ts[] = {97, 211};
-      dlua_tensor_t *base = new_t(2, ts, dts[di]), *tr = NULL, *c = NULL;
+      dlua_tensor_t *base = tu_new_t(2, ts, dts[di]), *tr = NULL, *c = NULL;
       ck_assert_int_eq(dlua_tensor_transpose(&tr, base, 0, 1), DLUA_OK);
       dlua_generator_t *g = NULL;
       ck_assert_int_eq(dlua_generator_new(&g, 2024), DLUA_OK);
@@ -209,11 +195,11 @@ static void moments(const double *v, int64_t n, double *mean, double *var) {
 
 START_TEST(test_uniform_distribution) {
   int64_t n = 200003;
-  dlua_tensor_t *t = new_t(1, &n, DLUA_DTYPE_F32);
+  dlua_tensor_t *t = tu_new_t(1, &n, DLUA_DTYPE_F32);
   dlua_generator_t *g = NULL;
   ck_assert_int_eq(dlua_generator_new(&g, 11), DLUA_OK);
   ck_assert_int_eq(dlua_tensor_uniform_(t, 2, 5, g), DLUA_OK);
-  double *v = values(t), mean, var;
+  double *v = tu_values(t), mean, var;
   for (int64_t i = 0; i < n; i++) ck_assert(v[i] >= 2 && v[i] < 5);
   moments(v, n, &mean, &var);
   // Mean 3.5, variance 9/12; five standard errors.
@@ -234,11 +220,11 @@ END_TEST
 
 START_TEST(test_normal_distribution) {
   int64_t n = 200000;
-  dlua_tensor_t *t = new_t(1, &n, DLUA_DTYPE_F64);
+  dlua_tensor_t *t = tu_new_t(1, &n, DLUA_DTYPE_F64);
   dlua_generator_t *g = NULL;
   ck_assert_int_eq(dlua_generator_new(&g, 12), DLUA_OK);
   ck_assert_int_eq(dlua_tensor_normal_(t, -2, 0.5, g), DLUA_OK);
-  double *v = values(t), mean, var;
+  double *v = tu_values(t), mean, var;
   moments(v, n, &mean, &var);
   ck_assert_double_le(fabs(mean + 2), 5 * 0.5 / sqrt((double)n));
   ck_assert_double_le(fabs(var - 0.25), 5 * 0.25 * sqrt(2.0 / (double)n));
@@ -257,7 +243,7 @@ END_TEST
 
 START_TEST(test_randint) {
   int64_t n = 70001;
-  dlua_tensor_t *t = new_t(1, &n, DLUA_DTYPE_I32);
+  dlua_tensor_t *t = tu_new_t(1, &n, DLUA_DTYPE_I32);
   dlua_generator_t *g = NULL;
   ck_assert_int_eq(dlua_generator_new(&g, 13), DLUA_OK);
   ck_assert_int_eq(dlua_tensor_randint_(t, -3, 4, g), DLUA_OK);  // 7 values
@@ -273,7 +259,7 @@ START_TEST(test_randint) {
   // A range of 3 * 2^30 rejects every word below 2^30 (a quarter); check each element
   // against the documented redraw rule computed here from the raw Philox.
   int64_t m = 1001;
-  dlua_tensor_t *w = new_t(1, &m, DLUA_DTYPE_I64);
+  dlua_tensor_t *w = tu_new_t(1, &m, DLUA_DTYPE_I64);
   const uint64_t range = 3ull << 30;
   dlua_generator_manual_seed(g, 77);
   ck_assert_int_eq(dlua_tensor_randint_(w, 10, 10 + (int64_t)range, g), DLUA_OK);
@@ -296,7 +282,7 @@ START_TEST(test_randint) {
   dlua_tensor_free(w);
 
   int64_t five = 5;
-  dlua_tensor_t *u = new_t(1, &five, DLUA_DTYPE_U8);
+  dlua_tensor_t *u = tu_new_t(1, &five, DLUA_DTYPE_U8);
   ck_assert_int_eq(dlua_tensor_randint_(u, 0, 256, g), DLUA_OK);
   ck_assert_int_eq(dlua_tensor_randint_(u, 0, 257, g), DLUA_ERR_ARG);
   ck_assert_ptr_nonnull(strstr(dlua_last_error(), "randint_: [0, 257) does not fit uint8"));
@@ -309,7 +295,7 @@ END_TEST
 
 START_TEST(test_bernoulli) {
   int64_t n = 100000;
-  dlua_tensor_t *t = new_t(1, &n, DLUA_DTYPE_BOOL);
+  dlua_tensor_t *t = tu_new_t(1, &n, DLUA_DTYPE_BOOL);
   dlua_generator_t *g = NULL;
   ck_assert_int_eq(dlua_generator_new(&g, 14), DLUA_OK);
   ck_assert_int_eq(dlua_tensor_bernoulli_(t, 0.3, g), DLUA_OK);
@@ -333,7 +319,7 @@ END_TEST
 
 static void assert_permutation(const dlua_tensor_t *t, int64_t n, int64_t base) {
   ck_assert_int_eq(dlua_tensor_numel(t), n);
-  double *v = values(t);
+  double *v = tu_values(t);
   char *seen = calloc((size_t)(n ? n : 1), 1);
   for (int64_t i = 0; i < n; i++) {
     int64_t k = (int64_t)v[i] - base;
@@ -383,7 +369,7 @@ END_TEST
 
 START_TEST(test_bad_fills) {
   int64_t n = 4;
-  dlua_tensor_t *i = new_t(1, &n, DLUA_DTYPE_I32), *f = new_t(1, &n, DLUA_DTYPE_F16);
+  dlua_tensor_t *i = tu_new_t(1, &n, DLUA_DTYPE_I32), *f = tu_new_t(1, &n, DLUA_DTYPE_F16);
   ck_assert_int_eq(dlua_tensor_uniform_(i, 0, 1, NULL), DLUA_ERR_ARG);
   ck_assert_ptr_nonnull(strstr(dlua_last_error(), "uniform_: expected a floating-point tensor, got (4) int32 cpu"));
   ck_assert_int_eq(dlua_tensor_normal_(i, 0, 1, NULL), DLUA_ERR_ARG);
@@ -394,7 +380,7 @@ START_TEST(test_bad_fills) {
   ck_assert_ptr_nonnull(strstr(dlua_last_error(), "uniform_: the tensor is NULL"));
   // Zero elements: fine, and no blocks consumed.
   int64_t z = 0;
-  dlua_tensor_t *e = new_t(1, &z, DLUA_DTYPE_F32);
+  dlua_tensor_t *e = tu_new_t(1, &z, DLUA_DTYPE_F32);
   dlua_generator_t *g = NULL;
   ck_assert_int_eq(dlua_generator_new(&g, 1), DLUA_OK);
   ck_assert_int_eq(dlua_tensor_normal_(e, 0, 1, g), DLUA_OK);
@@ -423,9 +409,5 @@ int main(void) {
   tcase_add_test(tc, test_randperm);
   tcase_add_test(tc, test_bad_fills);
   suite_add_tcase(s, tc);
-  SRunner *sr = srunner_create(s);
-  srunner_run_all(sr, CK_NORMAL);
-  int failed = srunner_ntests_failed(sr);
-  srunner_free(sr);
-  return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+  return tu_run(s);
 }

@@ -10,84 +10,14 @@
 #include "core/api.h"
 #include "core/tensor.h"
 
+#include "testutil.h"
+
 /* ---- helpers ---------------------------------------------------------------------------------- */
 
 static const dlua_dtype_t ALL_DT[] = {DLUA_DTYPE_F32, DLUA_DTYPE_F64, DLUA_DTYPE_F16, DLUA_DTYPE_BF16,
                                       DLUA_DTYPE_I32, DLUA_DTYPE_I64, DLUA_DTYPE_U8,  DLUA_DTYPE_BOOL};
 
 static uint64_t rng_state = 0x2545F4914F6CDD1Dull;
-static double urand(void) {  // [-1, 1)
-  rng_state = rng_state * 6364136223846793005ull + 1442695040888963407ull;
-  return (double)(rng_state >> 11) * (2.0 / 9007199254740992.0) - 1.0;
-}
-
-static double as_dtype(dlua_dtype_t dt, double x) {
-  switch (dt) {
-    case DLUA_DTYPE_F32: return (float)x;
-    case DLUA_DTYPE_F64: return x;
-    case DLUA_DTYPE_F16: return dlua_f16_to_f32(dlua_f32_to_f16((float)x));
-    case DLUA_DTYPE_BF16: return dlua_bf16_to_f32(dlua_f32_to_bf16((float)x));
-    case DLUA_DTYPE_I32: return (double)(int32_t)(int64_t)x;
-    case DLUA_DTYPE_I64: return (double)(int64_t)x;
-    case DLUA_DTYPE_U8: return (double)(uint8_t)(int64_t)x;
-    default: return x != 0;
-  }
-}
-
-static void put(dlua_dtype_t dt, void *buf, int64_t i, double x) {
-  switch (dt) {
-    case DLUA_DTYPE_F32: ((float *)buf)[i] = (float)x; break;
-    case DLUA_DTYPE_F64: ((double *)buf)[i] = x; break;
-    case DLUA_DTYPE_F16: ((uint16_t *)buf)[i] = dlua_f32_to_f16((float)x); break;
-    case DLUA_DTYPE_BF16: ((uint16_t *)buf)[i] = dlua_f32_to_bf16((float)x); break;
-    case DLUA_DTYPE_I32: ((int32_t *)buf)[i] = (int32_t)(int64_t)x; break;
-    case DLUA_DTYPE_I64: ((int64_t *)buf)[i] = (int64_t)x; break;
-    case DLUA_DTYPE_U8: ((uint8_t *)buf)[i] = (uint8_t)(int64_t)x; break;
-    default: ((uint8_t *)buf)[i] = x != 0; break;
-  }
-}
-
-static double get(dlua_dtype_t dt, const void *buf, int64_t i) {
-  switch (dt) {
-    case DLUA_DTYPE_F32: return ((const float *)buf)[i];
-    case DLUA_DTYPE_F64: return ((const double *)buf)[i];
-    case DLUA_DTYPE_F16: return dlua_f16_to_f32(((const uint16_t *)buf)[i]);
-    case DLUA_DTYPE_BF16: return dlua_bf16_to_f32(((const uint16_t *)buf)[i]);
-    case DLUA_DTYPE_I32: return ((const int32_t *)buf)[i];
-    case DLUA_DTYPE_I64: return (double)((const int64_t *)buf)[i];
-    default: return ((const uint8_t *)buf)[i];
-  }
-}
-
-static dlua_tensor_t *mk(dlua_dtype_t dt, int nd, const int64_t *sz, const double *v) {
-  int64_t n = dlua_shape_numel(nd, sz);
-  void *buf = malloc((size_t)(n > 0 ? n : 1) * 8);
-  for (int64_t i = 0; i < n; i++) put(dt, buf, i, v[i]);
-  dlua_tensor_t *t = NULL;
-  ck_assert_int_eq(dlua_tensor_from_data(&t, nd, sz, dt, buf), DLUA_OK);
-  free(buf);
-  return t;
-}
-
-static double *rd(const dlua_tensor_t *t) {
-  int64_t n = dlua_tensor_numel(t);
-  size_t es = dlua_dtype_size(dlua_tensor_dtype(t));
-  void *buf = malloc((size_t)(n > 0 ? n : 1) * es);
-  ck_assert_int_eq(dlua_tensor_to_data(t, buf, (size_t)n * es), DLUA_OK);
-  double *v = malloc((size_t)(n > 0 ? n : 1) * sizeof(double));
-  for (int64_t i = 0; i < n; i++) v[i] = get(dlua_tensor_dtype(t), buf, i);
-  free(buf);
-  return v;
-}
-
-static int close_to(double got, double want, double tol) {
-  if (isnan(want)) return isnan(got);
-  if (isinf(want)) return got == want;
-  if (!isfinite(tol)) tol = 0;
-  return fabs(got - want) <= tol;
-}
-
-static int err_has(const char *s) { return strstr(dlua_last_error(), s) != NULL; }
 
 /* ---- the reference: plain loops in double over the logical (row-major) values ---------------- */
 
@@ -216,7 +146,7 @@ static void check_all_dim_sets(dlua_reduce_op_t op, const dlua_tensor_t *t, cons
       ck_assert_int_eq(dlua_tensor_dtype(o), result_dtype(op, dt));
       ck_assert_int_eq(dlua_tensor_numel(o), O);
       ck_assert_int_eq(dlua_tensor_ndim(o), keep ? nd : (ndims == 0 ? 0 : nd - ndims));
-      double *g = rd(o);
+      double *g = tu_rd(o);
       for (int64_t i = 0; i < O; i++) {
         double want = wv[i];
         if (op == DLUA_REDUCE_ARGMAX || op == DLUA_REDUCE_ARGMIN) want = (double)(wi[i] + 1);
@@ -227,15 +157,15 @@ static void check_all_dim_sets(dlua_reduce_op_t op, const dlua_tensor_t *t, cons
           double scale = (op == DLUA_REDUCE_SUM || op == DLUA_REDUCE_MEAN) ? asum[i] : fabs(want);
           tol = e * (scale + fabs(want));
           if (op == DLUA_REDUCE_VAR || op == DLUA_REDUCE_STD) tol = e * (fabs(want) + 1e-12);
-          want = as_dtype(od, want);
+          want = tu_as_dtype(od, want);
         }
-        ck_assert_msg(close_to(g[i], want, tol), "%s set %d keep %d [%lld]: got %.17g want %.17g", what, set, keep,
+        ck_assert_msg(tu_close_to(g[i], want, tol), "%s set %d keep %d [%lld]: got %.17g want %.17g", what, set, keep,
                       (long long)i, g[i], want);
       }
       free(g);
       if (ix) {
         ck_assert_int_eq(dlua_tensor_dtype(ix), DLUA_DTYPE_I64);
-        double *gi = rd(ix);
+        double *gi = tu_rd(ix);
         for (int64_t i = 0; i < O; i++)
           ck_assert_msg(gi[i] == (double)(wi[i] + 1), "%s indices set %d [%lld]: got %g want %lld", what, set,
                         (long long)i, gi[i], (long long)(wi[i] + 1));
@@ -260,15 +190,15 @@ START_TEST(test_ops_dims_layouts) {
   for (int di = 0; di < 4; di++) {
     dlua_dtype_t dt = ALL_DT[di];
     double v[252];
-    for (int i = 0; i < 252; i++) v[i] = as_dtype(dt, urand() * 2);
+    for (int i = 0; i < 252; i++) v[i] = tu_as_dtype(dt, tu_lcg(&rng_state) * 2);
     v[5] = 0;
-    dlua_tensor_t *c = mk(dt, 3, sz, v), *bigt = mk(dt, 3, big, v), *perm = NULL, *nar = NULL;
+    dlua_tensor_t *c = tu_mk(dt, 3, sz, v), *bigt = tu_mk(dt, 3, big, v), *perm = NULL, *nar = NULL;
     int pd[3] = {2, 0, 1};
     ck_assert_int_eq(dlua_tensor_permute(&perm, c, pd), DLUA_OK);  // (7, 3, 5)
     ck_assert_int_eq(dlua_tensor_narrow(&nar, bigt, 1, 2, 5), DLUA_OK);  // (4, 5, 7), strided
     dlua_tensor_t *layouts[3] = {c, perm, nar};
     for (int l = 0; l < 3; l++) {
-      double *x = rd(layouts[l]);
+      double *x = tu_rd(layouts[l]);
       for (size_t k = 0; k < sizeof float_ops / sizeof float_ops[0]; k++) {
         dlua_reduce_op_t op = float_ops[k];
         char what[96];
@@ -299,12 +229,12 @@ START_TEST(test_integer_ops) {
   for (int di = 4; di < 8; di++) {
     dlua_dtype_t dt = ALL_DT[di];
     double v[30];
-    for (int i = 0; i < 30; i++) v[i] = as_dtype(dt, (double)((i * 7) % 5 - (dt == DLUA_DTYPE_U8 ? 0 : 2)));
-    dlua_tensor_t *t = mk(dt, 3, sz, v), *tt = NULL;
+    for (int i = 0; i < 30; i++) v[i] = tu_as_dtype(dt, (double)((i * 7) % 5 - (dt == DLUA_DTYPE_U8 ? 0 : 2)));
+    dlua_tensor_t *t = tu_mk(dt, 3, sz, v), *tt = NULL;
     ck_assert_int_eq(dlua_tensor_transpose(&tt, t, 0, 2), DLUA_OK);
     dlua_tensor_t *layouts[2] = {t, tt};
     for (int l = 0; l < 2; l++) {
-      double *x = rd(layouts[l]);
+      double *x = tu_rd(layouts[l]);
       for (size_t k = 0; k < sizeof ops / sizeof ops[0]; k++) {
         char what[96];
         snprintf(what, sizeof what, "op %d %s layout %d", ops[k], dlua_dtype_name(dt), l);
@@ -314,9 +244,9 @@ START_TEST(test_integer_ops) {
     }
     dlua_tensor_t *o = NULL;
     ck_assert_int_eq(dlua_tensor_reduce(&o, NULL, t, DLUA_REDUCE_MEAN, 0, NULL, 0, 0, 0), DLUA_ERR_ARG);
-    ck_assert(err_has("mean: expected a floating-point tensor"));
+    ck_assert(tu_err_has("mean: expected a floating-point tensor"));
     ck_assert_int_eq(dlua_tensor_reduce(&o, NULL, t, DLUA_REDUCE_NORM, 0, NULL, 0, 2, 0), DLUA_ERR_ARG);
-    ck_assert(err_has("norm:"));
+    ck_assert(tu_err_has("norm:"));
     dlua_tensor_free(tt), dlua_tensor_free(t);
   }
   // int32 sums do not overflow in int32: they count in int64.
@@ -336,22 +266,22 @@ START_TEST(test_half_accumulation) {
   int64_t n = 3000;
   double *ones = malloc(3000 * sizeof(double));
   for (int i = 0; i < 3000; i++) ones[i] = 1;
-  dlua_tensor_t *h = mk(DLUA_DTYPE_F16, 1, &n, ones), *o = NULL;
+  dlua_tensor_t *h = tu_mk(DLUA_DTYPE_F16, 1, &n, ones), *o = NULL;
   ck_assert_int_eq(dlua_tensor_reduce(&o, NULL, h, DLUA_REDUCE_SUM, 0, NULL, 0, 0, 0), DLUA_OK);
   ck_assert_int_eq(dlua_tensor_dtype(o), DLUA_DTYPE_F16);
-  double *g = rd(o);
+  double *g = tu_rd(o);
   ck_assert(g[0] == 3000);
   free(g), dlua_tensor_free(o), o = NULL;
   ck_assert_int_eq(dlua_tensor_reduce(&o, NULL, h, DLUA_REDUCE_MEAN, 0, NULL, 0, 0, 0), DLUA_OK);
-  g = rd(o);
+  g = tu_rd(o);
   ck_assert(g[0] == 1);
   free(g), dlua_tensor_free(o), o = NULL;
   dlua_tensor_free(h);
   int64_t nb = 1000;
-  dlua_tensor_t *b = mk(DLUA_DTYPE_BF16, 1, &nb, ones);
+  dlua_tensor_t *b = tu_mk(DLUA_DTYPE_BF16, 1, &nb, ones);
   ck_assert_int_eq(dlua_tensor_reduce(&o, NULL, b, DLUA_REDUCE_SUM, 0, NULL, 0, 0, 0), DLUA_OK);
   ck_assert_int_eq(dlua_tensor_dtype(o), DLUA_DTYPE_BF16);
-  g = rd(o);
+  g = tu_rd(o);
   ck_assert(g[0] == 1000);
   free(g), dlua_tensor_free(o), dlua_tensor_free(b), free(ones);
 }
@@ -366,7 +296,7 @@ START_TEST(test_sum_1e7_accuracy_threads) {
   double ref = 0;
   for (int64_t i = 0; i < n; i++) {
     // All positive and of mixed magnitude: the case where naive float sums drift most.
-    p[i] = (float)((urand() + 1.0) * (i % 3 == 0 ? 100.0 : 0.01));
+    p[i] = (float)((tu_lcg(&rng_state) + 1.0) * (i % 3 == 0 ? 100.0 : 0.01));
     ref += p[i];
   }
   int saved = omp_get_max_threads();
@@ -407,8 +337,8 @@ START_TEST(test_schedules_thread_independent) {
   for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
     int64_t n = dlua_shape_numel(cases[c].nd, cases[c].sz);
     double *v = malloc((size_t)n * sizeof(double));
-    for (int64_t i = 0; i < n; i++) v[i] = as_dtype(DLUA_DTYPE_F32, urand() + 0.25);
-    dlua_tensor_t *t = mk(DLUA_DTYPE_F32, cases[c].nd, cases[c].sz, v);
+    for (int64_t i = 0; i < n; i++) v[i] = tu_as_dtype(DLUA_DTYPE_F32, tu_lcg(&rng_state) + 0.25);
+    dlua_tensor_t *t = tu_mk(DLUA_DTYPE_F32, cases[c].nd, cases[c].sz, v);
     for (size_t k = 0; k < sizeof ops / sizeof ops[0]; k++) {
       double p = ops[k] == DLUA_REDUCE_NORM ? 2 : 1;
       void *first = NULL;
@@ -427,12 +357,12 @@ START_TEST(test_schedules_thread_independent) {
           double *wv = malloc((size_t)n * sizeof(double)), *as = malloc((size_t)n * sizeof(double));
           int64_t *wi = malloc((size_t)n * sizeof(int64_t));
           int64_t O = ref_reduce(ops[k], v, cases[c].nd, cases[c].sz, mask, p, wv, wi, as);
-          double *g = rd(o);
+          double *g = tu_rd(o);
           for (int64_t i = 0; i < O; i++) {
             double want = ops[k] == DLUA_REDUCE_ARGMAX ? (double)wi[i] : wv[i];
             double tol = ops[k] == DLUA_REDUCE_ARGMAX ? 0 : 1e-6 * (as[i] + fabs(wv[i]));
             if (ops[k] == DLUA_REDUCE_VAR) tol = 1e-6 * fabs(wv[i]);
-            ck_assert_msg(close_to(g[i], want, tol), "case %zu op %d [%lld]: %.9g vs %.9g", c, ops[k], (long long)i,
+            ck_assert_msg(tu_close_to(g[i], want, tol), "case %zu op %d [%lld]: %.9g vs %.9g", c, ops[k], (long long)i,
                           g[i], want);
           }
           free(g), free(wv), free(as), free(wi);
@@ -465,8 +395,8 @@ START_TEST(test_empty_inputs) {
   for (size_t k = 0; k < sizeof ok / sizeof ok[0]; k++) {
     ck_assert_msg(dlua_tensor_reduce(&o, NULL, e, ok[k].op, 0, NULL, 0, ok[k].p, 0) == DLUA_OK, "%s", dlua_last_error());
     ck_assert_int_eq(dlua_tensor_ndim(o), 0);
-    double *g = rd(o);
-    ck_assert_msg(close_to(g[0], ok[k].want, 0), "empty op %d: %g", ok[k].op, g[0]);
+    double *g = tu_rd(o);
+    ck_assert_msg(tu_close_to(g[0], ok[k].want, 0), "empty op %d: %g", ok[k].op, g[0]);
     free(g), dlua_tensor_free(o), o = NULL;
   }
   // max/min/arg* and the inf-norm have no identity.
@@ -475,12 +405,12 @@ START_TEST(test_empty_inputs) {
     ck_assert_int_eq(dlua_tensor_reduce(&o, NULL, e, bad[k], 0, NULL, 0, 0, 0), DLUA_ERR_ARG);
     ck_assert_ptr_null(o);
   }
-  ck_assert(err_has("argmin: cannot reduce"));
+  ck_assert(tu_err_has("argmin: cannot reduce"));
   ck_assert_int_eq(dlua_tensor_reduce(&o, NULL, e, DLUA_REDUCE_NORM, 0, NULL, 0, INFINITY, 0), DLUA_ERR_ARG);
   // (0, 3): over dim 0 nothing to take a max of; over dim 1 the result is simply empty.
   int d0 = 0, d1 = 1;
   ck_assert_int_eq(dlua_tensor_reduce(&o, NULL, e2, DLUA_REDUCE_MAX, 1, &d0, 0, 0, 0), DLUA_ERR_ARG);
-  ck_assert(err_has("max:"));
+  ck_assert(tu_err_has("max:"));
   dlua_tensor_t *ix = NULL;
   ck_assert_int_eq(dlua_tensor_reduce(&o, &ix, e2, DLUA_REDUCE_MAX, 1, &d1, 0, 0, 0), DLUA_OK);
   ck_assert_int_eq(dlua_tensor_numel(o), 0);
@@ -491,7 +421,7 @@ START_TEST(test_empty_inputs) {
   ck_assert_int_eq(dlua_tensor_ndim(o), 2);
   ck_assert_int_eq(dlua_tensor_sizes(o)[0], 1);
   ck_assert_int_eq(dlua_tensor_sizes(o)[1], 3);
-  double *g = rd(o);
+  double *g = tu_rd(o);
   for (int i = 0; i < 3; i++) ck_assert(g[i] == 0);
   free(g), dlua_tensor_free(o);
   dlua_tensor_free(e), dlua_tensor_free(e2);
@@ -501,7 +431,7 @@ END_TEST
 START_TEST(test_max_min_ties_nan_base) {
   int64_t n = 7;
   double v[7] = {1, 5, 5, -2, -2, 0, 5};
-  dlua_tensor_t *t = mk(DLUA_DTYPE_F32, 1, &n, v), *o = NULL, *ix = NULL;
+  dlua_tensor_t *t = tu_mk(DLUA_DTYPE_F32, 1, &n, v), *o = NULL, *ix = NULL;
   // First occurrence wins ties; indices count from index_base.
   ck_assert_int_eq(dlua_tensor_reduce(&o, &ix, t, DLUA_REDUCE_MAX, 0, NULL, 0, 0, 1), DLUA_OK);
   ck_assert(*(float *)dlua_tensor_data(o) == 5);
@@ -514,7 +444,7 @@ START_TEST(test_max_min_ties_nan_base) {
   // The first NaN wins for max and min alike.
   double w[6] = {1, NAN, 3, NAN, -INFINITY, INFINITY};
   int64_t m = 6;
-  t = mk(DLUA_DTYPE_F64, 1, &m, w);
+  t = tu_mk(DLUA_DTYPE_F64, 1, &m, w);
   ck_assert_int_eq(dlua_tensor_reduce(&o, &ix, t, DLUA_REDUCE_MIN, 0, NULL, 0, 0, 0), DLUA_OK);
   ck_assert(isnan(*(double *)dlua_tensor_data(o)));
   ck_assert(*(int64_t *)dlua_tensor_data(ix) == 1);
@@ -523,7 +453,7 @@ START_TEST(test_max_min_ties_nan_base) {
   // Indices along a dim of a transposed tensor count logical positions, not memory order.
   int64_t s[2] = {3, 4};
   double u[12] = {0, 9, 2, 3, 8, 1, 7, 4, 5, 6, 1, 11};
-  dlua_tensor_t *b = mk(DLUA_DTYPE_I64, 2, s, u), *bt = NULL;
+  dlua_tensor_t *b = tu_mk(DLUA_DTYPE_I64, 2, s, u), *bt = NULL;
   ck_assert_int_eq(dlua_tensor_transpose(&bt, b, 0, 1), DLUA_OK);  // (4, 3): bt[i][j] = u[j*4+i]
   int d = 1;
   ck_assert_int_eq(dlua_tensor_reduce(&o, &ix, bt, DLUA_REDUCE_MAX, 1, &d, 1, 0, 1), DLUA_OK);
@@ -540,7 +470,7 @@ START_TEST(test_out_and_errors) {
   int64_t s[2] = {4, 6};
   double v[24];
   for (int i = 0; i < 24; i++) v[i] = i * 0.5;
-  dlua_tensor_t *t = mk(DLUA_DTYPE_F32, 2, s, v), *o = NULL;
+  dlua_tensor_t *t = tu_mk(DLUA_DTYPE_F32, 2, s, v), *o = NULL;
   // A caller-provided out of another dtype and layout receives the cast result.
   int64_t os[2] = {6, 1};
   dlua_tensor_t *base = NULL, *ot = NULL;
@@ -551,21 +481,21 @@ START_TEST(test_out_and_errors) {
   ck_assert_msg(dlua_tensor_reduce(&ot2, NULL, t, DLUA_REDUCE_SUM, 1, &d0, 1, 0, 0) == DLUA_OK, "%s",
                 dlua_last_error());
   ck_assert_ptr_eq(ot2, ot);
-  double *g = rd(base);
+  double *g = tu_rd(base);
   for (int j = 0; j < 6; j++) ck_assert(g[j] == 0.5 * (j + (j + 6) + (j + 12) + (j + 18)));
   free(g);
   // Wrong out shape, bad dims, NULL tensor.
   ck_assert_int_eq(dlua_tensor_reduce(&ot2, NULL, t, DLUA_REDUCE_SUM, 1, &d0, 0, 0, 0), DLUA_ERR_ARG);
-  ck_assert(err_has("sum:"));
+  ck_assert(tu_err_has("sum:"));
   int bad[2] = {2, 0}, dup[2] = {1, 1};
   ck_assert_int_eq(dlua_tensor_reduce(&o, NULL, t, DLUA_REDUCE_SUM, 1, bad, 0, 0, 0), DLUA_ERR_ARG);
-  ck_assert_msg(err_has("sum: dim 2 out of range"), "%s", dlua_last_error());
+  ck_assert_msg(tu_err_has("sum: dim 2 out of range"), "%s", dlua_last_error());
   ck_assert_int_eq(dlua_tensor_reduce(&o, NULL, t, DLUA_REDUCE_PROD, 2, dup, 0, 0, 0), DLUA_ERR_ARG);
-  ck_assert(err_has("prod: dim 1 appears twice"));
+  ck_assert(tu_err_has("prod: dim 1 appears twice"));
   ck_assert_int_eq(dlua_tensor_reduce(&o, NULL, NULL, DLUA_REDUCE_SUM, 0, NULL, 0, 0, 0), DLUA_ERR_ARG);
-  ck_assert(err_has("sum:"));
+  ck_assert(tu_err_has("sum:"));
   ck_assert_int_eq(dlua_tensor_reduce(&o, NULL, t, DLUA_REDUCE_NORM, 0, NULL, 0, -1, 0), DLUA_ERR_ARG);
-  ck_assert(err_has("norm: p"));
+  ck_assert(tu_err_has("norm: p"));
   ck_assert_int_eq(dlua_tensor_reduce(&o, NULL, t, DLUA_REDUCE_COUNT, 0, NULL, 0, 0, 0), DLUA_ERR_ARG);
   ck_assert_ptr_null(o);
   // A 0-d tensor reduces to itself; dim 0 is accepted for it.
@@ -583,7 +513,7 @@ END_TEST
 START_TEST(test_specials) {
   int64_t n = 5;
   double v[5] = {0, NAN, INFINITY, -INFINITY, 2};
-  dlua_tensor_t *t = mk(DLUA_DTYPE_BF16, 1, &n, v), *o = NULL;
+  dlua_tensor_t *t = tu_mk(DLUA_DTYPE_BF16, 1, &n, v), *o = NULL;
   ck_assert_int_eq(dlua_tensor_reduce(&o, NULL, t, DLUA_REDUCE_COUNT_NONFINITE, 0, NULL, 0, 0, 0), DLUA_OK);
   ck_assert_int_eq(dlua_tensor_dtype(o), DLUA_DTYPE_I64);
   ck_assert(*(int64_t *)dlua_tensor_data(o) == 3);
@@ -592,17 +522,17 @@ START_TEST(test_specials) {
   ck_assert(*(uint8_t *)dlua_tensor_data(o) == 0);
   dlua_tensor_free(o), o = NULL;
   ck_assert_int_eq(dlua_tensor_reduce(&o, NULL, t, DLUA_REDUCE_SUM, 0, NULL, 0, 0, 0), DLUA_OK);
-  double *g = rd(o);
+  double *g = tu_rd(o);
   ck_assert(isnan(g[0]));
   free(g), dlua_tensor_free(o), o = NULL;
   ck_assert_int_eq(dlua_tensor_reduce(&o, NULL, t, DLUA_REDUCE_NORM, 0, NULL, 0, INFINITY, 0), DLUA_OK);
-  g = rd(o);
+  g = tu_rd(o);
   ck_assert(isnan(g[0]));
   free(g), dlua_tensor_free(o), o = NULL;
   dlua_tensor_free(t);
   int64_t one = 1;
   double x = 4;
-  t = mk(DLUA_DTYPE_F32, 1, &one, &x);
+  t = tu_mk(DLUA_DTYPE_F32, 1, &one, &x);
   ck_assert_int_eq(dlua_tensor_reduce(&o, NULL, t, DLUA_REDUCE_VAR, 0, NULL, 0, 1, 0), DLUA_OK);
   ck_assert(isnan(*(float *)dlua_tensor_data(o)));
   dlua_tensor_free(o), o = NULL;
@@ -613,10 +543,10 @@ START_TEST(test_specials) {
   int64_t m = 1001;
   double *w = malloc(1001 * sizeof(double));
   double mean = 0, ss = 0;
-  for (int i = 0; i < 1001; i++) w[i] = as_dtype(DLUA_DTYPE_F32, 10000.0 + (i % 7) * 0.01), mean += w[i];
+  for (int i = 0; i < 1001; i++) w[i] = tu_as_dtype(DLUA_DTYPE_F32, 10000.0 + (i % 7) * 0.01), mean += w[i];
   mean /= 1001;
   for (int i = 0; i < 1001; i++) ss += (w[i] - mean) * (w[i] - mean);
-  t = mk(DLUA_DTYPE_F32, 1, &m, w);
+  t = tu_mk(DLUA_DTYPE_F32, 1, &m, w);
   ck_assert_int_eq(dlua_tensor_reduce(&o, NULL, t, DLUA_REDUCE_VAR, 0, NULL, 0, 1, 0), DLUA_OK);
   ck_assert_msg(fabs(*(float *)dlua_tensor_data(o) - ss / 1000) <= 1e-5 * ss / 1000, "var %.9g vs %.9g",
                 *(float *)dlua_tensor_data(o), ss / 1000);
@@ -638,9 +568,5 @@ int main(void) {
   tcase_add_test(tc, test_out_and_errors);
   tcase_add_test(tc, test_specials);
   suite_add_tcase(s, tc);
-  SRunner *sr = srunner_create(s);
-  srunner_run_all(sr, CK_NORMAL);
-  int failed = srunner_ntests_failed(sr);
-  srunner_free(sr);
-  return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+  return tu_run(s);
 }

@@ -8,31 +8,9 @@
 #include "core/api.h"
 #include "core/tensor.h"
 
+#include "testutil.h"
+
 static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
-static double urand(void) {  // xorshift64: uniform in [-1, 1)
-  rng_state ^= rng_state << 13;
-  rng_state ^= rng_state >> 7;
-  rng_state ^= rng_state << 17;
-  return (double)(rng_state >> 11) / (double)(1ull << 52) - 1.0;
-}
-
-static dlua_tensor_t *make(int nd, const int64_t *sizes, dlua_dtype_t dtype, const double *vals) {
-  dlua_tensor_t *d = NULL, *t = NULL;
-  ck_assert_int_eq(dlua_tensor_from_data(&d, nd, sizes, DLUA_DTYPE_F64, vals), DLUA_OK);
-  ck_assert_int_eq(dlua_tensor_to_dtype(&t, d, dtype), DLUA_OK);
-  dlua_tensor_free(d);
-  return t;
-}
-
-static double *values(const dlua_tensor_t *t) {
-  int64_t n = dlua_tensor_numel(t);
-  dlua_tensor_t *d = NULL;
-  ck_assert_int_eq(dlua_tensor_to_dtype(&d, t, DLUA_DTYPE_F64), DLUA_OK);
-  double *v = malloc(sizeof(double) * (size_t)(n ? n : 1));
-  ck_assert_int_eq(dlua_tensor_to_data(d, v, sizeof(double) * (size_t)n), DLUA_OK);
-  dlua_tensor_free(d);
-  return v;
-}
 
 static int64_t *indices_of(const dlua_tensor_t *t) {
   ck_assert_int_eq(dlua_tensor_dtype(t), DLUA_DTYPE_I64);
@@ -65,11 +43,11 @@ static int same_value(double a, double b) { return (isnan(a) && isnan(b)) || a =
 /* Sorts each row of a 2-D tensor along dim and compares values and 1-based indices. */
 static void check_sort_2d(const dlua_tensor_t *a, int dim, int descending, const char *what) {
   int64_t r = dlua_tensor_sizes(a)[0], c = dlua_tensor_sizes(a)[1];
-  double *av = values(a);
+  double *av = tu_values(a);
   dlua_tensor_t *vals = NULL, *idx = NULL;
   ck_assert_msg(dlua_tensor_sort(&vals, &idx, a, dim, descending, 1) == DLUA_OK, "%s: %s", what, dlua_last_error());
   ck_assert_int_eq(dlua_tensor_dtype(vals), dlua_tensor_dtype(a));
-  double *gv = values(vals);
+  double *gv = tu_values(vals);
   int64_t *gi = indices_of(idx);
   int64_t rows = dim == 0 ? c : r, len = dim == 0 ? r : c;
   item_t *it = malloc(sizeof(item_t) * (size_t)(len ? len : 1));
@@ -100,7 +78,7 @@ START_TEST(test_sort_known) {
   // Ties, NaN, signed zeros: stable, NaN largest, -0 and +0 equal.
   double v[9] = {3, NAN, -1, 3, 0.0, -0.0, -INFINITY, 2, NAN};
   int64_t s[1] = {9};
-  dlua_tensor_t *a = make(1, s, DLUA_DTYPE_F32, v), *vals = NULL, *idx = NULL;
+  dlua_tensor_t *a = tu_make(1, s, DLUA_DTYPE_F32, v), *vals = NULL, *idx = NULL;
   ck_assert_int_eq(dlua_tensor_sort(&vals, &idx, a, 0, 0, 0), DLUA_OK);
   int64_t want_up[9] = {6, 2, 4, 5, 7, 0, 3, 1, 8};
   int64_t *gi = indices_of(idx);
@@ -113,7 +91,7 @@ START_TEST(test_sort_known) {
   int64_t want_down[9] = {2, 9, 1, 4, 8, 5, 6, 3, 7};
   gi = indices_of(idx);
   for (int i = 0; i < 9; i++) ck_assert_int_eq(gi[i], want_down[i]);
-  double *gv = values(vals);
+  double *gv = tu_values(vals);
   ck_assert(isnan(gv[0]) && isnan(gv[1]) && gv[2] == 3 && gv[8] == -INFINITY);
   ck_assert(signbit(gv[5]) == 0 && signbit(gv[6]) != 0);  // +0 (position 5) before -0 (position 6)
   free(gi);
@@ -131,11 +109,11 @@ START_TEST(test_sort_dtypes_and_layouts) {
   double *v = malloc(sizeof(double) * 13 * 37);
   for (size_t d = 0; d < sizeof dts / sizeof dts[0]; d++) {
     for (int i = 0; i < 13 * 37; i++) {
-      double x = floor(urand() * 40);  // many ties
+      double x = floor(tu_xorshift(&rng_state) * 40);  // many ties
       v[i] = dts[d] == DLUA_DTYPE_U8 ? fabs(x) : dts[d] >= DLUA_DTYPE_I32 ? x * 1e6 : x / 8;
     }
     if (dts[d] <= DLUA_DTYPE_BF16) v[5] = v[77] = NAN;
-    dlua_tensor_t *a = make(2, s, dts[d], v), *at = NULL;
+    dlua_tensor_t *a = tu_make(2, s, dts[d], v), *at = NULL;
     for (int desc = 0; desc < 2; desc++) {
       check_sort_2d(a, 1, desc, dlua_dtype_name(dts[d]));
       check_sort_2d(a, 0, desc, dlua_dtype_name(dts[d]));
@@ -153,7 +131,7 @@ START_TEST(test_sort_edges) {
   // Empty and size-1 rows; a 0-d tensor; one output only; bad dim.
   int64_t s0[2] = {3, 0}, s1[2] = {1, 1};
   double one = 4.5;
-  dlua_tensor_t *e = make(2, s0, DLUA_DTYPE_F32, &one), *o = make(2, s1, DLUA_DTYPE_F32, &one);
+  dlua_tensor_t *e = tu_make(2, s0, DLUA_DTYPE_F32, &one), *o = tu_make(2, s1, DLUA_DTYPE_F32, &one);
   dlua_tensor_t *vals = NULL, *idx = NULL;
   ck_assert_int_eq(dlua_tensor_sort(&vals, &idx, e, 1, 0, 1), DLUA_OK);
   ck_assert_int_eq(dlua_tensor_numel(vals), 0);
@@ -177,8 +155,8 @@ START_TEST(test_sort_long) {
   int64_t n = 100003;  // prime, and long enough for the radix passes
   int64_t s[2] = {1, n};
   double *v = malloc(sizeof(double) * (size_t)n);
-  for (int64_t i = 0; i < n; i++) v[i] = i % 1000 == 7 ? NAN : urand() * 1e3;
-  dlua_tensor_t *a = make(2, s, DLUA_DTYPE_F32, v);
+  for (int64_t i = 0; i < n; i++) v[i] = i % 1000 == 7 ? NAN : tu_xorshift(&rng_state) * 1e3;
+  dlua_tensor_t *a = tu_make(2, s, DLUA_DTYPE_F32, v);
   check_sort_2d(a, 1, 0, "long ascending");
   check_sort_2d(a, 1, 1, "long descending");
   dlua_tensor_free(a);
@@ -195,12 +173,12 @@ static int cmp_i64(const void *p, const void *q) {
 static void check_topk_2d(const dlua_tensor_t *a, int64_t k, int dim, int largest, int mag, int sorted,
                           const char *what) {
   int64_t r = dlua_tensor_sizes(a)[0], c = dlua_tensor_sizes(a)[1];
-  double *av = values(a);
+  double *av = tu_values(a);
   dlua_tensor_t *vals = NULL, *idx = NULL;
   ck_assert_msg(dlua_tensor_topk(&vals, &idx, a, k, dim, largest, mag, sorted, 1) == DLUA_OK, "%s: %s", what,
                 dlua_last_error());
   ck_assert_int_eq(dlua_tensor_sizes(vals)[dim], k);
-  double *gv = values(vals);
+  double *gv = tu_values(vals);
   int64_t *gi = indices_of(idx);
   int64_t rows = dim == 0 ? c : r, len = dim == 0 ? r : c;
   item_t *it = malloc(sizeof(item_t) * (size_t)len);
@@ -237,7 +215,7 @@ static void check_topk_2d(const dlua_tensor_t *a, int64_t k, int dim, int larges
 START_TEST(test_topk_known) {
   double v[8] = {1, -5, 3, 5, -5, NAN, 0, 2};
   int64_t s[1] = {8};
-  dlua_tensor_t *a = make(1, s, DLUA_DTYPE_F32, v), *vals = NULL, *idx = NULL;
+  dlua_tensor_t *a = tu_make(1, s, DLUA_DTYPE_F32, v), *vals = NULL, *idx = NULL;
   // Largest 3 by value, sorted: NaN, 5, 3.
   ck_assert_int_eq(dlua_tensor_topk(&vals, &idx, a, 3, 0, 1, 0, 1, 1), DLUA_OK);
   int64_t *gi = indices_of(idx);
@@ -249,7 +227,7 @@ START_TEST(test_topk_known) {
   vals = idx = NULL;
   ck_assert_int_eq(dlua_tensor_topk(&vals, &idx, a, 3, 0, 1, 1, 1, 1), DLUA_OK);
   gi = indices_of(idx);
-  double *gv = values(vals);
+  double *gv = tu_values(vals);
   ck_assert(gi[0] == 6 && gi[1] == 2 && gi[2] == 4);
   ck_assert(isnan(gv[0]) && gv[1] == -5 && gv[2] == 5);  // values keep their sign
   free(gi);
@@ -285,11 +263,11 @@ START_TEST(test_topk_rows) {
   double *v = malloc(sizeof(double) * 11 * 5003);
   for (size_t d = 0; d < sizeof dts / sizeof dts[0]; d++) {
     for (int i = 0; i < 11 * 5003; i++) {
-      double x = floor(urand() * 300);
+      double x = floor(tu_xorshift(&rng_state) * 300);
       v[i] = dts[d] == DLUA_DTYPE_U8 ? fabs(x) / 2 : dts[d] >= DLUA_DTYPE_I32 ? x * 1000 : x / 16;
     }
     if (dts[d] <= DLUA_DTYPE_BF16) v[3] = v[5003 + 9] = NAN;
-    dlua_tensor_t *a = make(2, s, dts[d], v);
+    dlua_tensor_t *a = tu_make(2, s, dts[d], v);
     const char *nm = dlua_dtype_name(dts[d]);
     for (int mode = 0; mode < 8; mode++) check_topk_2d(a, 1 + mode * 97, 1, mode & 1, (mode >> 1) & 1, (mode >> 2) & 1, nm);
     check_topk_2d(a, 5003, 1, 1, 0, 1, nm);
@@ -306,10 +284,10 @@ START_TEST(test_topk_long_magnitude) {
   int64_t n = 400009;
   int64_t s[2] = {1, n};
   double *v = malloc(sizeof(double) * (size_t)n);
-  for (int64_t i = 0; i < n; i++) v[i] = i % 3 == 0 ? 0.0 : urand() * 1e-3;  // a third zeros: ties
+  for (int64_t i = 0; i < n; i++) v[i] = i % 3 == 0 ? 0.0 : tu_xorshift(&rng_state) * 1e-3;  // a third zeros: ties
   v[1234] = -1.0;
   v[n - 1] = 1.0;
-  dlua_tensor_t *a = make(2, s, DLUA_DTYPE_F32, v);
+  dlua_tensor_t *a = tu_make(2, s, DLUA_DTYPE_F32, v);
   int saved = dlua_get_num_threads();
   dlua_set_num_threads(2);
   check_topk_2d(a, 4000, 1, 1, 1, 0, "1% by magnitude");
@@ -352,9 +330,5 @@ int main(void) {
   tcase_add_test(tc, test_topk_rows);
   tcase_add_test(tc, test_topk_long_magnitude);
   suite_add_tcase(s, tc);
-  SRunner *sr = srunner_create(s);
-  srunner_run_all(sr, CK_NORMAL);
-  int failed = srunner_ntests_failed(sr);
-  srunner_free(sr);
-  return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+  return tu_run(s);
 }

@@ -19,6 +19,8 @@
 #include "core/api.h"
 #include "core/error.h"
 
+#include "testutil.h"
+
 static const char *TOKEN = "job-7f3a";
 
 static double ms_since(const struct timespec *t0) {
@@ -893,9 +895,5 @@ static Suite *store_suite(void) {
 }
 
 int main(void) {
-  SRunner *sr = srunner_create(store_suite());
-  srunner_run_all(sr, CK_NORMAL);
-  int failed = srunner_ntests_failed(sr);
-  srunner_free(sr);
-  return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+  return tu_run(store_suite());
 }

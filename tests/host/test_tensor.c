@@ -9,17 +9,13 @@
 #include "core/api.h"
 #include "core/tensor.h"
 
-/* ---- helpers ---- */
+#include "testutil.h"
 
-static dlua_tensor_t *new_t(int ndim, const int64_t *sizes, dlua_dtype_t dtype) {
-  dlua_tensor_t *t = NULL;
-  ck_assert_int_eq(dlua_tensor_empty(&t, ndim, sizes, dtype, DLUA_CPU), DLUA_OK);
-  return t;
-}
+/* ---- helpers ---- */
 
 /* 0, 1, 2, ... as float32 in the given shape (built by hand, not by arange). */
 static dlua_tensor_t *iota_f32(int ndim, const int64_t *sizes) {
-  dlua_tensor_t *t = new_t(ndim, sizes, DLUA_DTYPE_F32);
+  dlua_tensor_t *t = tu_new_t(ndim, sizes, DLUA_DTYPE_F32);
   float *p = dlua_tensor_data(t);
   for (int64_t i = 0; i < dlua_tensor_numel(t); i++) p[i] = (float)i;
   return t;
@@ -31,17 +27,6 @@ static double at_f32(const dlua_tensor_t *t, const int64_t *idx) {
   int64_t off = 0;
   for (int d = 0; d < t->ndim; d++) off += idx[d] * t->strides[d];
   return base[off];
-}
-
-/* Contents as doubles in row-major order, through to_dtype + to_data. */
-static double *values(const dlua_tensor_t *t) {
-  dlua_tensor_t *d = NULL;
-  ck_assert_int_eq(dlua_tensor_to_dtype(&d, t, DLUA_DTYPE_F64), DLUA_OK);
-  int64_t n = dlua_tensor_numel(d);
-  double *v = malloc((size_t)(n ? n : 1) * sizeof(double));
-  ck_assert_int_eq(dlua_tensor_to_data(d, v, (size_t)n * sizeof(double)), DLUA_OK);
-  dlua_tensor_free(d);
-  return v;
 }
 
 static void assert_shape(const dlua_tensor_t *t, int ndim, const int64_t *sizes) {
@@ -63,7 +48,7 @@ static void assert_error(dlua_status_t s, dlua_status_t want, const char *needle
 START_TEST(test_empty_layout) {
   int64_t sizes[] = {2, 3, 5};
   int64_t before = dlua_memory_allocated(DLUA_CPU);
-  dlua_tensor_t *t = new_t(3, sizes, DLUA_DTYPE_F64);
+  dlua_tensor_t *t = tu_new_t(3, sizes, DLUA_DTYPE_F64);
   assert_shape(t, 3, sizes);
   int64_t strides[] = {15, 5, 1};
   assert_strides(t, strides);
@@ -84,7 +69,7 @@ START_TEST(test_empty_layout) {
   dlua_tensor_free(NULL);  // ignored
 
   // 0-d: one element, no dims.
-  t = new_t(0, NULL, DLUA_DTYPE_I32);
+  t = tu_new_t(0, NULL, DLUA_DTYPE_I32);
   ck_assert_int_eq(dlua_tensor_numel(t), 1);
   ck_assert(dlua_tensor_is_contiguous(t));
   ck_assert_str_eq(dlua_tensor_describe(t, buf, sizeof buf), "() int32 cpu");
@@ -116,7 +101,7 @@ END_TEST
 START_TEST(test_zero_size_dims) {
   int64_t sizes[] = {0, 3};
   int64_t before = dlua_memory_allocated(DLUA_CPU);
-  dlua_tensor_t *t = new_t(2, sizes, DLUA_DTYPE_F32);
+  dlua_tensor_t *t = tu_new_t(2, sizes, DLUA_DTYPE_F32);
   ck_assert_int_eq(dlua_tensor_numel(t), 0);
   ck_assert_ptr_nonnull(dlua_tensor_data(t));
   ck_assert(dlua_tensor_is_contiguous(t));
@@ -233,7 +218,7 @@ START_TEST(test_wrap) {
   ck_assert_int_eq(dlua_tensor_select(&v, t, 1, 3), DLUA_OK);
   dlua_tensor_free(t);
   ck_assert_int_eq(deleter_calls, 0);
-  double *vals = values(v);
+  double *vals = tu_values(v);
   ck_assert_double_eq(vals[2], 121);
   free(vals);
   dlua_tensor_free(v);
@@ -337,7 +322,7 @@ START_TEST(test_view_contiguous) {
   int64_t bad2[] = {5, -1};
   assert_error(dlua_tensor_view(&w, t, 2, bad2), DLUA_ERR_ARG, "(24 elements)");
   int64_t one = 1;
-  dlua_tensor_t *s = new_t(1, &one, DLUA_DTYPE_F32);
+  dlua_tensor_t *s = tu_new_t(1, &one, DLUA_DTYPE_F32);
   ck_assert_int_eq(dlua_tensor_view(&w, s, 0, NULL), DLUA_OK);
   ck_assert_int_eq(dlua_tensor_ndim(w), 0);
   dlua_tensor_free(w);
@@ -357,7 +342,7 @@ START_TEST(test_view_impossible_and_reshape) {
   ck_assert_ptr_null(v);
   ck_assert_int_eq(dlua_tensor_reshape(&r, tr, 1, &flat), DLUA_OK);
   ck_assert(!dlua_tensor_same_storage(r, t));
-  double *vals = values(r);
+  double *vals = tu_values(r);
   for (int i = 0; i < 4; i++)
     for (int j = 0; j < 3; j++) ck_assert_double_eq(vals[i * 3 + j], j * 4 + i);  // t[j][i]
   free(vals);
@@ -381,7 +366,7 @@ START_TEST(test_view_impossible_and_reshape) {
   int64_t six = 6;
   assert_error(dlua_tensor_view(&v, n, 1, &six), DLUA_ERR_ARG, "view:");
   ck_assert_int_eq(dlua_tensor_reshape(&r, n, 1, &six), DLUA_OK);
-  vals = values(r);
+  vals = tu_values(r);
   const double want[] = {1, 2, 5, 6, 9, 10};
   for (int i = 0; i < 6; i++) ck_assert_double_eq(vals[i], want[i]);
   free(vals);
@@ -415,7 +400,7 @@ START_TEST(test_as_strided) {
   // Sliding windows overlap: legal for reading.
   int64_t ws[] = {4, 3}, wst[] = {2, 1};
   ck_assert_int_eq(dlua_tensor_as_strided(&v, t, 2, ws, wst, 0), DLUA_OK);
-  double *vals = values(v);
+  double *vals = tu_values(v);
   ck_assert_double_eq(vals[3 * 3 + 2], 8);
   free(vals);
   dlua_tensor_free(v);
@@ -436,7 +421,7 @@ START_TEST(test_narrow_slice_select) {
   int64_t ns[] = {5, 3};
   assert_shape(n, 2, ns);
   ck_assert_int_eq(dlua_tensor_offset(n), 2);
-  double *vals = values(n);
+  double *vals = tu_values(n);
   for (int i = 0; i < 5; i++)
     for (int j = 0; j < 3; j++) ck_assert_double_eq(vals[i * 3 + j], i * 7 + 2 + j);
   free(vals);
@@ -447,7 +432,7 @@ START_TEST(test_narrow_slice_select) {
   int64_t ss[] = {2, 3}, sst[] = {14, 1};
   assert_shape(s, 2, ss);
   assert_strides(s, sst);
-  vals = values(s);
+  vals = tu_values(s);
   const double want[] = {9, 10, 11, 23, 24, 25};
   for (int i = 0; i < 6; i++) ck_assert_double_eq(vals[i], want[i]);
   free(vals);
@@ -462,7 +447,7 @@ START_TEST(test_narrow_slice_select) {
   assert_error(dlua_tensor_slice(&s, t, 1, 8, 9, 1), DLUA_ERR_ARG, "slice: [8, 9) is out of range");
   ck_assert_int_eq(dlua_tensor_select(&s, n, 1, 2), DLUA_OK);
   ck_assert_int_eq(dlua_tensor_ndim(s), 1);
-  vals = values(s);
+  vals = tu_values(s);
   for (int i = 0; i < 5; i++) ck_assert_double_eq(vals[i], i * 7 + 4);
   free(vals);
   dlua_tensor_free(s);
@@ -488,7 +473,7 @@ START_TEST(test_transpose_permute) {
   int64_t ps[] = {5, 2, 3}, pst[] = {1, 15, 5};
   assert_shape(p, 3, ps);
   assert_strides(p, pst);
-  double *vals = values(p);
+  double *vals = tu_values(p);
   for (int k = 0; k < 5; k++)
     for (int i = 0; i < 2; i++)
       for (int j = 0; j < 3; j++) ck_assert_double_eq(vals[(k * 2 + i) * 3 + j], i * 15 + j * 5 + k);
@@ -516,7 +501,7 @@ START_TEST(test_expand_squeeze_unsqueeze_flatten) {
   int64_t want[] = {2, 3, 4}, wst[] = {0, 1, 0};
   assert_shape(e, 3, want);
   assert_strides(e, wst);
-  double *vals = values(e);
+  double *vals = tu_values(e);
   for (int a = 0; a < 2; a++)
     for (int i = 0; i < 3; i++)
       for (int j = 0; j < 4; j++) ck_assert_double_eq(vals[(a * 3 + i) * 4 + j], i);
@@ -548,7 +533,7 @@ START_TEST(test_expand_squeeze_unsqueeze_flatten) {
   dlua_tensor_free(u);
   assert_error(dlua_tensor_unsqueeze(&u, t, 3), DLUA_ERR_ARG, "unsqueeze: dimension 3 out of range");
   int64_t eight[8] = {1, 1, 1, 1, 1, 1, 1, 1};
-  dlua_tensor_t *full = new_t(8, eight, DLUA_DTYPE_U8);
+  dlua_tensor_t *full = tu_new_t(8, eight, DLUA_DTYPE_U8);
   assert_error(dlua_tensor_unsqueeze(&u, full, 0), DLUA_ERR_ARG, "maximum of 8");
   dlua_tensor_free(full);
 
@@ -557,7 +542,7 @@ START_TEST(test_expand_squeeze_unsqueeze_flatten) {
   int64_t fs[] = {2, 12};
   assert_shape(f, 2, fs);
   ck_assert(!dlua_tensor_same_storage(f, t));
-  vals = values(f);
+  vals = tu_values(f);
   ck_assert_double_eq(vals[12 + 11], 2);
   free(vals);
   dlua_tensor_free(f);
@@ -566,7 +551,7 @@ START_TEST(test_expand_squeeze_unsqueeze_flatten) {
   ck_assert_int_eq(dlua_tensor_ndim(f), 1);
   dlua_tensor_free(f);
   assert_error(dlua_tensor_flatten(&f, t, 1, 0), DLUA_ERR_ARG, "flatten: start_dim 1 is after end_dim 0");
-  dlua_tensor_t *scalar = new_t(0, NULL, DLUA_DTYPE_F32);
+  dlua_tensor_t *scalar = tu_new_t(0, NULL, DLUA_DTYPE_F32);
   assert_error(dlua_tensor_narrow(&f, scalar, 0, 0, 1), DLUA_ERR_ARG, "narrow: dimension 0 out of range for () float32 cpu, which has no dimensions");
   ck_assert_int_eq(dlua_tensor_squeeze(&f, scalar, 0), DLUA_OK);
   ck_assert_int_eq(dlua_tensor_ndim(f), 0);
@@ -607,7 +592,7 @@ END_TEST
 
 START_TEST(test_copy_broadcast_and_errors) {
   int64_t ds[] = {3, 4}, ss[] = {4}, col[] = {3, 1};
-  dlua_tensor_t *dst = new_t(2, ds, DLUA_DTYPE_F64), *src = iota_f32(1, ss), *c = iota_f32(2, col);
+  dlua_tensor_t *dst = tu_new_t(2, ds, DLUA_DTYPE_F64), *src = iota_f32(1, ss), *c = iota_f32(2, col);
   ck_assert_int_eq(dlua_tensor_copy_(dst, src), DLUA_OK);
   const double *d = dlua_tensor_data(dst);
   for (int i = 0; i < 3; i++)
@@ -710,7 +695,7 @@ START_TEST(test_copy_large_parallel) {
   dlua_tensor_free(bt);
   // Same-dtype contiguous copy of several MiB (parallel memcpy path).
   int64_t big = (3 << 20) + 7;
-  dlua_tensor_t *s = iota_f32(1, &big), *d = new_t(1, &big, DLUA_DTYPE_F32);
+  dlua_tensor_t *s = iota_f32(1, &big), *d = tu_new_t(1, &big, DLUA_DTYPE_F32);
   ck_assert_int_eq(dlua_tensor_copy_(d, s), DLUA_OK);
   ck_assert_mem_eq(dlua_tensor_data(d), dlua_tensor_data(s), (size_t)big * 4);
   dlua_tensor_free(d);
@@ -744,11 +729,11 @@ END_TEST
 START_TEST(test_fill) {
   int64_t sizes[] = {3, 5};
   for (int d = 0; d < DLUA_DTYPE_COUNT; d++) {
-    dlua_tensor_t *t = new_t(2, sizes, (dlua_dtype_t)d), *n = NULL;
+    dlua_tensor_t *t = tu_new_t(2, sizes, (dlua_dtype_t)d), *n = NULL;
     ck_assert_int_eq(dlua_tensor_fill_(t, -2.75), DLUA_OK);
     ck_assert_int_eq(dlua_tensor_narrow(&n, t, 1, 1, 3), DLUA_OK);
     ck_assert_int_eq(dlua_tensor_fill_(n, 7), DLUA_OK);  // non-contiguous fill
-    double *v = values(t);
+    double *v = tu_values(t);
     double other = d == DLUA_DTYPE_BOOL ? 1 : d == DLUA_DTYPE_U8 ? 254 : dlua_dtype_is_floating((dlua_dtype_t)d) ? -2.75 : -2;
     for (int i = 0; i < 3; i++)
       for (int j = 0; j < 5; j++)
@@ -815,7 +800,7 @@ START_TEST(test_linspace_eye) {
   assert_error(dlua_tensor_linspace(&t, 0, 1, -1, DLUA_DTYPE_F32), DLUA_ERR_ARG, "linspace: steps must be non-negative");
 
   ck_assert_int_eq(dlua_tensor_eye(&t, 3, 5, DLUA_DTYPE_BF16), DLUA_OK);
-  double *v = values(t);
+  double *v = tu_values(t);
   for (int i = 0; i < 3; i++)
     for (int j = 0; j < 5; j++) ck_assert_double_eq(v[i * 5 + j], i == j);
   free(v);
@@ -860,9 +845,5 @@ int main(void) {
   tcase_add_test(tc, test_arange);
   tcase_add_test(tc, test_linspace_eye);
   suite_add_tcase(s, tc);
-  SRunner *sr = srunner_create(s);
-  srunner_run_all(sr, CK_NORMAL);
-  int failed = srunner_ntests_failed(sr);
-  srunner_free(sr);
-  return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+  return tu_run(s);
 }
