@@ -25,6 +25,18 @@ typedef struct {
   int64_t block_rows;
 } bn_geom_t;
 
+/* Per-channel totals of `rows` partial rows (rows, C), added in row order: the one fixed
+   order that makes batch-norm's sums independent of the thread count. Shared by the f32 and
+   f64 kernels, forward and backward. */
+static void bn_combine(const double *ps, const double *pq, int64_t rows, int64_t C, double *s, double *q) {
+  for (int64_t c = 0; c < C; c++) s[c] = q[c] = 0;
+  for (int64_t r = 0; r < rows; r++)
+    for (int64_t c = 0; c < C; c++) {
+      s[c] += ps[r * C + c];
+      q[c] += pq[r * C + c];
+    }
+}
+
 #define BN_CAT2(a, b) a##b
 #define BN_CAT(a, b) BN_CAT2(a, b)
 #define FN(name) BN_CAT(name, BN_SFX)

@@ -32,15 +32,7 @@ static void FN(bn_stats)(const bn_geom_t *g, const T *x, const double *shift, do
       ps[p] = s;
       pq[p] = q;
     }
-    for (int64_t c = 0; c < C; c++) {
-      double s = 0, q = 0;
-      for (int64_t n = 0; n < g->N; n++) {
-        s += ps[n * C + c];
-        q += pq[n * C + c];
-      }
-      sum[c] = s;
-      sumsq[c] = q;
-    }
+    bn_combine(ps, pq, g->N, C, sum, sumsq);
     return;
   }
   const int64_t M = g->N * S, R = g->block_rows, nb = (M + R - 1) / R;
@@ -60,12 +52,7 @@ static void FN(bn_stats)(const bn_geom_t *g, const T *x, const double *shift, do
       }
     }
   }
-  for (int64_t c = 0; c < C; c++) sum[c] = sumsq[c] = 0;
-  for (int64_t b = 0; b < nb; b++)
-    for (int64_t c = 0; c < C; c++) {
-      sum[c] += ps[b * C + c];
-      sumsq[c] += pq[b * C + c];
-    }
+  bn_combine(ps, pq, nb, C, sum, sumsq);
 }
 
 /* ---- normalise ------------------------------------------------------------------------------------ */
@@ -189,15 +176,7 @@ static void FN(bn_bwd_reduce)(const bn_geom_t *g, const T *x, const T *dy, const
       if (yp) FN(reduce_run)(S, xp, dp, yp, mean[p % C], &ps[p], &pq[p], 1);
       else FN(reduce_run)(S, xp, dp, yp, mean[p % C], &ps[p], &pq[p], 0);
     }
-    for (int64_t c = 0; c < C; c++) {
-      double s = 0, q = 0;
-      for (int64_t n = 0; n < g->N; n++) {
-        s += ps[n * C + c];
-        q += pq[n * C + c];
-      }
-      sdy[c] = s;
-      sdx[c] = q;
-    }
+    bn_combine(ps, pq, g->N, C, sdy, sdx);
     return;
   }
   const int64_t M = g->N * S, R = g->block_rows, nb = (M + R - 1) / R;
@@ -213,12 +192,7 @@ static void FN(bn_bwd_reduce)(const bn_geom_t *g, const T *x, const T *dy, const
       else FN(reduce_row)(C, xr, dr, yr, mean, bs, bq, 0);
     }
   }
-  for (int64_t c = 0; c < C; c++) sdy[c] = sdx[c] = 0;
-  for (int64_t b = 0; b < nb; b++)
-    for (int64_t c = 0; c < C; c++) {
-      sdy[c] += ps[b * C + c];
-      sdx[c] += pq[b * C + c];
-    }
+  bn_combine(ps, pq, nb, C, sdy, sdx);
 }
 
 /* dx = d * A + (x - m) * B + D and ds = d over a run of one channel (d = masked dy). Each
