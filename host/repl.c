@@ -15,7 +15,6 @@ enum { HISTORY_MAX = 1000 };
 typedef struct {
   int tty;
   char history[4096];  /* empty: no history file */
-  int printer_ref;     /* dlua.pretty.print_values, or LUA_NOREF */
 } repl_t;
 
 /* Returns a malloc'd line without its newline, or NULL at end of input / on Ctrl-C. */
@@ -63,11 +62,11 @@ static int compile(lua_State *L, const char *buf) {
   return luaL_loadbuffer(L, buf, strlen(buf), "=stdin");
 }
 
-static void print_results(lua_State *L, repl_t *r, int base) {
+static void print_results(lua_State *L, int printer_ref, int base) {
   int n = lua_gettop(L) - base;
   if (n <= 0) return;
-  if (r->printer_ref != LUA_NOREF) {
-    lua_rawgeti(L, LUA_REGISTRYINDEX, r->printer_ref);
+  if (printer_ref != LUA_NOREF) {
+    lua_rawgeti(L, LUA_REGISTRYINDEX, printer_ref);
     lua_insert(L, base + 1);
     int status = dlua_state_docall(L, n, 0);
     if (status) dlua_state_report(L, status);
@@ -80,20 +79,21 @@ static void print_results(lua_State *L, repl_t *r, int base) {
   lua_settop(L, base);
 }
 
-static void setup_printer(lua_State *L, repl_t *r) {
-  r->printer_ref = LUA_NOREF;
+static int setup_printer(lua_State *L) {
+  int ref = LUA_NOREF;
   lua_getglobal(L, "require");
   lua_pushliteral(L, "dlua.pretty");
   if (lua_pcall(L, 1, 1, 0) != 0) {
     lua_pop(L, 1);
-    return;
+    return ref;
   }
   lua_getfield(L, -1, "print_values");
   if (lua_isfunction(L, -1))
-    r->printer_ref = luaL_ref(L, LUA_REGISTRYINDEX);
+    ref = luaL_ref(L, LUA_REGISTRYINDEX);
   else
     lua_pop(L, 1);
   lua_pop(L, 1);
+  return ref;
 }
 
 static void setup_history(repl_t *r) {
@@ -113,13 +113,22 @@ static void remember(repl_t *r, const char *chunk) {
   write_history(r->history);  // every chunk, so a killed session keeps its history
 }
 
-int dlua_repl(lua_State *L) {
+const char *dlua_repl_code(const char *chunk) {
+  const char *p = chunk;
+  while (*p == ' ' || *p == '\t') p++;
+  if (strncmp(p, ":on", 3) != 0 || (p[3] != ' ' && p[3] != '\t')) return chunk;
+  p += 3;
+  while (*p == ' ' || *p == '\t') p++;
+  if (*p < '0' || *p > '9') return chunk;
+  while (*p >= '0' && *p <= '9') p++;
+  while (*p == ' ' || *p == '\t') p++;
+  return p;
+}
+
+int dlua_repl_loop(lua_State *L, dlua_repl_exec_fn exec, void *ctx) {
   repl_t r;
   memset(&r, 0, sizeof r);
   r.tty = isatty(STDIN_FILENO);
-  int status = dlua_state_preload_global(L);
-  if (status) dlua_state_report(L, status);  // the REPL still works as plain Lua
-  setup_printer(L, &r);
   setup_history(&r);
 
   char *chunk = NULL;  /* the lines of an unfinished chunk, joined by '\n' */
@@ -137,7 +146,8 @@ int dlua_repl(lua_State *L) {
       }
       if (chunk) {  // end of input inside an unfinished chunk: say why it is invalid
         int base = lua_gettop(L);
-        if (luaL_loadbuffer(L, chunk, chunk_len, "=stdin") != 0) dlua_state_report(L, 1);
+        const char *code = dlua_repl_code(chunk);
+        if (luaL_loadbuffer(L, code, strlen(code), "=stdin") != 0) dlua_state_report(L, 1);
         lua_settop(L, base);
         free(chunk);
       }
@@ -158,22 +168,46 @@ int dlua_repl(lua_State *L) {
     free(line);
 
     int base = lua_gettop(L);
-    status = compile(L, chunk);
-    if (incomplete(L, status)) {
-      lua_pop(L, 1);
-      continue;  // ask for more
-    }
+    int status = compile(L, dlua_repl_code(chunk));
+    int more = incomplete(L, status);
+    lua_settop(L, base);
+    if (more) continue;  // ask for more
     remember(&r, chunk);
+    int stop = exec(L, chunk, ctx);
     free(chunk);
     chunk = NULL;
     chunk_len = 0;
-    if (status == 0) status = dlua_state_docall(L, 0, LUA_MULTRET);
-    if (status == 0)
-      print_results(L, &r, base);
-    else
-      dlua_state_report(L, status);
-    lua_settop(L, base);
     fflush(stdout);
+    if (stop) break;
   }
   return 0;
+}
+
+typedef struct {
+  int printer_ref; /* dlua.pretty.print_values, or LUA_NOREF */
+} local_t;
+
+static int run_local(lua_State *L, const char *chunk, void *ctx) {
+  local_t *lo = ctx;
+  if (dlua_repl_code(chunk) != chunk) {
+    fprintf(stderr, "dlua: ':on N' runs a chunk on one rank of `dlua --nproc N -i`; this REPL has one process\n");
+    return 0;
+  }
+  int base = lua_gettop(L);
+  int status = compile(L, chunk);
+  if (status == 0) status = dlua_state_docall(L, 0, LUA_MULTRET);
+  if (status == 0)
+    print_results(L, lo->printer_ref, base);
+  else
+    dlua_state_report(L, status);
+  lua_settop(L, base);
+  return 0;
+}
+
+int dlua_repl(lua_State *L) {
+  int status = dlua_state_preload_global(L);
+  if (status) dlua_state_report(L, status);  // the REPL still works as plain Lua
+  local_t lo;
+  lo.printer_ref = setup_printer(L);
+  return dlua_repl_loop(L, run_local, &lo);
 }

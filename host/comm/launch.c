@@ -1,0 +1,718 @@
+/* The launcher behind `dlua --nproc N`: starts the ranks of this node, tags their output,
+   stops the whole job when one rank fails, and never leaves a process behind. */
+#define _GNU_SOURCE 1  /* pipe2, sigabbrev_np */
+#include "comm/launch.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "core/api.h"
+
+extern char **environ;
+
+enum {
+  LINE_MAX_BYTES = 65536,  /* a longer line is cut and emitted in pieces */
+  STOP_GRACE_MS = 3000,    /* SIGTERM to SIGKILL when a rank failed */
+  INTERRUPT_GRACE_MS = 10000, /* SIGINT to SIGKILL after Ctrl-C */
+  DRAIN_MS = 1000,         /* output still read after every rank ended */
+  WATCH_MS = 500           /* multi-node: how often the job's failure key is checked */
+};
+
+typedef struct {
+  char *data;
+  size_t len;
+} linebuf_t;
+
+typedef struct {
+  pid_t pid;
+  int fd[2];          /* stdout, stderr pipes; -1 once closed */
+  linebuf_t buf[2];
+  int running;
+  int status;         /* waitpid status once ended */
+  int stopped_by_us;  /* we sent it a signal before it ended */
+  char last_error[512];
+  int in_traceback;
+} rank_t;
+
+struct dlua_job {
+  dlua_launch_opts_t o;
+  int world;
+  int first_rank;                 /* global rank of local rank 0 */
+  char token[320];
+  char host[256];
+  int port;
+  dlua_store_server_t *server;
+  dlua_store_t *store;            /* multi-node only: the failure key */
+  rank_t *ranks;
+  unsigned char *show;            /* per local rank: echo its output */
+  pid_t pgid;
+  pthread_t pump;
+  int pump_started;
+  pthread_mutex_t mu;
+  int finished;
+  int failed_rank;                /* local index of the rank that failed first, or -1 */
+  char remote_failure[600];       /* another node reported a failure */
+  int interrupted;
+  double kill_at;                 /* 0: no deadline; else SIGKILL the rest then */
+  double all_ended_at;
+  double next_watch;
+};
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* ---- signals ------------------------------------------------------------------------ */
+
+static volatile sig_atomic_t g_signals;
+
+static void on_signal(int sig) {
+  (void)sig;
+  g_signals++;
+}
+
+void dlua_launch_install_signals(void) {
+  struct sigaction sa;
+  memset(&sa, 0, sizeof sa);
+  sa.sa_handler = on_signal;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = SA_RESTART;
+  sigaction(SIGINT, &sa, NULL);
+  sigaction(SIGTERM, &sa, NULL);
+  sigaction(SIGHUP, &sa, NULL);
+  signal(SIGPIPE, SIG_IGN);
+}
+
+int dlua_launch_signals_seen(void) { return (int)g_signals; }
+void dlua_launch_signals_reset(void) { g_signals = 0; }
+
+/* ---- output ------------------------------------------------------------------------- */
+
+static void write_all(int fd, const char *p, size_t n) {
+  while (n > 0) {
+    ssize_t w = write(fd, p, n);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return;  // our own stdout is gone: nothing useful left to do with the text
+    }
+    p += w;
+    n -= (size_t)w;
+  }
+}
+
+/* Remembers the line that starts the rank's last error report ("dlua: <message>"), the
+   line the failure summary quotes. */
+static void note_error_line(rank_t *r, const char *line, size_t n) {
+  static const char tb[] = "stack traceback:";
+  if (n >= sizeof tb - 1 && memcmp(line, tb, sizeof tb - 1) == 0) {
+    r->in_traceback = 1;
+    return;
+  }
+  if (r->in_traceback && (line[0] == '\t' || line[0] == ' ')) return;
+  r->in_traceback = 0;
+  static const char pre[] = "dlua: ";
+  if (n > sizeof pre - 1 && memcmp(line, pre, sizeof pre - 1) == 0) {
+    line += sizeof pre - 1;
+    n -= sizeof pre - 1;
+  } else if (r->last_error[0] && strncmp(r->last_error, "dlua", 4) != 0) {
+    /* keep a "dlua: " line over later plain ones (e.g. a C library's chatter) */
+  }
+  if (n == 0) return;
+  if (n >= sizeof r->last_error) n = sizeof r->last_error - 1;
+  memcpy(r->last_error, line, n);
+  r->last_error[n] = '\0';
+}
+
+static void emit_line(dlua_job_t *job, int li, int stream, const char *line, size_t n) {
+  rank_t *r = &job->ranks[li];
+  if (stream == 1) note_error_line(r, line, n);
+  if (!job->show[li]) return;
+  char prefix[32];
+  int pn = snprintf(prefix, sizeof prefix, "[%d] ", job->first_rank + li);
+  char *out = malloc((size_t)pn + n + 1);
+  if (out == NULL) return;
+  memcpy(out, prefix, (size_t)pn);
+  memcpy(out + pn, line, n);
+  out[(size_t)pn + n] = '\n';
+  write_all(stream == 0 ? STDOUT_FILENO : STDERR_FILENO, out, (size_t)pn + n + 1);
+  free(out);
+}
+
+/* Emits the complete lines in the rank's buffer; at EOF (or a full buffer) the rest too. */
+static void flush_lines(dlua_job_t *job, int li, int stream, int eof) {
+  linebuf_t *b = &job->ranks[li].buf[stream];
+  size_t start = 0;
+  for (size_t i = 0; i < b->len; i++) {
+    if (b->data[i] == '\n') {
+      emit_line(job, li, stream, b->data + start, i - start);
+      start = i + 1;
+    }
+  }
+  if ((eof || b->len - start >= LINE_MAX_BYTES) && b->len > start) {
+    emit_line(job, li, stream, b->data + start, b->len - start);
+    start = b->len;
+  }
+  memmove(b->data, b->data + start, b->len - start);
+  b->len -= start;
+}
+
+static void read_pipe(dlua_job_t *job, int li, int stream) {
+  rank_t *r = &job->ranks[li];
+  linebuf_t *b = &r->buf[stream];
+  char chunk[16384];
+  ssize_t n = read(r->fd[stream], chunk, sizeof chunk);
+  if (n < 0 && (errno == EINTR || errno == EAGAIN)) return;
+  if (n <= 0) {
+    flush_lines(job, li, stream, 1);
+    close(r->fd[stream]);
+    r->fd[stream] = -1;
+    return;
+  }
+  char *grown = realloc(b->data, b->len + (size_t)n);
+  if (grown == NULL) return;  // drop this piece rather than stop pumping
+  b->data = grown;
+  memcpy(b->data + b->len, chunk, (size_t)n);
+  b->len += (size_t)n;
+  flush_lines(job, li, stream, 0);
+}
+
+/* ---- ranks -------------------------------------------------------------------------- */
+
+static void signal_running(dlua_job_t *job, int sig, int except) {
+  for (int i = 0; i < job->o.nproc; i++) {
+    rank_t *r = &job->ranks[i];
+    if (i == except || !r->running) continue;
+    if (sig != SIGINT) r->stopped_by_us = 1;
+    kill(r->pid, sig);
+  }
+}
+
+static int any_running(const dlua_job_t *job) {
+  for (int i = 0; i < job->o.nproc; i++)
+    if (job->ranks[i].running) return 1;
+  return 0;
+}
+
+static int any_pipe_open(const dlua_job_t *job) {
+  for (int i = 0; i < job->o.nproc; i++)
+    if (job->ranks[i].fd[0] >= 0 || job->ranks[i].fd[1] >= 0) return 1;
+  return 0;
+}
+
+static int failed_status(int status) {
+  return WIFSIGNALED(status) || (WIFEXITED(status) && WEXITSTATUS(status) != 0);
+}
+
+static void announce_failure(dlua_job_t *job, const char *what) {
+  if (job->store == NULL) return;
+  /* the first failure of the job wins; later ones are consequences */
+  void *cur = NULL;
+  size_t curlen = 0;
+  if (dlua_store_compare_set(job->store, "dlua/launch/failed", NULL, 0, what, strlen(what), &cur,
+                             &curlen) == DLUA_OK)
+    dlua_store_free_value(cur);
+}
+
+static void describe_end(const rank_t *r, char *out, size_t cap) {
+  if (WIFSIGNALED(r->status)) {
+    int sig = WTERMSIG(r->status);
+    const char *name = sigabbrev_np(sig);
+    snprintf(out, cap, "killed by signal %d (SIG%s)", sig, name ? name : "?");
+  } else {
+    snprintf(out, cap, "exit code %d", WEXITSTATUS(r->status));
+  }
+}
+
+/* Collects ended ranks; the first failure stops the rest. Called with job->mu held. */
+static void reap(dlua_job_t *job) {
+  int newly_failed = -1;
+  for (int i = 0; i < job->o.nproc; i++) {
+    rank_t *r = &job->ranks[i];
+    if (!r->running) continue;
+    int status;
+    pid_t p = waitpid(r->pid, &status, WNOHANG);
+    if (p != r->pid) continue;
+    r->running = 0;
+    r->status = status;
+    if (!failed_status(status) || r->stopped_by_us || job->interrupted) continue;
+    /* several ranks ended in one round: blame one killed by a signal, else the lowest */
+    if (newly_failed < 0 || (WIFSIGNALED(status) && !WIFSIGNALED(job->ranks[newly_failed].status)))
+      newly_failed = i;
+  }
+  if (newly_failed >= 0 && job->failed_rank < 0 && job->remote_failure[0] == '\0') {
+    job->failed_rank = newly_failed;
+    signal_running(job, SIGTERM, -1);
+    job->kill_at = now_s() + STOP_GRACE_MS / 1000.0;
+    if (job->store) {
+      rank_t *r = &job->ranks[newly_failed];
+      char how[96], what[700];
+      describe_end(r, how, sizeof how);
+      snprintf(what, sizeof what, "rank %d (node %d) failed (%s)%s%s", job->first_rank + newly_failed,
+               job->o.node_rank, how, r->last_error[0] ? ": " : "", r->last_error);
+      announce_failure(job, what);
+    }
+  }
+}
+
+/* Multi-node: another node's rank failed → stop ours. Called with job->mu held. */
+static void watch_remote(dlua_job_t *job) {
+  if (job->store == NULL || job->failed_rank >= 0 || job->remote_failure[0]) return;
+  double t = now_s();
+  if (t < job->next_watch) return;
+  job->next_watch = t + WATCH_MS / 1000.0;
+  void *v = NULL;
+  size_t n = 0;
+  if (dlua_store_get(job->store, "dlua/launch/failed", 0, &v, &n) != DLUA_OK) {
+    dlua_clear_error();
+    return;
+  }
+  snprintf(job->remote_failure, sizeof job->remote_failure, "%.*s", (int)n, (const char *)v);
+  dlua_store_free_value(v);
+  signal_running(job, SIGTERM, -1);
+  job->kill_at = now_s() + STOP_GRACE_MS / 1000.0;
+}
+
+static void *pump_main(void *arg) {
+  dlua_job_t *job = arg;
+  sigset_t all;
+  sigfillset(&all);
+  pthread_sigmask(SIG_BLOCK, &all, NULL);
+  int n = job->o.nproc;
+  struct pollfd *pf = calloc((size_t)(2 * n), sizeof *pf);
+  int *who = calloc((size_t)(2 * n), sizeof *who);
+  for (;;) {
+    int k = 0;
+    for (int i = 0; i < n; i++)
+      for (int s = 0; s < 2; s++)
+        if (job->ranks[i].fd[s] >= 0 && pf) {
+          pf[k].fd = job->ranks[i].fd[s];
+          pf[k].events = POLLIN;
+          pf[k].revents = 0;
+          who[k++] = 2 * i + s;
+        }
+    if (k > 0 && pf) {
+      int rc = poll(pf, (nfds_t)k, 50);
+      if (rc > 0)
+        for (int j = 0; j < k; j++)
+          if (pf[j].revents) read_pipe(job, who[j] / 2, who[j] % 2);
+    } else {
+      usleep(50 * 1000);
+    }
+    pthread_mutex_lock(&job->mu);
+    reap(job);
+    watch_remote(job);
+    double t = now_s();
+    if (job->kill_at > 0 && t >= job->kill_at && any_running(job)) {
+      signal_running(job, SIGKILL, -1);
+      job->kill_at = 0;
+    }
+    int done = 0;
+    if (!any_running(job)) {
+      if (job->all_ended_at == 0) job->all_ended_at = t;
+      /* a grandchild may hold a pipe open: read what comes for a moment, then let go */
+      if (!any_pipe_open(job) || t - job->all_ended_at > DRAIN_MS / 1000.0) done = 1;
+    }
+    if (done) {
+      for (int i = 0; i < n; i++)
+        for (int s = 0; s < 2; s++)
+          if (job->ranks[i].fd[s] >= 0) {
+            flush_lines(job, i, s, 1);
+            close(job->ranks[i].fd[s]);
+            job->ranks[i].fd[s] = -1;
+          }
+      job->finished = 1;
+      pthread_mutex_unlock(&job->mu);
+      break;
+    }
+    pthread_mutex_unlock(&job->mu);
+  }
+  free(pf);
+  free(who);
+  return NULL;
+}
+
+int dlua_launch_gpu_count(void) {
+  const char *vis = getenv("CUDA_VISIBLE_DEVICES");
+  if (vis != NULL) {
+    int n = 0;
+    for (const char *p = vis; *p;) {
+      while (*p == ' ' || *p == ',') p++;
+      if (*p == '\0') break;
+      if (*p == '-') break;  // "-1" and what follows hide every device, as CUDA reads it
+      n++;
+      while (*p && *p != ',') p++;
+    }
+    return n;
+  }
+  DIR *d = opendir("/proc/driver/nvidia/gpus");
+  if (d == NULL) return 0;
+  int n = 0;
+  struct dirent *e;
+  while ((e = readdir(d)) != NULL)
+    if (e->d_name[0] != '.') n++;
+  closedir(d);
+  return n;
+}
+
+/* ---- start -------------------------------------------------------------------------- */
+
+static int random_token(char *out, size_t cap) {
+  unsigned char raw[16];
+  int fd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+  if (fd < 0 || read(fd, raw, sizeof raw) != (ssize_t)sizeof raw) {
+    if (fd >= 0) close(fd);
+    return -1;
+  }
+  close(fd);
+  for (size_t i = 0; i < sizeof raw && 2 * i + 2 < cap; i++) snprintf(out + 2 * i, 3, "%02x", raw[i]);
+  return 0;
+}
+
+static int parse_show(dlua_job_t *job) {
+  int n = job->o.nproc;
+  job->show = calloc((size_t)n, 1);
+  if (job->show == NULL) return -1;
+  if (job->o.ranks_output == NULL) {
+    memset(job->show, 1, (size_t)n);
+    return 0;
+  }
+  const char *p = job->o.ranks_output;
+  while (*p) {
+    char *end;
+    long v = strtol(p, &end, 10);
+    if (end == p || v < 0 || v >= job->world) {
+      fprintf(stderr, "dlua: --ranks-output '%s': expected ranks in 0..%d, separated by commas\n",
+              job->o.ranks_output, job->world - 1);
+      return -1;
+    }
+    if (v >= job->first_rank && v < job->first_rank + n) job->show[v - job->first_rank] = 1;
+    p = end;
+    if (*p == ',') p++;
+    else if (*p) {
+      fprintf(stderr, "dlua: --ranks-output '%s': expected ranks separated by commas\n", job->o.ranks_output);
+      return -1;
+    }
+  }
+  return 0;
+}
+
+/* The environment of one rank: ours plus the torchrun-style variables, built before fork
+   because the child may only call async-signal-safe functions until exec. */
+static char **rank_env(const dlua_job_t *job, int li) {
+  static const char *ours[] = {"RANK=", "WORLD_SIZE=", "LOCAL_RANK=", "LOCAL_WORLD_SIZE=", "GROUP_RANK=",
+                               "NODE_RANK=", "MASTER_ADDR=", "MASTER_PORT=", "DLUA_JOB_TOKEN=",
+                               "DLUA_LAUNCHER=", "DLUA_SPMD_REPL=", NULL};
+  size_t n = 0;
+  while (environ[n]) n++;
+  char **env = calloc(n + 16, sizeof *env);
+  if (env == NULL) return NULL;
+  size_t k = 0;
+  int has_omp = 0;
+  for (size_t i = 0; i < n; i++) {
+    int skip = 0;
+    for (int j = 0; ours[j]; j++)
+      if (strncmp(environ[i], ours[j], strlen(ours[j])) == 0) skip = 1;
+    if (strncmp(environ[i], "OMP_NUM_THREADS=", 16) == 0) has_omp = 1;
+    if (!skip) env[k++] = strdup(environ[i]);
+  }
+  char v[512];
+#define PUT(...) (snprintf(v, sizeof v, __VA_ARGS__), env[k++] = strdup(v))
+  PUT("RANK=%d", job->first_rank + li);
+  PUT("WORLD_SIZE=%d", job->world);
+  PUT("LOCAL_RANK=%d", li);
+  PUT("LOCAL_WORLD_SIZE=%d", job->o.nproc);
+  PUT("GROUP_RANK=%d", job->o.node_rank);
+  PUT("NODE_RANK=%d", job->o.node_rank);
+  PUT("MASTER_ADDR=%s", job->host);
+  PUT("MASTER_PORT=%d", job->port);
+  PUT("DLUA_JOB_TOKEN=%s", job->token);
+  PUT("DLUA_LAUNCHER=1");
+  if (job->o.spmd_repl) PUT("DLUA_SPMD_REPL=1");
+  if (!has_omp) {
+    /* N ranks sharing the cores: each gets its share instead of N full thread pools */
+    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    long per = cores / job->o.nproc;
+    PUT("OMP_NUM_THREADS=%ld", per < 1 ? 1 : per);
+  }
+#undef PUT
+  env[k] = NULL;
+  return env;
+}
+
+static void free_env(char **env) {
+  if (env == NULL) return;
+  for (size_t i = 0; env[i]; i++) free(env[i]);
+  free(env);
+}
+
+static int spawn(dlua_job_t *job, int li, const char *exe) {
+  rank_t *r = &job->ranks[li];
+  int out[2], err[2];
+  if (pipe2(out, O_CLOEXEC) != 0) return -1;
+  if (pipe2(err, O_CLOEXEC) != 0) {
+    close(out[0]);
+    close(out[1]);
+    return -1;
+  }
+  char **env = rank_env(job, li);
+  char **argv = calloc((size_t)job->o.argc + 2, sizeof *argv);
+  if (env == NULL || argv == NULL) {
+    free_env(env);
+    free(argv);
+    close(out[0]);
+    close(out[1]);
+    close(err[0]);
+    close(err[1]);
+    return -1;
+  }
+  argv[0] = (char *)exe;
+  for (int i = 0; i < job->o.argc; i++) argv[i + 1] = job->o.argv[i];
+  pid_t parent = getpid();
+  pid_t pid = fork();
+  if (pid == 0) {
+    /* the child: only async-signal-safe calls until exec */
+    setpgid(0, job->pgid);  // 0 for the first rank: a new group led by it
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() != parent) _exit(127);  // the launcher died before prctl took effect
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, NULL);
+    signal(SIGINT, SIG_DFL);
+    signal(SIGTERM, SIG_DFL);
+    signal(SIGHUP, SIG_DFL);
+    signal(SIGPIPE, SIG_DFL);
+    int devnull = open("/dev/null", O_RDONLY);
+    if (devnull >= 0) dup2(devnull, STDIN_FILENO);
+    dup2(out[1], STDOUT_FILENO);
+    dup2(err[1], STDERR_FILENO);
+    execve(exe, argv, env);
+    static const char msg[] = "dlua: cannot start a rank: exec failed\n";
+    ssize_t w = write(STDERR_FILENO, msg, sizeof msg - 1);
+    (void)w;
+    _exit(127);
+  }
+  int saved = errno;
+  free_env(env);
+  free(argv);
+  close(out[1]);
+  close(err[1]);
+  if (pid < 0) {
+    close(out[0]);
+    close(err[0]);
+    errno = saved;
+    return -1;
+  }
+  if (job->pgid == 0) job->pgid = pid;
+  setpgid(pid, job->pgid);  // also from here, so the group exists before the next fork
+  r->pid = pid;
+  r->running = 1;
+  r->fd[0] = out[0];
+  r->fd[1] = err[0];
+  fcntl(out[0], F_SETFL, O_NONBLOCK);
+  fcntl(err[0], F_SETFL, O_NONBLOCK);
+  return 0;
+}
+
+int dlua_job_start(const dlua_launch_opts_t *opts, dlua_job_t **out) {
+  *out = NULL;
+  dlua_job_t *job = calloc(1, sizeof *job);
+  if (job == NULL) {
+    fprintf(stderr, "dlua: out of memory starting the launcher\n");
+    return -1;
+  }
+  job->o = *opts;
+  job->failed_rank = -1;
+  pthread_mutex_init(&job->mu, NULL);
+  if (job->o.nnodes < 1) job->o.nnodes = 1;
+  job->world = job->o.nproc * job->o.nnodes;
+  job->first_rank = job->o.node_rank * job->o.nproc;
+  int multi = job->o.nnodes > 1;
+
+  if (parse_show(job) != 0) goto fail;
+  snprintf(job->host, sizeof job->host, "%s", job->o.master_host ? job->o.master_host : "127.0.0.1");
+
+  const char *tok = getenv("DLUA_JOB_TOKEN");
+  if (tok && *tok) {
+    snprintf(job->token, sizeof job->token, "%s", tok);
+  } else if (multi) {
+    /* every node's launcher must agree without talking first: derive it from the master */
+    snprintf(job->token, sizeof job->token, "dlua:%s:%d", job->host, job->o.master_port);
+  } else if (random_token(job->token, sizeof job->token) != 0) {
+    fprintf(stderr, "dlua: cannot read /dev/urandom for the job token\n");
+    goto fail;
+  }
+
+  if (job->o.node_rank == 0) {
+    /* single node: loopback only; several nodes: every interface, the others must reach it */
+    const char *bind = multi ? "0.0.0.0" : job->host;
+    if (dlua_store_server_start(bind, job->o.master_port, job->token, &job->server) != DLUA_OK) {
+      fprintf(stderr, "dlua: cannot start the job's store: %s\n", dlua_last_error());
+      goto fail;
+    }
+    job->port = dlua_store_server_port(job->server);
+  } else {
+    job->port = job->o.master_port;
+  }
+  if (multi && dlua_store_connect(job->host, job->port, job->token, 300000, &job->store) != DLUA_OK) {
+    fprintf(stderr, "dlua: node %d cannot reach the job's store: %s\n", job->o.node_rank, dlua_last_error());
+    goto fail;
+  }
+
+  job->ranks = calloc((size_t)job->o.nproc, sizeof *job->ranks);
+  if (job->ranks == NULL) goto fail;
+  for (int i = 0; i < job->o.nproc; i++) job->ranks[i].fd[0] = job->ranks[i].fd[1] = -1;
+  const char *exe = job->o.exe ? job->o.exe : "/proc/self/exe";
+  for (int i = 0; i < job->o.nproc; i++) {
+    if (spawn(job, i, exe) != 0) {
+      fprintf(stderr, "dlua: cannot start rank %d: %s\n", job->first_rank + i, strerror(errno));
+      pthread_mutex_lock(&job->mu);
+      signal_running(job, SIGKILL, -1);
+      pthread_mutex_unlock(&job->mu);
+      for (int j = 0; j < i; j++) waitpid(job->ranks[j].pid, NULL, 0);
+      for (int j = 0; j < i; j++) job->ranks[j].running = 0;
+      goto fail;
+    }
+  }
+  if (pthread_create(&job->pump, NULL, pump_main, job) != 0) {
+    fprintf(stderr, "dlua: cannot start the launcher's output thread\n");
+    signal_running(job, SIGKILL, -1);
+    for (int j = 0; j < job->o.nproc; j++) waitpid(job->ranks[j].pid, NULL, 0);
+    for (int j = 0; j < job->o.nproc; j++) job->ranks[j].running = 0;
+    goto fail;
+  }
+  job->pump_started = 1;
+  *out = job;
+  return 0;
+fail:
+  dlua_job_free(job);
+  return -1;
+}
+
+const char *dlua_job_store_host(const dlua_job_t *job) { return job->host; }
+int dlua_job_store_port(const dlua_job_t *job) { return job->port; }
+const char *dlua_job_token(const dlua_job_t *job) { return job->token; }
+int dlua_job_world_size(const dlua_job_t *job) { return job->world; }
+
+void dlua_job_interrupt(dlua_job_t *job) {
+  pthread_mutex_lock(&job->mu);
+  signal_running(job, SIGINT, -1);
+  pthread_mutex_unlock(&job->mu);
+}
+
+int dlua_job_finished(dlua_job_t *job) {
+  pthread_mutex_lock(&job->mu);
+  int f = job->finished || job->failed_rank >= 0 || job->remote_failure[0];
+  pthread_mutex_unlock(&job->mu);
+  return f;
+}
+
+/* Node 0 keeps the store up until every node's ranks are done with it. */
+static void multi_node_finish(dlua_job_t *job, int ok) {
+  if (job->store == NULL) return;
+  int64_t v = 0;
+  if (ok) dlua_store_add(job->store, "dlua/launch/done", 1, &v);
+  if (job->o.node_rank != 0 || !ok) return;
+  while (v < job->o.nnodes && dlua_launch_signals_seen() == 0) {
+    const char *keys[1] = {"dlua/launch/failed"};
+    int exists = 0;
+    if (dlua_store_check(job->store, keys, 1, &exists) == DLUA_OK && exists) break;
+    usleep(200 * 1000);
+    if (dlua_store_add(job->store, "dlua/launch/done", 0, &v) != DLUA_OK) break;
+  }
+}
+
+int dlua_job_wait(dlua_job_t *job) {
+  int seen = 0;
+  for (;;) {
+    pthread_mutex_lock(&job->mu);
+    int finished = job->finished;
+    pthread_mutex_unlock(&job->mu);
+    if (finished) break;
+    int s = dlua_launch_signals_seen();
+    if (s > seen) {
+      pthread_mutex_lock(&job->mu);
+      if (seen == 0) {
+        job->interrupted = 1;
+        signal_running(job, SIGINT, -1);
+        job->kill_at = now_s() + INTERRUPT_GRACE_MS / 1000.0;
+      } else {
+        signal_running(job, SIGKILL, -1);
+      }
+      pthread_mutex_unlock(&job->mu);
+      seen = s;
+    }
+    usleep(20 * 1000);
+  }
+  pthread_join(job->pump, NULL);
+  job->pump_started = 0;
+
+  if (job->interrupted) {
+    fprintf(stderr, "dlua: interrupted; stopped %d rank%s\n", job->o.nproc, job->o.nproc == 1 ? "" : "s");
+    return 130;
+  }
+  if (job->remote_failure[0]) {
+    fprintf(stderr, "dlua: job failed on another node: %s; stopped the ranks of node %d\n", job->remote_failure,
+            job->o.node_rank);
+    return 1;
+  }
+  if (job->failed_rank >= 0) {
+    rank_t *r = &job->ranks[job->failed_rank];
+    char how[96];
+    describe_end(r, how, sizeof how);
+    char others[256] = "";
+    size_t used = 0;
+    int nstopped = 0;
+    for (int i = 0; i < job->o.nproc && used < sizeof others - 16; i++) {
+      if (i == job->failed_rank || !job->ranks[i].stopped_by_us) continue;
+      used += (size_t)snprintf(others + used, sizeof others - used, "%s%d", nstopped ? ", " : "",
+                               job->first_rank + i);
+      nstopped++;
+    }
+    fprintf(stderr, "dlua: rank %d failed (%s)%s%s\n", job->first_rank + job->failed_rank, how,
+            r->last_error[0] ? ": " : "", r->last_error);
+    if (nstopped) fprintf(stderr, "dlua: stopped rank%s %s\n", nstopped == 1 ? "" : "s", others);
+    return 1;
+  }
+  multi_node_finish(job, 1);
+  return 0;
+}
+
+void dlua_job_free(dlua_job_t *job) {
+  if (job == NULL) return;
+  if (job->ranks) {
+    pthread_mutex_lock(&job->mu);
+    signal_running(job, SIGKILL, -1);
+    pthread_mutex_unlock(&job->mu);
+  }
+  if (job->pump_started) pthread_join(job->pump, NULL);
+  if (job->ranks) {
+    for (int i = 0; i < job->o.nproc; i++) {
+      rank_t *r = &job->ranks[i];
+      if (r->running) waitpid(r->pid, NULL, 0);
+      for (int s = 0; s < 2; s++) {
+        if (r->fd[s] >= 0) close(r->fd[s]);
+        free(r->buf[s].data);
+      }
+    }
+    free(job->ranks);
+  }
+  free(job->show);
+  if (job->store) dlua_store_close(job->store);
+  if (job->server) dlua_store_server_stop(job->server);
+  pthread_mutex_destroy(&job->mu);
+  free(job);
+}
