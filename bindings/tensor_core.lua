@@ -120,16 +120,33 @@ local function device_name(dev)
 end
 M.device_name = device_name
 
--- A device argument ('cpu', 'cuda', 'cuda:N') as its C ordinal (-1: CPU). Device is a tensor
--- property from the start; CUDA tensors arrive in a later issue, until then asking for one
--- is a clear error rather than a silent CPU tensor.
+-- A CUDA ordinal that exists (n = -1: the current device), or an error naming `name` and why not:
+-- without a device the reason is the driver's ("no CUDA device available (...)").
+function M.cuda_ordinal(op, name, n)
+  local count = C.dlua_cuda_device_count()
+  if count == 0 then
+    M.raise(format("%s: no CUDA device available for device '%s' (%s)", op, name,
+      ffi.string(C.dlua_cuda_unavailable_reason())))
+  end
+  if n < 0 then
+    local cur = ffi.new('int[1]')
+    M.check(C.dlua_cuda_get_device(cur), op)
+    n = cur[0]
+  end
+  if n >= count then
+    M.raise(format("%s: no device '%s' (%d CUDA device%s: cuda:0 to cuda:%d)", op, name, count,
+      count == 1 and '' or 's', count - 1))
+  end
+  return n
+end
+
+-- A device argument ('cpu', 'cuda', 'cuda:N') as its C ordinal (-1: CPU). CUDA ordinals count
+-- from 0, as in 'cuda:0' (a device name, not a position).
 function M.device(op, v)
   if v == nil or v == 'cpu' or v == C.DLUA_CPU then return C.DLUA_CPU end
-  if type(v) == 'string' and (v == 'cuda' or v:match('^cuda:%d+$')) then
-    if C.dlua_has_cuda_build() == 0 then
-      M.raise(format("%s: no CUDA device available for device '%s' (this dlua was built without CUDA)", op, v))
-    end
-    M.raise(format("%s: CUDA tensors are not built yet (device '%s'); use device 'cpu'", op, v))
+  if type(v) == 'string' then
+    local n = v == 'cuda' and -1 or tonumber(v:match('^cuda:(%d+)$'))
+    if n then return M.cuda_ordinal(op, v, n) end
   end
   M.raise(format("%s: unknown device %s (expected 'cpu' or 'cuda[:N]')", op,
     type(v) == 'string' and "'" .. v .. "'" or tostring(v)))

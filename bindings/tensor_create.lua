@@ -575,10 +575,33 @@ function methods.to(t, what, opts)
   if o.dtype ~= nil then dtype = core.dtype('to', o.dtype) end
   if o.device ~= nil then device = core.device('to', o.device) end
   copy = o.copy
-  if device ~= nil and device ~= C.dlua_tensor_device(p) then core.device('to', core.device_name(device)) end
   dtype = dtype or core.dtype_of(p)
+  if device ~= nil and device ~= C.dlua_tensor_device(p) then
+    -- convert where the conversion runs today (the CPU), then move
+    if C.dlua_tensor_device(p) == CPU then t = to_dtype('to', t, dtype) end
+    local moved = new('to', C.dlua_tensor_to_device, 2, t, device)
+    return to_dtype('to', moved, dtype)
+  end
   if copy then return new('to', C.dlua_tensor_to_dtype, 2, t, dtype) end
   return to_dtype('to', t, dtype)
+end
+
+-- t:cuda() (the current device), t:cuda(1) or t:cuda('cuda:1'): t itself when already there.
+function methods.cuda(t, device)
+  local p = handle('cuda', t)
+  local dev
+  if device == nil then dev = core.device('cuda', 'cuda')
+  elseif type(device) == 'number' then dev = core.device('cuda', 'cuda:' .. device)
+  else dev = core.device('cuda', device) end
+  if dev == CPU then raise("cuda: expected a CUDA device, got 'cpu'") end
+  if C.dlua_tensor_device(p) == dev then return t end
+  return new('cuda', C.dlua_tensor_to_device, 2, t, dev)
+end
+
+-- A copy in page-locked host memory, for fast asynchronous copies to the GPU.
+function methods.pin_memory(t)
+  handle('pin_memory', t)
+  return new('pin_memory', C.dlua_tensor_pin_memory, 1, t)
 end
 
 function methods.float(t) return to_dtype('float', t, F32) end
@@ -589,7 +612,11 @@ function methods.int(t) return to_dtype('int', t, I32) end
 function methods.long(t) return to_dtype('long', t, I64) end
 function methods.byte(t) return to_dtype('byte', t, U8) end
 function methods.bool(t) return to_dtype('bool', t, BOOL) end
-function methods.cpu(t) handle('cpu', t); return t end
+function methods.cpu(t)
+  local p = handle('cpu', t)
+  if C.dlua_tensor_device(p) == CPU then return t end
+  return new('cpu', C.dlua_tensor_to_device, 2, t, CPU)
+end
 function methods.type_as(t, other)
   return to_dtype('type_as', t, core.dtype_of(handle('type_as', other, 'argument 1')))
 end

@@ -56,3 +56,35 @@ if(DLUA_HAVE_CUDA)
   target_include_directories(dlua_cuda_info PRIVATE ${CUDAToolkit_INCLUDE_DIRS}
     ${CUDNN_INCLUDE_DIR} ${NCCL_INCLUDE_DIR})
 endif()
+
+# CUDA language for the backend's .cu files, only when the backend is on. Architectures default to
+# 80 (SASS only) and 90 (SASS + PTX, so newer GPUs JIT it); -DCMAKE_CUDA_ARCHITECTURES=... overrides.
+if(DLUA_HAVE_CUDA)
+  if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
+    set(CMAKE_CUDA_ARCHITECTURES "80-real;90" CACHE STRING "CUDA architectures to build for")
+  endif()
+  if(NOT DEFINED CMAKE_CUDA_COMPILER AND CUDAToolkit_NVCC_EXECUTABLE)
+    set(CMAKE_CUDA_COMPILER ${CUDAToolkit_NVCC_EXECUTABLE})
+  endif()
+  enable_language(CUDA)
+  set(CMAKE_CUDA_STANDARD 17)
+  set(CMAKE_CUDA_STANDARD_REQUIRED ON)
+  message(STATUS "CUDA architectures: ${CMAKE_CUDA_ARCHITECTURES}")
+endif()
+
+# Adds the backend to `target` (the runtime library): the allocator (plain C, always built), the
+# device layer or its stub, the .cu kernels, the statically linked CUDA runtime.
+function(dlua_cuda_attach target)
+  set(_dir ${CMAKE_SOURCE_DIR}/host/cuda)
+  target_sources(${target} PRIVATE ${_dir}/caching_alloc.c ${_dir}/transfer.c)
+  if(DLUA_HAVE_CUDA)
+    file(GLOB _cu CONFIGURE_DEPENDS ${_dir}/*.cu)
+    target_sources(${target} PRIVATE ${_dir}/device.c ${_cu})
+    target_compile_definitions(${target} PRIVATE DLUA_HAVE_CUDA=1)
+    target_include_directories(${target} PRIVATE ${CUDAToolkit_INCLUDE_DIRS} ${CUDNN_INCLUDE_DIR} ${NCCL_INCLUDE_DIR})
+    target_link_libraries(${target} PUBLIC CUDA::cudart_static ${CMAKE_DL_LIBS})
+    set_target_properties(${target} PROPERTIES CUDA_SEPARABLE_COMPILATION OFF)
+  else()
+    target_sources(${target} PRIVATE ${_dir}/device_stub.c)
+  endif()
+endfunction()

@@ -48,9 +48,10 @@ static void print_usage(FILE *f) {
 static void print_version(void) {
   printf("dlua %s\n", dlua_version());
   printf("%s (%s)\n", LUAJIT_VERSION, DLUA_LUAJIT_KIND);
-  if (dlua_has_cuda_build())
+  if (dlua_has_cuda_build()) {
     printf("built against %s\n", dlua_cuda_build_info());
-  else
+    printf("%s\n", dlua_cuda_runtime_info());  // driver, devices, loaded libraries; or why none
+  } else
     printf("no CUDA (built without the CUDA backend)\n");
   fflush(stdout);
 }

@@ -127,7 +127,10 @@ static int cache_put(void *p, size_t size) {
 }
 
 void dlua_memory_empty_cache(int device) {
-  if (device != DLUA_CPU) return;
+  if (device != DLUA_CPU) {
+    if (dlua_cuda_empty_cache(device) != DLUA_OK) dlua_clear_error();  // no such device: nothing cached
+    return;
+  }
   pthread_mutex_lock(&cache_lock);
   for (int i = 0; i < nbuckets; i++) {
     for (int k = 0; k < buckets[i].count; k++) free(buckets[i].blocks[k]);
@@ -138,7 +141,14 @@ void dlua_memory_empty_cache(int device) {
 }
 
 int64_t dlua_memory_cached(int device) {
-  if (device != DLUA_CPU) return 0;
+  if (device != DLUA_CPU) {
+    dlua_memory_stats_t st;
+    if (dlua_cuda_memory_stats(device, &st) != DLUA_OK) {
+      dlua_clear_error();
+      return 0;
+    }
+    return st.reserved - st.allocated;
+  }
   pthread_mutex_lock(&cache_lock);
   int64_t n = cached_bytes;
   pthread_mutex_unlock(&cache_lock);

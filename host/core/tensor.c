@@ -126,6 +126,41 @@ static dlua_status_t check_dtype(const char *op, dlua_dtype_t dtype) {
   return DLUA_OK;
 }
 
+/* Device storage from the CUDA caching allocator (host/cuda/device.c); ctx carries the ordinal. */
+static void cuda_storage_free(void *ctx, void *data) {
+  if (dlua_cuda_free((int)(intptr_t)ctx, data) != DLUA_OK) dlua_clear_error();
+}
+
+static dlua_status_t cuda_tensor_new(const char *op, dlua_tensor_t **out, int ndim, const int64_t *sizes,
+                                     dlua_dtype_t dtype, int device, size_t nbytes) {
+  char b[160];
+  void *data = NULL;
+  if (dlua_cuda_malloc(&data, device, nbytes, NULL) != DLUA_OK) {
+    // "cuda alloc: <why>" from the device layer, restated for this op and tensor
+    char why[900];
+    snprintf(why, sizeof why, "%s", dlua_last_error());
+    const char *m = strncmp(why, "cuda alloc: ", 12) == 0 ? why + 12 : why;
+    return DLUA_ERR(dlua_last_status(), "%s: cannot create %s %s on cuda:%d: %s", op, dlua_shape_str(ndim, sizes, b, sizeof b),
+                    dlua_dtype_name(dtype), device, m);
+  }
+  dlua_storage_t *s = malloc(sizeof *s);
+  if (!s) {
+    cuda_storage_free((void *)(intptr_t)device, data);
+    return DLUA_ERR(DLUA_ERR_OOM, "%s: out of host memory for a storage", op);
+  }
+  *s = (dlua_storage_t){data, nbytes, device, 0, cuda_storage_free, (void *)(intptr_t)device};
+  int64_t strides[DLUA_MAX_DIMS];
+  dlua_contiguous_strides(ndim, sizes, strides);
+  dlua_tensor_t *t = handle_new(op, s, 0, ndim, sizes, strides, dtype);
+  if (!t) {
+    cuda_storage_free((void *)(intptr_t)device, data);
+    free(s);
+    return DLUA_ERR_OOM;
+  }
+  *out = t;
+  return DLUA_OK;
+}
+
 /* A fresh contiguous tensor; the public constructors and the copying views share it. */
 static dlua_status_t tensor_new(const char *op, dlua_tensor_t **out, int ndim, const int64_t *sizes,
                                 dlua_dtype_t dtype, int device) {
@@ -134,17 +169,14 @@ static dlua_status_t tensor_new(const char *op, dlua_tensor_t **out, int ndim, c
   DLUA_TRY(check_shape(op, ndim, sizes));
   DLUA_TRY(check_dtype(op, dtype));
   char b[160];
-  if (device != DLUA_CPU) {
-    if (device < 0) return DLUA_ERR(DLUA_ERR_ARG, "%s: invalid device %d", op, device);
-    return DLUA_ERR(DLUA_ERR_ARG, "%s: cannot create %s %s on cuda:%d: no CUDA device available", op,
-                    dlua_shape_str(ndim, sizes, b, sizeof b), dlua_dtype_name(dtype), device);
-  }
+  if (device != DLUA_CPU && device < 0) return DLUA_ERR(DLUA_ERR_ARG, "%s: invalid device %d", op, device);
   int64_t numel = dlua_shape_numel(ndim, sizes);
   size_t es = dlua_dtype_size(dtype);
   if (numel < 0 || (uint64_t)numel > (uint64_t)INT64_MAX / es)
     return DLUA_ERR(DLUA_ERR_OOM, "%s: %s %s is too large to address", op, dlua_shape_str(ndim, sizes, b, sizeof b),
                     dlua_dtype_name(dtype));
   size_t nbytes = (size_t)numel * es;
+  if (device != DLUA_CPU) return cuda_tensor_new(op, out, ndim, sizes, dtype, device, nbytes);
   dlua_storage_t *s = malloc(sizeof *s);
   void *data = s ? dlua_cpu_alloc(nbytes) : NULL;
   if (!data) {

@@ -6,7 +6,7 @@
 
 /* Bodies compile unchanged as nvcc device code: only math that exists on both sides. */
 #ifdef __CUDACC__
-#define DLUA_HD __host__ __device__ __forceinline__
+#define DLUA_HD __host__ __device__ /* the bodies are already static inline */
 #else
 #define DLUA_HD
 #endif

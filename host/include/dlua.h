@@ -275,6 +275,50 @@ dlua_status_t dlua_store_check(dlua_store_t *store, const char *const *keys, int
 /* *deleted (may be NULL) = 1 if the key existed. */
 dlua_status_t dlua_store_delete(dlua_store_t *store, const char *key, int *deleted);
 
+/* ==== process groups ========================================================================= */
+
+/* A group of ranks that run collectives together (docs/comm.md). gloo over TCP for CPU
+   tensors; every group has one comm thread that runs its work in call order. Ranks are
+   0-based. The reduce ops are DLUA_PG_REDUCE_* (DLUA_REDUCE_* names the tensor reductions). */
+typedef struct dlua_pg dlua_pg_t;
+typedef struct dlua_work dlua_work_t;
+typedef enum { DLUA_PG_REDUCE_SUM = 0, DLUA_PG_REDUCE_AVG = 1, DLUA_PG_REDUCE_MAX = 2, DLUA_PG_REDUCE_MIN = 3,
+               DLUA_PG_REDUCE_PRODUCT = 4, DLUA_PG_REDUCE_COUNT = 5 } dlua_reduce_t;
+/* Joins a gloo group of `size` members as `rank`; members meet through the store at host:port with
+   the job token, under the key prefix `name` (unique per group: "pg0", "pg1"...). timeout_ms bounds the
+   join and every collective. */
+dlua_status_t dlua_pg_gloo_new(const char *store_host, int store_port, const char *token, const char *name, int rank, int size, int64_t timeout_ms, dlua_pg_t **pg);
+void dlua_pg_free(dlua_pg_t *pg);           /* waits for queued work (bounded by the timeout), then closes */
+int dlua_pg_rank(const dlua_pg_t *pg);
+int dlua_pg_size(const dlua_pg_t *pg);
+int64_t dlua_pg_seq(const dlua_pg_t *pg);   /* collectives issued so far (send/recv not counted) */
+dlua_status_t dlua_pg_set_timeout(dlua_pg_t *pg, int64_t timeout_ms);
+dlua_status_t dlua_pg_set_debug(dlua_pg_t *pg, int on);
+/* Collectives. `site` names the caller ("train.lua:42", may be NULL) for error messages and the debug
+   check. work == NULL: runs synchronously and returns its status. work != NULL: queued, returns at once
+   with *work (wait/is_completed/free). All work of a group runs in call order on the group's comm thread,
+   so sync and async calls interleave correctly. Tensors: CPU, any dtype, any strides (non-contiguous
+   ones go through a contiguous staging copy, written back for outputs); a queued work keeps its tensors
+   alive (hold your own handles, e.g. dlua_tensor_view of the same shape) until it completes. */
+dlua_status_t dlua_pg_all_reduce(dlua_pg_t *pg, dlua_tensor_t *t, dlua_reduce_t op, const char *site, dlua_work_t **work);
+dlua_status_t dlua_pg_broadcast(dlua_pg_t *pg, dlua_tensor_t *t, int src, const char *site, dlua_work_t **work);
+/* outs: size tensors; outs[r] receives rank r's t (their numels may differ between ranks: all_gather_v). */
+dlua_status_t dlua_pg_all_gather(dlua_pg_t *pg, dlua_tensor_t *const *outs, const dlua_tensor_t *t, const char *site, dlua_work_t **work);
+/* ins: size tensors of equal numel; rank r's out = reduction over ranks of their ins[r]. */
+dlua_status_t dlua_pg_reduce_scatter(dlua_pg_t *pg, dlua_tensor_t *out, dlua_tensor_t *const *ins, dlua_reduce_t op, const char *site, dlua_work_t **work);
+/* ins[r] is sent to rank r; outs[r] receives what rank r sent here (numels may differ, must agree pairwise). */
+dlua_status_t dlua_pg_all_to_all(dlua_pg_t *pg, dlua_tensor_t *const *outs, dlua_tensor_t *const *ins, const char *site, dlua_work_t **work);
+dlua_status_t dlua_pg_barrier(dlua_pg_t *pg, const char *site, dlua_work_t **work);
+dlua_status_t dlua_pg_send(dlua_pg_t *pg, const dlua_tensor_t *t, int dst, int tag, const char *site, dlua_work_t **work);
+dlua_status_t dlua_pg_recv(dlua_pg_t *pg, dlua_tensor_t *t, int src, int tag, const char *site, dlua_work_t **work);
+/* Waits (timeout_ms < 0: until the work ends, which the group's timeout bounds; polls the Ctrl-C flag
+   every 100 ms) and returns the work's status; its error message becomes this thread's dlua_last_error.
+   timeout_ms >= 0 and not done in time: DLUA_ERR_TIMEOUT, the work goes on. Ctrl-C: DLUA_ERR_INTERRUPTED,
+   and the group is unusable afterwards. */
+dlua_status_t dlua_work_wait(dlua_work_t *w, int64_t timeout_ms);
+int dlua_work_is_completed(const dlua_work_t *w);
+void dlua_work_free(dlua_work_t *w);        /* safe before completion: the group finishes it */
+
 /* ==== losses and activations ================================================================= */
 
 /* Float tensors (f32, f64; f16/bf16 compute in f32). Results follow the `out` convention with
@@ -380,6 +424,139 @@ dlua_status_t dlua_data_augment(dlua_tensor_t **out, const dlua_tensor_t *x, con
    given (may be x itself when x is float32). */
 dlua_status_t dlua_data_normalize(dlua_tensor_t **out, const dlua_tensor_t *x, double scale, int nstats, const double *mean, const double *std);
 
+/* ==== data pipeline: image decoding, ImageFolder, transforms, loader ========================= */
+
+/* Images are uint8 (H, W, C). Reading decodes JPEG (TurboJPEG) and PNG (libpng) by their
+   magic number into RGB (H, W, 3): grey and CMYK JPEGs and palette/grey/alpha/16-bit PNGs
+   are converted as Pillow's convert('RGB') does (alpha dropped, 16-bit keeps the high byte).
+   scale_num/scale_den (den 0: full size) picks a TurboJPEG DCT scaling factor for JPEGs
+   (1/2, 1/4, 1/8...; ignored for PNG). Corrupt, truncated or non-image data is DLUA_ERR_IO
+   naming the file. */
+dlua_status_t dlua_image_read(dlua_tensor_t **out, const char *path, int scale_num, int scale_den);
+dlua_status_t dlua_image_decode(dlua_tensor_t **out, const void *buf, size_t len, int scale_num, int scale_den);
+/* img (H, W, C) uint8: C = 1 (grey), 3 (RGB, 4:2:0) or 4 (CMYK, stored inverted as Adobe's). Written atomically. */
+dlua_status_t dlua_image_write_jpeg(const dlua_tensor_t *img, const char *path, int quality);
+/* img (H, W, C) uint8: C = 1 grey, 2 grey + alpha, 3 RGB, 4 RGBA; 8-bit. */
+dlua_status_t dlua_image_write_png(const dlua_tensor_t *img, const char *path);
+
+/* An ImageFolder: root/<class>/.../<file>.{jpg,jpeg,png} (any case), classes = the sorted
+   sub-folder names of root, files sorted by folder then name (torchvision's order), labels
+   0-based here. The list is cached in cache_dir/<hash of the root's real path>.list (NULL:
+   $XDG_CACHE_HOME/dlua/imagefolder or ~/.cache/dlua/imagefolder; "": no cache) and reused
+   while every folder of the tree keeps the mtime recorded there. Errors name the path: a
+   missing root, no class folder, a class folder without images. */
+typedef struct dlua_folder dlua_folder_t;
+dlua_status_t dlua_folder_open(dlua_folder_t **out, const char *root, const char *cache_dir);
+void dlua_folder_free(dlua_folder_t *f);
+int64_t dlua_folder_size(const dlua_folder_t *f);
+int dlua_folder_num_classes(const dlua_folder_t *f);
+const char *dlua_folder_class(const dlua_folder_t *f, int c);        /* c 0-based */
+const char *dlua_folder_file(const dlua_folder_t *f, int64_t i);     /* relative to the root */
+int dlua_folder_label(const dlua_folder_t *f, int64_t i);            /* 0-based, -1 out of range */
+const char *dlua_folder_root(const dlua_folder_t *f);
+int dlua_folder_cached(const dlua_folder_t *f);                      /* 1: the list came from the cache */
+const char *dlua_folder_cache_path(const dlua_folder_t *f);
+
+/* Transforms, torchvision's semantics on the Pillow path. Random ones draw from Philox keyed
+   by seed at counter (sample lo32, sample hi32, epoch lo32, 0x54460000 ^ position << 8 ^
+   block), position = the transform's 0-based place in the list: the result is a function of
+   (seed, epoch, sample) alone. u(r) = r / 2^32, randint(n)(r) = (r * n) >> 32.
+   RANDOM_RESIZED_CROP(h, w, scale, ratio): attempt a = 0..9 uses block a: area = H W
+     (scale0 + (scale1 - scale0) u(r0)), aspect = exp(log ratio0 + (log ratio1 - log ratio0)
+     u(r1)), cw = round(sqrt(area aspect)), ch = round(sqrt(area / aspect)) (half to even);
+     if it fits, top = randint(H - ch + 1)(r2), left = randint(W - cw + 1)(r3); else
+     torchvision's central fallback. Then a bilinear resize of the crop to (h, w).
+   RESIZE(h, w): to (h, w); w == 0: the shorter side becomes h, the other int(h * long / short).
+   Resizing is Pillow's antialiased bilinear (Image.resize(BILINEAR)), pixel-exact.
+   CENTER_CROP(h, w): top = round((H - h) / 2), zero padding where the crop is larger.
+   HFLIP(p): mirrors when u(r0 of block 0) < p.
+   TO_TENSOR(layout, dtype): float32 x / 255 (or uint8 kept), layout 0 (C, H, W), 1 (H, W, C).
+   NORMALIZE(n, mean, std): (x - mean[c]) / std[c] after a float ToTensor; n = 1 or C. */
+typedef enum {
+  DLUA_TF_RANDOM_RESIZED_CROP = 0,
+  DLUA_TF_RESIZE = 1,
+  DLUA_TF_CENTER_CROP = 2,
+  DLUA_TF_HFLIP = 3,
+  DLUA_TF_NORMALIZE = 4,
+  DLUA_TF_TO_TENSOR = 5,
+  DLUA_TF_COUNT = 6
+} dlua_transform_kind_t;
+typedef struct {
+  int kind;
+  int h, w;
+  double scale[2], ratio[2];
+  double p;
+  int n;
+  double mean[4], std[4];
+  int layout;
+  int dtype;
+} dlua_transform_t;
+typedef struct dlua_pipeline dlua_pipeline_t;
+dlua_status_t dlua_pipeline_new(dlua_pipeline_t **out, const dlua_transform_t *ops, int n);
+void dlua_pipeline_free(dlua_pipeline_t *p);
+/* Runs the transforms on one image (H, W, C) uint8 as sample `sample` (0-based) of `epoch`;
+   out: (C, H', W') or (H', W', C), float32 after ToTensor, else uint8. */
+dlua_status_t dlua_pipeline_apply(dlua_tensor_t **out, const dlua_pipeline_t *p, const dlua_tensor_t *img, uint64_t seed, uint64_t epoch, int64_t sample);
+/* The crop RandomResizedCrop at `position` draws for an (h, w) image: box = top, left, height, width. */
+void dlua_transform_rrc_box(const double *scale, const double *ratio, int h, int w, uint64_t seed, uint64_t epoch, int64_t sample, int position, int *box);
+int dlua_transform_flip_draw(double p, uint64_t seed, uint64_t epoch, int64_t sample, int position);
+
+/* The loader: C worker threads (signals blocked) read, decode and transform samples into
+   batch buffers, at most `prefetch` batches ahead of the consumer; batches come out in the
+   order given to dlua_loader_start. A sample whose file cannot be read or decoded is
+   skipped (one warning naming it on stderr unless quiet; later epochs skip it unread) and
+   its batch is shorter; a batch whose samples were all bad is not delivered. Exactly one
+   dataset: folder, x (N, ...) with labels y (N) int64 or NULL, or synthetic_n images of
+   synthetic_shape (C, H, W). Without a pipeline, images get ToTensor and tensors are
+   gathered raw. Labels are 0-based + label_base (synthetic: sample % classes); y from x's
+   dataset is passed through. pin_memory: page-locked buffers once a CUDA build exists
+   (plain memory now). dct_scaling: decode JPEGs at 1/2, 1/4, 1/8 when the first resizing
+   transform allows. */
+typedef struct dlua_loader dlua_loader_t;
+typedef struct {
+  const dlua_folder_t *folder;
+  const dlua_tensor_t *x;
+  const dlua_tensor_t *y;
+  int64_t synthetic_n;
+  int64_t synthetic_shape[3];
+  int synthetic_classes;
+  const dlua_pipeline_t *pipeline;
+  int64_t batch;
+  int workers;          /* 0: each batch is made by dlua_loader_next on the calling thread */
+  int prefetch;         /* batches in flight, >= 1 */
+  int pin_memory;
+  int dct_scaling;
+  int quiet;
+  uint64_t seed;
+  int64_t label_base;
+} dlua_loader_config_t;
+typedef struct {
+  int64_t samples, batches, decoded, skipped, bad_files, dct_scaled, buffers;
+  double wait_s;        /* time dlua_loader_next waited for data */
+  double work_s;        /* summed over workers: reading, decoding, transforming */
+  int threads, epoch_active;
+} dlua_loader_stats_t;
+dlua_status_t dlua_loader_new(dlua_loader_t **out, const dlua_loader_config_t *cfg);
+/* Stops the epoch (joins the threads) and frees; batches still alive keep their buffers. */
+void dlua_loader_free(dlua_loader_t *l);
+/* One sample of a batch: returns its ndim (sizes filled), *dtype its dtype. */
+int dlua_loader_sample_shape(const dlua_loader_t *l, int64_t *sizes, int *dtype);
+int64_t dlua_loader_dataset_size(const dlua_loader_t *l);
+/* Starts an epoch over order[0..n) (sample indices counted from base); stops a running one first. */
+dlua_status_t dlua_loader_start(dlua_loader_t *l, const int64_t *order, int64_t n, int64_t base, uint64_t epoch, int drop_last);
+/* The next batch: *x (B, ...), *y (B) int64 (NULL for unlabelled tensors), *batch its 0-based
+   position in the epoch. *x NULL: the epoch is over (threads joined). Waits for the workers,
+   polling Ctrl-C (DLUA_ERR_INTERRUPTED; the epoch keeps running until dlua_loader_stop).
+   x wraps a pool buffer that returns to the loader when the tensor is freed. */
+dlua_status_t dlua_loader_next(dlua_loader_t *l, dlua_tensor_t **x, dlua_tensor_t **y, int64_t *batch);
+/* Ends the epoch at any point: workers finish their sample and are joined. */
+void dlua_loader_stop(dlua_loader_t *l);
+void dlua_loader_get_stats(const dlua_loader_t *l, dlua_loader_stats_t *st);
+/* The message of the i-th distinct bad file (0-based), NULL past the end. */
+const char *dlua_loader_bad_file(const dlua_loader_t *l, int64_t i);
+/* Loader worker threads alive in the process (all loaders). */
+int dlua_loader_live_threads(void);
+
 /* ==== convolution ============================================================================ */
 
 /* 2-D convolution (cross-correlation, as torch.nn.functional.conv2d). Activations are logically
@@ -453,3 +630,81 @@ dlua_status_t dlua_nn_avg_pool2d_backward(dlua_tensor_t **grad_input, const dlua
    floor(i * H / OH) .. ceil((i + 1) * H / OH) - 1, and likewise for columns. */
 dlua_status_t dlua_nn_adaptive_avg_pool2d_forward(dlua_tensor_t **out, const dlua_tensor_t *x, int64_t out_h, int64_t out_w);
 dlua_status_t dlua_nn_adaptive_avg_pool2d_backward(dlua_tensor_t **grad_input, const dlua_tensor_t *grad_output, const int64_t *x_sizes);
+
+/* ==== CUDA devices and memory ================================================================ */
+
+/* Every function exists in every build. Without CUDA, or when cudaGetDeviceCount fails (no
+   driver, no GPU: error 35 on our build machines), there are zero devices and the fallible ones
+   return DLUA_ERR_ARG with "no CUDA device available (<reason>)". Device -1 means the current one. */
+int dlua_cuda_device_count(void);
+/* Why there is no device ("built without CUDA", the driver's message...), or "" when there is one. */
+const char *dlua_cuda_unavailable_reason(void);
+dlua_status_t dlua_cuda_set_device(int device);
+dlua_status_t dlua_cuda_get_device(int *device);
+/* Waits for all work on the device. */
+dlua_status_t dlua_cuda_synchronize(int device);
+/* Run-time versions for `dlua -v`: driver, runtime, each device's name and memory, the cuDNN/cuBLAS/NCCL
+   actually loaded; or "no CUDA device available (<reason>)". */
+const char *dlua_cuda_runtime_info(void);
+
+/* Streams and events: opaque handles, released with their destroy function. A NULL stream is the
+   device's default stream. */
+typedef struct dlua_cuda_stream dlua_cuda_stream_t;
+typedef struct dlua_cuda_event dlua_cuda_event_t;
+dlua_status_t dlua_cuda_stream_create(dlua_cuda_stream_t **out, int device);
+void dlua_cuda_stream_destroy(dlua_cuda_stream_t *s);
+int dlua_cuda_stream_device(const dlua_cuda_stream_t *s);
+dlua_status_t dlua_cuda_stream_synchronize(dlua_cuda_stream_t *s);
+dlua_status_t dlua_cuda_stream_query(dlua_cuda_stream_t *s, int *done); /* 1 when all its work is done */
+/* Work queued on s after this call waits for e's work (no host wait). */
+dlua_status_t dlua_cuda_stream_wait_event(dlua_cuda_stream_t *s, dlua_cuda_event_t *e);
+/* The stream ops on `device` queue on (the current stream); NULL restores the default stream. */
+dlua_status_t dlua_cuda_set_current_stream(int device, dlua_cuda_stream_t *s);
+dlua_cuda_stream_t *dlua_cuda_current_stream(int device);
+dlua_status_t dlua_cuda_event_create(dlua_cuda_event_t **out, int device, int enable_timing);
+void dlua_cuda_event_destroy(dlua_cuda_event_t *e);
+dlua_status_t dlua_cuda_event_record(dlua_cuda_event_t *e, dlua_cuda_stream_t *s); /* s NULL: the current stream */
+dlua_status_t dlua_cuda_event_query(dlua_cuda_event_t *e, int *done);
+dlua_status_t dlua_cuda_event_synchronize(dlua_cuda_event_t *e);
+/* Milliseconds between two recorded events created with enable_timing. */
+dlua_status_t dlua_cuda_event_elapsed(const dlua_cuda_event_t *start, const dlua_cuda_event_t *end, double *ms);
+
+/* The caching allocator's statistics for one device (bytes unless said otherwise). */
+typedef struct {
+  int64_t allocated;        /* in blocks handed out (sizes rounded up to 512 bytes) */
+  int64_t requested;        /* what those allocations asked for */
+  int64_t reserved;         /* in segments obtained from the device (cudaMalloc) */
+  int64_t peak_allocated;
+  int64_t peak_reserved;
+  int64_t num_allocs;       /* calls to allocate and free */
+  int64_t num_frees;
+  int64_t num_raw_allocs;   /* cudaMalloc / cudaFree calls */
+  int64_t num_raw_frees;
+  int64_t num_ooms;         /* requests that failed even after emptying the cache */
+  int64_t blocks;           /* live blocks now */
+  int64_t cached_blocks;    /* free blocks kept for reuse */
+  int64_t pending_blocks;   /* freed, waiting for other streams' events */
+  int64_t segments;
+  int64_t largest_free;     /* the largest cached free block */
+} dlua_memory_stats_t;
+/* device >= 0: that GPU's allocator; DLUA_CPU: the pinned host allocator. */
+dlua_status_t dlua_cuda_memory_stats(int device, dlua_memory_stats_t *out);
+dlua_status_t dlua_cuda_reset_peak_memory_stats(int device);
+/* Returns unused cached segments to the driver (also reached through dlua_memory_empty_cache). */
+dlua_status_t dlua_cuda_empty_cache(int device);
+/* Device memory from the caching allocator, for use on `stream` (NULL: the current stream). */
+dlua_status_t dlua_cuda_malloc(void **ptr, int device, size_t bytes, dlua_cuda_stream_t *stream);
+dlua_status_t dlua_cuda_free(int device, void *ptr);
+/* Notes that work on `stream` uses the allocation at ptr, so it is not reused before that work ends. */
+dlua_status_t dlua_cuda_record_stream(int device, void *ptr, dlua_cuda_stream_t *stream);
+/* Page-locked host memory (cudaHostAlloc) through its own caching allocator, for fast and
+   asynchronous host<->device copies. */
+dlua_status_t dlua_cuda_host_alloc(void **ptr, size_t bytes);
+dlua_status_t dlua_cuda_host_free(void *ptr);
+/* A contiguous copy of t on `device` (DLUA_CPU or a CUDA ordinal): t:cuda(), t:cpu(), t:to('cuda:1'). */
+dlua_status_t dlua_tensor_to_device(dlua_tensor_t **out, const dlua_tensor_t *t, int device);
+/* A copy of CPU tensor t in page-locked memory (t:pin_memory()). */
+dlua_status_t dlua_tensor_pin_memory(dlua_tensor_t **out, const dlua_tensor_t *t);
+/* Copies bytes between host and device memory: kind 0 host->device, 1 device->host, 2 device->device.
+   async 0 waits for the copy; 1 queues it on `stream` (NULL: current), for pinned host memory. */
+dlua_status_t dlua_cuda_memcpy(void *dst, const void *src, size_t bytes, int kind, int async, dlua_cuda_stream_t *stream);

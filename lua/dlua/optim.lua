@@ -45,6 +45,29 @@ end
 local Optimizer = {}
 Optimizer.__index = Optimizer
 
+-- The pieces of an optimizer range to step, as (offset, length). Under DDP (the model has a
+-- gradient synchroniser) the range is cut at bucket boundaries and each piece is stepped as
+-- soon as its bucket's all-reduce is done, while later buckets are still in flight.
+local function pieces(self, dt, r)
+  local sync = self.model._grad_sync
+  if not sync then
+    local done = false
+    return function()
+      if done then return nil end
+      done = true
+      return r.offset, r.length
+    end
+  end
+  local list, i = sync:pieces(dt, r.offset, r.length), 0
+  return function()
+    i = i + 1
+    local piece = list[i]
+    if piece == nil then return nil end
+    sync:wait_range(dt, piece.offset, piece.numel)
+    return piece.offset, piece.numel
+  end
+end
+
 local function new_optimizer(cls, name, model, opts, defaults)
   if type(model) ~= 'table' or model.flatten == nil then
     error(name .. ': expected a dlua.nn module as the first argument', 3)
@@ -119,8 +142,10 @@ function SGD:step(opts)
     for _, r in ipairs(ranges) do
       local grp = r.group
       local buf = grp.momentum ~= 0 and self:buffer(dt, 'momentum') or nil
-      K.sgd_step(p, g, buf, r.offset, r.length, self.lr * grp.lr_mult, grp.momentum, grp.dampening, grp.weight_decay,
-        grp.nesterov, grp.maximize, first, scale)
+      for off, len in pieces(self, dt, r) do
+        K.sgd_step(p, g, buf, off, len, self.lr * grp.lr_mult, grp.momentum, grp.dampening, grp.weight_decay,
+          grp.nesterov, grp.maximize, first, scale)
+      end
     end
   end
   self.steps = self.steps + 1
@@ -147,8 +172,10 @@ function AdamW:step(opts)
     for _, r in ipairs(ranges) do
       local grp = r.group
       local vmax = grp.amsgrad and self:buffer(dt, 'max_exp_avg_sq') or nil
-      K.adamw_step(p, g, m, v, vmax, r.offset, r.length, self.lr * grp.lr_mult, grp.betas[1], grp.betas[2], grp.eps,
-        grp.weight_decay, self.steps, grp.amsgrad, grp.maximize, scale)
+      for off, len in pieces(self, dt, r) do
+        K.adamw_step(p, g, m, v, vmax, off, len, self.lr * grp.lr_mult, grp.betas[1], grp.betas[2], grp.eps,
+          grp.weight_decay, self.steps, grp.amsgrad, grp.maximize, scale)
+      end
     end
   end
 end
@@ -183,6 +210,8 @@ function LARS:step(opts)
   local scale = opts and opts.grad_scale or 1
   local d = self.defaults
   for dt, list in pairs(self.param_ranges) do
+    local sync = self.model._grad_sync
+    if sync then sync:wait_range(dt, 0, self.state[dt].numel) end  -- trust ratios need whole gradients
     K.lars_step(self.arena.params[dt], self.arena.grads[dt], self:buffer(dt, 'momentum'), list, self.lr, d.momentum,
       d.weight_decay, d.trust_coefficient, d.eps, self.steps == 0, scale)
   end

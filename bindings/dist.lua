@@ -1,0 +1,162 @@
+-- Lua face of the process groups (host/comm/pg.c): groups, collectives and work handles as Lua objects.
+local capi = require 'bindings.capi'
+local core = require 'bindings.tensor_core'
+local ffi, C = capi.ffi, capi.C
+local format = string.format
+
+local M = {}
+
+M.ops = {
+  sum = C.DLUA_PG_REDUCE_SUM, avg = C.DLUA_PG_REDUCE_AVG, max = C.DLUA_PG_REDUCE_MAX,
+  min = C.DLUA_PG_REDUCE_MIN, product = C.DLUA_PG_REDUCE_PRODUCT,
+}
+
+local function check(status, op)
+  if status ~= 0 then core.check(status, op) end
+end
+
+local Group = {}
+Group.__index = Group
+M.Group = Group
+
+-- Joins a gloo group (every member calls this with the same name and size).
+function M.gloo(host, port, token, name, rank, size, timeout_s)
+  local out = ffi.new('dlua_pg_t *[1]')
+  check(C.dlua_pg_gloo_new(host, port, token, name, rank, size, math.floor(timeout_s * 1000 + 0.5), out),
+        'dist.init')
+  local self = setmetatable({ name = name }, Group)
+  self.h = ffi.gc(out[0], C.dlua_pg_free)
+  return self
+end
+
+function Group:rank() return tonumber(C.dlua_pg_rank(self.h)) end
+function Group:size() return tonumber(C.dlua_pg_size(self.h)) end
+function Group:seq() return tonumber(C.dlua_pg_seq(self.h)) end
+function Group:set_timeout(s) check(C.dlua_pg_set_timeout(self.h, math.floor(s * 1000 + 0.5)), 'set_timeout') end
+function Group:set_debug(on) check(C.dlua_pg_set_debug(self.h, on and 1 or 0), 'set_debug') end
+
+function Group:free()
+  if self.h ~= nil then
+    C.dlua_pg_free(ffi.gc(self.h, nil))
+    self.h = nil
+  end
+end
+
+-- A pending collective: wait() raises its error, is_completed() polls. It holds the tensors
+-- it works on, so they outlive it even if the caller drops them.
+local Work = {}
+Work.__index = Work
+M.Work = Work
+
+function Work:wait(timeout_s)
+  if self.done then return self.result end
+  local ms = timeout_s and math.floor(timeout_s * 1000 + 0.5) or -1
+  local status = C.dlua_work_wait(self.h, ms)
+  if status == C.DLUA_ERR_TIMEOUT and ms >= 0 and C.dlua_work_is_completed(self.h) == 0 then
+    check(status, self.op)  -- only this wait gave up: the work itself goes on
+  end
+  self.done = true
+  C.dlua_work_free(ffi.gc(self.h, nil))
+  self.h = nil
+  self.keep = nil
+  check(status, self.op)
+  return self.result
+end
+
+function Work:is_completed()
+  if self.done then return true end
+  return C.dlua_work_is_completed(self.h) ~= 0
+end
+
+local work_out = ffi.new('dlua_work_t *[1]')
+
+-- "file.lua:42": the user's line that called the collective (outside dlua's own modules).
+function M.site()
+  for level = 3, 12 do
+    local info = debug.getinfo(level, 'Sl')
+    if info == nil then break end
+    local src = info.short_src or '?'
+    if info.what ~= 'C' and not src:find('bindings[/\\]') and not src:find('dlua[/\\]dist%.lua$') then
+      return format('%s:%d', src, info.currentline or 0)
+    end
+  end
+  return '?'
+end
+
+local function finish(op, status, async, keep, result)
+  if not async then
+    check(status, op)
+    return result
+  end
+  check(status, op)
+  local w = setmetatable({ op = op, keep = keep, result = result }, Work)
+  w.h = ffi.gc(work_out[0], C.dlua_work_free)
+  return w
+end
+
+local function wptr(async)
+  if async then
+    work_out[0] = nil
+    return work_out
+  end
+  return nil
+end
+
+local function handles(op, list, n, what)
+  if type(list) ~= 'table' or #list ~= n then
+    core.raise(format('%s: expected a list of %d tensors as %s, got %s', op, n, what,
+                      type(list) == 'table' and #list .. ' entries' or type(list)))
+  end
+  local arr = ffi.new('dlua_tensor_t *[?]', n)
+  for i = 1, n do arr[i - 1] = core.handle(op, list[i], format('%s[%d]', what, i)) end
+  return arr
+end
+
+function Group:all_reduce(t, op, async)
+  local code = M.ops[op]
+  local p = core.handle('all_reduce', t)
+  return finish('all_reduce', C.dlua_pg_all_reduce(self.h, p, code, M.site(), wptr(async)), async, { t }, t)
+end
+
+function Group:broadcast(t, src, async)
+  local p = core.handle('broadcast', t)
+  return finish('broadcast', C.dlua_pg_broadcast(self.h, p, src, M.site(), wptr(async)), async, { t }, t)
+end
+
+function Group:all_gather(outs, t, async)
+  local arr = handles('all_gather', outs, self:size(), 'outputs')
+  local p = core.handle('all_gather', t)
+  return finish('all_gather', C.dlua_pg_all_gather(self.h, arr, p, M.site(), wptr(async)), async,
+                { outs, t, arr }, outs)
+end
+
+function Group:reduce_scatter(out, ins, op, async)
+  local arr = handles('reduce_scatter', ins, self:size(), 'inputs')
+  local p = core.handle('reduce_scatter', out)
+  return finish('reduce_scatter', C.dlua_pg_reduce_scatter(self.h, p, arr, M.ops[op], M.site(), wptr(async)),
+                async, { out, ins, arr }, out)
+end
+
+function Group:all_to_all(outs, ins, async)
+  local n = self:size()
+  local oa = handles('all_to_all', outs, n, 'outputs')
+  local ia = handles('all_to_all', ins, n, 'inputs')
+  return finish('all_to_all', C.dlua_pg_all_to_all(self.h, oa, ia, M.site(), wptr(async)), async,
+                { outs, ins, oa, ia }, outs)
+end
+
+function Group:barrier(async)
+  return finish('barrier', C.dlua_pg_barrier(self.h, M.site(), wptr(async)), async, nil, nil)
+end
+
+function Group:send(t, dst, tag, async)
+  local p = core.handle('send', t)
+  return finish('send', C.dlua_pg_send(self.h, p, dst, tag, M.site(), wptr(async)), async, { t }, nil)
+end
+
+function Group:recv(t, src, tag, async)
+  local p = core.handle('recv', t)
+  return finish('recv', C.dlua_pg_recv(self.h, p, src, tag, M.site(), wptr(async)), async, { t }, t)
+end
+
+return M

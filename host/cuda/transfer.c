@@ -1,0 +1,69 @@
+/* Tensors between devices (t:cuda(), t:cpu(), t:to('cuda:1')) and pinned host tensors, over the
+   device layer's copies; built in every configuration (without CUDA the device layer says why not). */
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include "core/api.h"
+#include "core/error.h"
+#include "core/tensor.h"
+
+dlua_status_t dlua_tensor_to_device(dlua_tensor_t **out, const dlua_tensor_t *t, int device) {
+  if (!out) return DLUA_ERR(DLUA_ERR_ARG, "to: out is NULL");
+  *out = NULL;
+  if (!t || !t->storage) return DLUA_ERR(DLUA_ERR_ARG, "to: the tensor is NULL (freed, or never created)");
+  if (device < DLUA_CPU) return DLUA_ERR(DLUA_ERR_ARG, "to: invalid device %d", device);
+  char b[200];
+  if (device != DLUA_CPU && device >= dlua_cuda_device_count())
+    return DLUA_ERR(DLUA_ERR_ARG, "to: cannot move %s to cuda:%d: %s%s%s", dlua_tensor_describe(t, b, sizeof b), device,
+                    dlua_cuda_device_count() ? "no such device" : "no CUDA device available (",
+                    dlua_cuda_device_count() ? "" : dlua_cuda_unavailable_reason(), dlua_cuda_device_count() ? "" : ")");
+  dlua_tensor_t *src = NULL;
+  if (t->device == DLUA_CPU) {
+    DLUA_TRY(dlua_tensor_contiguous(&src, t));
+  } else {
+    if (!dlua_tensor_is_contiguous(t))
+      return DLUA_ERR(DLUA_ERR_ARG, "to: %s is not contiguous (CUDA strided copies are not built yet)",
+                      dlua_tensor_describe(t, b, sizeof b));
+    src = dlua_tensor_alias(t);
+    if (!src) return DLUA_ERR_OOM;
+  }
+  dlua_status_t s = dlua_tensor_empty(out, t->ndim, t->sizes, t->dtype, device);
+  if (s == DLUA_OK) {
+    size_t bytes = (size_t)dlua_tensor_numel(t) * dlua_dtype_size(t->dtype);
+    int kind = t->device == DLUA_CPU ? (device == DLUA_CPU ? -1 : 0) : (device == DLUA_CPU ? 1 : 2);
+    if (kind < 0) memcpy(dlua_tensor_ptr(*out), dlua_tensor_ptr(src), bytes);
+    else s = dlua_cuda_memcpy(dlua_tensor_ptr(*out), dlua_tensor_ptr(src), bytes, kind, 0, NULL);
+  }
+  dlua_tensor_free(src);
+  if (s != DLUA_OK) {
+    dlua_tensor_free(*out);
+    *out = NULL;
+  }
+  return s;
+}
+
+static void pinned_free(void *ctx, void *data) {
+  if (dlua_cuda_host_free(data) != DLUA_OK) dlua_clear_error();
+}
+
+dlua_status_t dlua_tensor_pin_memory(dlua_tensor_t **out, const dlua_tensor_t *t) {
+  if (!out) return DLUA_ERR(DLUA_ERR_ARG, "pin_memory: out is NULL");
+  *out = NULL;
+  DLUA_TRY(dlua_require_cpu("pin_memory", t));
+  size_t bytes = (size_t)dlua_tensor_numel(t) * dlua_dtype_size(t->dtype);
+  void *p = NULL;
+  DLUA_TRY(dlua_cuda_host_alloc(&p, bytes));
+  int64_t strides[DLUA_MAX_DIMS];
+  dlua_contiguous_strides(t->ndim, t->sizes, strides);
+  dlua_status_t s = dlua_tensor_wrap(out, t->ndim, t->sizes, strides, t->dtype, p, pinned_free, NULL);
+  if (s != DLUA_OK) {
+    pinned_free(NULL, p);
+    return s;
+  }
+  s = dlua_tensor_copy_(*out, t);
+  if (s != DLUA_OK) {
+    dlua_tensor_free(*out);
+    *out = NULL;
+  }
+  return s;
+}

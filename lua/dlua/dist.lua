@@ -1,0 +1,354 @@
+-- dlua.dist: ranks, process groups and collectives, named as in torch.distributed (docs/dist.md).
+local dlua = require 'dlua'
+local binding = require 'bindings.dist'
+local store_binding = require 'bindings.store'
+
+local dist = {}
+local format = string.format
+
+-- Reduction names; dist.ReduceOp.SUM etc. exist for code written against torch.distributed.
+dist.ReduceOp = { SUM = 'sum', AVG = 'avg', MAX = 'max', MIN = 'min', PRODUCT = 'product' }
+local op_alias = { sum = 'sum', avg = 'avg', mean = 'avg', max = 'max', min = 'min', product = 'product',
+                   prod = 'product' }
+
+local S = nil  -- the initialised state: rank, world, store, groups...
+
+local function fail(level, fmt, ...) error(format(fmt, ...), level + 1) end
+
+local function need_init(op, level)
+  if S == nil then fail(level + 1, '%s: dlua.dist is not initialised: call dlua.dist.init() first', op) end
+end
+
+---------------------------------------------------------------------------------------------
+-- Where this process sits in a job: dlua's launcher and torchrun set RANK..., Slurm
+-- SLURM_PROCID..., Open MPI OMPI_COMM_WORLD_*; none of them: a world of one.
+
+local function num(name) return tonumber(os.getenv(name) or '') end
+
+-- The first host of a Slurm node list: "gpu[07-09,12],cpu01" → "gpu07".
+function dist._slurm_first_host(list)
+  local head = list:match('^([^,%[]+)')
+  if head == nil then return nil end
+  local rest = list:sub(#head + 1)
+  if rest:sub(1, 1) == '[' then
+    local first = rest:match('^%[([^,%-%]]+)')
+    return head .. first
+  end
+  return head
+end
+
+function dist._environment()
+  local e = {}
+  if num('RANK') and num('WORLD_SIZE') then
+    e.source = os.getenv('DLUA_LAUNCHER') and 'dlua' or 'torchrun'
+    e.rank, e.world = num('RANK'), num('WORLD_SIZE')
+    e.local_rank = num('LOCAL_RANK') or 0
+    e.local_world = num('LOCAL_WORLD_SIZE') or e.world
+    e.host, e.port = os.getenv('MASTER_ADDR') or '127.0.0.1', num('MASTER_PORT') or 29500
+    e.job = os.getenv('TORCHELASTIC_RUN_ID')
+  elseif num('OMPI_COMM_WORLD_RANK') and num('OMPI_COMM_WORLD_SIZE') then
+    e.source = 'Open MPI'
+    e.rank, e.world = num('OMPI_COMM_WORLD_RANK'), num('OMPI_COMM_WORLD_SIZE')
+    e.local_rank = num('OMPI_COMM_WORLD_LOCAL_RANK') or 0
+    e.local_world = num('OMPI_COMM_WORLD_LOCAL_SIZE') or e.world
+    e.host = os.getenv('MASTER_ADDR')
+    if e.host == nil then
+      if e.local_world ~= e.world then
+        fail(3, 'dist.init: an Open MPI job over several nodes needs MASTER_ADDR (the host of rank 0)')
+      end
+      e.host = '127.0.0.1'
+    end
+    e.port = num('MASTER_PORT') or 29500
+    e.job = os.getenv('OMPI_MCA_ess_base_jobid')
+  elseif num('SLURM_PROCID') and num('SLURM_NTASKS') then
+    e.source = 'Slurm'
+    e.rank, e.world = num('SLURM_PROCID'), num('SLURM_NTASKS')
+    e.local_rank = num('SLURM_LOCALID') or 0
+    local per_node = (os.getenv('SLURM_NTASKS_PER_NODE') or os.getenv('SLURM_TASKS_PER_NODE') or ''):match('^(%d+)')
+    e.local_world = tonumber(per_node or '') or e.world
+    e.host = os.getenv('MASTER_ADDR')
+    if e.host == nil then
+      local list = os.getenv('SLURM_JOB_NODELIST') or os.getenv('SLURM_NODELIST')
+      e.host = list and dist._slurm_first_host(list) or '127.0.0.1'
+    end
+    e.port = num('MASTER_PORT') or 29500
+    e.job = os.getenv('SLURM_JOB_ID')
+  else
+    e.source = 'single process'
+    e.rank, e.world, e.local_rank, e.local_world = 0, 1, 0, 1
+    e.host, e.port = '127.0.0.1', 0
+  end
+  if e.rank < 0 or e.rank >= e.world then
+    fail(3, 'dist.init: rank %d is outside 0..%d (from the %s environment)', e.rank, e.world - 1, e.source)
+  end
+  e.token = os.getenv('DLUA_JOB_TOKEN')
+  if e.token == nil or e.token == '' then
+    -- ranks started by another launcher agree on a token without talking first
+    e.token = format('dlua:%s:%d:%s', e.host, e.port, e.job or '')
+  end
+  return e
+end
+
+---------------------------------------------------------------------------------------------
+-- init / destroy
+
+local function is_loopback(host) return host == '127.0.0.1' or host == 'localhost' or host == '::1' end
+
+-- dist.init{backend='auto'|'gloo'|'nccl', timeout=seconds}: joins the job this process
+-- belongs to. timeout (default DLUA_DIST_TIMEOUT or 300 s) bounds every collective.
+function dist.init(opts)
+  opts = opts or {}
+  if type(opts) ~= 'table' then fail(2, 'dist.init: expected an options table, got %s', type(opts)) end
+  for k in pairs(opts) do
+    if k ~= 'backend' and k ~= 'timeout' and k ~= 'debug' then
+      fail(2, "dist.init: unknown option '%s' (expected backend, timeout, debug)", tostring(k))
+    end
+  end
+  if S ~= nil then fail(2, 'dist.init: already initialised (rank %d of %d)', S.rank, S.world) end
+  local backend = opts.backend or 'auto'
+  if backend ~= 'auto' and backend ~= 'gloo' and backend ~= 'nccl' then
+    fail(2, "dist.init: unknown backend '%s' (expected 'auto', 'gloo' or 'nccl')", tostring(backend))
+  end
+  if backend == 'nccl' then
+    fail(2, 'dist.init: backend nccl: no CUDA device available (use gloo, or auto)')
+  end
+  local timeout = opts.timeout or num('DLUA_DIST_TIMEOUT') or 300
+  if type(timeout) ~= 'number' or timeout <= 0 then fail(2, 'dist.init: timeout must be a positive number of seconds') end
+  local e = dist._environment()
+  local s = { rank = e.rank, world = e.world, local_rank = e.local_rank, local_world = e.local_world,
+              source = e.source, backend = 'gloo', timeout = timeout, groups = {}, next_group = 0 }
+  -- dlua's launcher owns the store; otherwise rank 0 serves it, as torch's TCPStore does
+  if not os.getenv('DLUA_LAUNCHER') and e.rank == 0 then
+    local bind = is_loopback(e.host) and '127.0.0.1' or '0.0.0.0'
+    s.server = store_binding.serve(bind, e.port, e.token)
+    e.port = s.server.port
+  end
+  s.host, s.port, s.token = e.host, e.port, e.token
+  s.store = store_binding.connect(e.host, e.port, e.token, timeout)
+  s.world_group = binding.gloo(e.host, e.port, e.token, 'pg0', e.rank, e.world, timeout)
+  s.world_group.ranks = nil  -- every rank
+  s.next_group = 1
+  local debug_on = opts.debug
+  if debug_on == nil then debug_on = os.getenv('DLUA_DIST_DEBUG') == '1' end
+  s.debug = debug_on and true or false
+  if s.debug then s.world_group:set_debug(true) end
+  S = s
+  -- Data-parallel training (lua/dlua/ddp.lua, docs/ddp.md).
+function dist.DDP(model, opts) return require('dlua.ddp').new(dist, model, opts) end
+
+return dist
+end
+
+function dist.is_initialized() return S ~= nil end
+function dist.rank() need_init('rank', 2) return S.rank end
+function dist.world_size() need_init('world_size', 2) return S.world end
+function dist.local_rank() need_init('local_rank', 2) return S.local_rank end
+function dist.local_world_size() need_init('local_world_size', 2) return S.local_world end
+function dist.backend() need_init('backend', 2) return S.backend end
+-- The job's key-value store (set/get/add/wait/check/delete), for recipes that need one.
+function dist.store() need_init('store', 2) return S.store end
+
+-- Leaves the job: frees every group and the store. Rank 0, when it serves the store,
+-- waits (bounded by the timeout) until every rank has left.
+function dist.destroy()
+  if S == nil then return end
+  local s = S
+  S = nil
+  for _, g in ipairs(s.groups) do if g.pg then g.pg:free() end end
+  s.world_group:free()
+  pcall(function()
+    s.store:add('dlua/dist/left', 1)
+    if s.server then
+      local deadline = dlua.perf_counter() + s.timeout
+      while s.store:add('dlua/dist/left', 0) < s.world and dlua.perf_counter() < deadline do
+        s.store:wait({ 'dlua/dist/never' }, 0.05)
+      end
+    end
+  end)
+  s.store:close()
+  if s.server then s.server:stop() end
+end
+
+---------------------------------------------------------------------------------------------
+-- Groups
+
+local Group = {}
+Group.__index = Group
+
+-- A sub-group of the given ranks (0-based, as everywhere in dlua.dist). Every rank of the
+-- world calls it, in the same order; a rank outside `ranks` gets a group it cannot use
+-- (group:is_member() is false), as torch.distributed's new_group does.
+function dist.new_group(ranks, opts)
+  need_init('new_group', 2)
+  local list = {}
+  if ranks == nil then
+    for r = 0, S.world - 1 do list[#list + 1] = r end
+  else
+    if type(ranks) ~= 'table' then fail(2, 'new_group: expected a list of ranks, got %s', type(ranks)) end
+    local seen = {}
+    for i, r in ipairs(ranks) do
+      if type(r) ~= 'number' or r ~= math.floor(r) or r < 0 or r >= S.world then
+        fail(2, 'new_group: ranks[%d] = %s is not a rank of this job (0..%d)', i, tostring(r), S.world - 1)
+      end
+      if seen[r] then fail(2, 'new_group: rank %d is listed twice', r) end
+      seen[r] = true
+      list[#list + 1] = r
+    end
+    if #list == 0 then fail(2, 'new_group: no ranks given') end
+  end
+  table.sort(list)
+  local id = S.next_group
+  S.next_group = id + 1
+  local g = setmetatable({ ranks = list, id = id }, Group)
+  for i, r in ipairs(list) do
+    if r == S.rank then g.group_rank = i - 1 end
+  end
+  if g.group_rank ~= nil then
+    local timeout = (opts and opts.timeout) or S.timeout
+    g.pg = binding.gloo(S.host, S.port, S.token, 'pg' .. id, g.group_rank, #list, timeout)
+    if S.debug then g.pg:set_debug(true) end
+  end
+  S.groups[#S.groups + 1] = g
+  return g
+end
+
+function Group:is_member() return self.pg ~= nil end
+function Group:rank() return self.group_rank end  -- nil outside the group
+function Group:size() return #self.ranks end
+-- The world rank of the group's rank r.
+function Group:global_rank(r) return self.ranks[r + 1] end
+
+-- The process group a collective runs on, and its size.
+local function pg_of(op, opts)
+  need_init(op, 3)
+  local g = opts and opts.group
+  if g == nil then return S.world_group, S.world, S.rank end
+  if getmetatable(g) ~= Group then fail(3, '%s: group must come from dist.new_group', op) end
+  if g.pg == nil then
+    fail(3, '%s: rank %d is not a member of this group (ranks %s)', op, S.rank, table.concat(g.ranks, ','))
+  end
+  return g.pg, #g.ranks, g.group_rank
+end
+
+local function check_opts(op, opts, extra)
+  if opts == nil then return nil end
+  if type(opts) ~= 'table' then fail(3, '%s: expected an options table, got %s', op, type(opts)) end
+  for k in pairs(opts) do
+    if k ~= 'group' and k ~= 'async' and not (extra and extra[k]) then
+      fail(3, "%s: unknown option '%s'", op, tostring(k))
+    end
+  end
+  return opts
+end
+
+local function reduce_op(op, name)
+  local o = op_alias[name or 'sum']
+  if o == nil then
+    fail(3, "%s: unknown reduce op '%s' (expected sum, avg, max, min or product)", op, tostring(name))
+  end
+  return o
+end
+
+local function peer(op, what, r, size)
+  if type(r) ~= 'number' or r ~= math.floor(r) or r < 0 or r >= size then
+    fail(3, '%s: %s %s is not a rank of the group (0..%d)', op, what, tostring(r), size - 1)
+  end
+  return r
+end
+
+---------------------------------------------------------------------------------------------
+-- Collectives. Each takes an options table last: {group=, async=true}. With async the call
+-- returns a work handle (work:wait(), work:is_completed()); without, it returns when done.
+
+-- In place: every rank's t becomes the reduction over ranks (op: 'sum' default, 'avg',
+-- 'max', 'min', 'product').
+function dist.all_reduce(t, op, opts)
+  if type(op) == 'table' then op, opts = nil, op end
+  opts = check_opts('all_reduce', opts)
+  local pg = pg_of('all_reduce', opts)
+  return pg:all_reduce(t, reduce_op('all_reduce', op), opts and opts.async)
+end
+
+-- In place: every rank's t becomes rank src's.
+function dist.broadcast(t, src, opts)
+  opts = check_opts('broadcast', opts)
+  local pg, size = pg_of('broadcast', opts)
+  return pg:broadcast(t, peer('broadcast', 'src', src or 0, size), opts and opts.async)
+end
+
+-- outs[r + 1] receives rank r's t. With outs = nil, the outputs are allocated: t's shape
+-- when every rank's t has as many elements, else flat tensors of each rank's size.
+function dist.all_gather(outs, t, opts)
+  opts = check_opts('all_gather', opts)
+  local pg, size = pg_of('all_gather', opts)
+  if outs == nil then
+    if not dlua.is_tensor(t) then fail(2, 'all_gather: expected a tensor to gather, got %s', type(t)) end
+    local n = dlua.tensor({ t:numel() }, { dtype = 'int64' })
+    local ns = {}
+    for r = 1, size do ns[r] = dlua.empty({ 1 }, { dtype = 'int64' }) end
+    pg:all_gather(ns, n, false)
+    local same = true
+    for r = 1, size do if ns[r]:item() ~= t:numel() then same = false end end
+    outs = {}
+    for r = 1, size do
+      outs[r] = same and dlua.empty(t:size(), { dtype = t.dtype }) or dlua.empty({ ns[r]:item() }, { dtype = t.dtype })
+    end
+  end
+  return pg:all_gather(outs, t, opts and opts.async)
+end
+
+-- out = the reduction over ranks of their ins[rank + 1] (ins: one tensor per rank).
+function dist.reduce_scatter(out, ins, op, opts)
+  if type(op) == 'table' then op, opts = nil, op end
+  opts = check_opts('reduce_scatter', opts)
+  local pg = pg_of('reduce_scatter', opts)
+  return pg:reduce_scatter(out, ins, reduce_op('reduce_scatter', op), opts and opts.async)
+end
+
+-- ins[r + 1] goes to rank r; outs[r + 1] receives what rank r sent here.
+function dist.all_to_all(outs, ins, opts)
+  opts = check_opts('all_to_all', opts)
+  local pg = pg_of('all_to_all', opts)
+  return pg:all_to_all(outs, ins, opts and opts.async)
+end
+
+function dist.barrier(opts)
+  opts = check_opts('barrier', opts)
+  local pg = pg_of('barrier', opts)
+  return pg:barrier(opts and opts.async)
+end
+
+local tag_opt = { tag = true }
+
+function dist.send(t, dst, opts)
+  opts = check_opts('send', opts, tag_opt)
+  local pg, size, me = pg_of('send', opts)
+  peer('send', 'dst', dst, size)
+  if dst == me then fail(2, 'send: rank %d cannot send to itself', me) end
+  return pg:send(t, dst, opts and opts.tag or 0, opts and opts.async)
+end
+
+function dist.recv(t, src, opts)
+  opts = check_opts('recv', opts, tag_opt)
+  local pg, size, me = pg_of('recv', opts)
+  peer('recv', 'src', src, size)
+  if src == me then fail(2, 'recv: rank %d cannot receive from itself', me) end
+  return pg:recv(t, src, opts and opts.tag or 0, opts and opts.async)
+end
+
+function dist.isend(t, dst, opts)
+  opts = opts or {}
+  opts.async = true
+  return dist.send(t, dst, opts)
+end
+
+function dist.irecv(t, src, opts)
+  opts = opts or {}
+  opts.async = true
+  return dist.recv(t, src, opts)
+end
+
+-- Data-parallel training (lua/dlua/ddp.lua, docs/ddp.md).
+function dist.DDP(model, opts) return require('dlua.ddp').new(dist, model, opts) end
+
+return dist
