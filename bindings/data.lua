@@ -1,6 +1,7 @@
--- The Lua face of the data C API: IDX files, the (seed, epoch) sample order, batch augmentation and normalisation.
+-- The Lua face of the data C API: IDX files, sample order, batch augmentation, image decoding, ImageFolder, transforms, the threaded loader.
 local core = require 'bindings.tensor_core'
 local create = require 'bindings.tensor_create'
+local capi = require 'bindings.capi'
 local ffi, C = core.ffi, core.C
 local raise, new, new2 = core.raise, core.new, core.new2
 local format = string.format
@@ -138,5 +139,216 @@ function M.normalize(x, mean, std, opts)
   end
   return new('normalize', C.dlua_data_normalize, 5, x, scale, nm, m, s)
 end
+
+---------------------------------------------------------------------------------------------
+-- The image pipeline: decoding, ImageFolder lists, transforms, the threaded loader
+
+local out_folder = ffi.new('dlua_folder_t *[1]')
+local out_pipe = ffi.new('dlua_pipeline_t *[1]')
+local out_loader = ffi.new('dlua_loader_t *[1]')
+local out_x = ffi.new('dlua_tensor_t *[1]')
+local out_y = ffi.new('dlua_tensor_t *[1]')
+local out_b = ffi.new('int64_t[1]')
+
+local function check(st, op)
+  if st ~= 0 then core.check(st, op) end
+end
+
+-- A JPEG/PNG file as uint8 (H, W, 3); scale = {num, den} decodes a JPEG at a DCT scale.
+function M.image_read(path, scale)
+  local num, den = 1, 0
+  if scale ~= nil then num, den = scale[1], scale[2] end
+  return new('image_read', C.dlua_image_read, 3, path_arg('image_read', path), num, den)
+end
+
+-- Decodes JPEG/PNG bytes held in a Lua string.
+function M.image_decode(bytes, scale)
+  if type(bytes) ~= 'string' then raise('image_decode: expected the file bytes as a string, got ' .. type(bytes)) end
+  local num, den = 1, 0
+  if scale ~= nil then num, den = scale[1], scale[2] end
+  return new('image_decode', C.dlua_image_decode, 4, bytes, #bytes, num, den)
+end
+
+function M.image_write_jpeg(img, path, quality)
+  core.call('image_write_jpeg', C.dlua_image_write_jpeg, 3, img, path_arg('image_write_jpeg', path), quality or 90)
+end
+
+function M.image_write_png(img, path)
+  core.call('image_write_png', C.dlua_image_write_png, 2, img, path_arg('image_write_png', path))
+end
+
+-- An ImageFolder's file list: a cdata handle freed by the GC. cache_dir: nil (default), '' (off) or a folder.
+function M.folder_open(root, cache_dir)
+  out_folder[0] = nil
+  check(C.dlua_folder_open(out_folder, path_arg('ImageFolder', root, 'a folder name'), cache_dir), 'ImageFolder')
+  local f = ffi.gc(out_folder[0], C.dlua_folder_free)
+  out_folder[0] = nil
+  return f
+end
+
+function M.folder_info(f)
+  local classes = {}
+  for c = 0, C.dlua_folder_num_classes(f) - 1 do classes[c + 1] = ffi.string(C.dlua_folder_class(f, c)) end
+  return {
+    n = tonumber(C.dlua_folder_size(f)),
+    classes = classes,
+    root = ffi.string(C.dlua_folder_root(f)),
+    cached = C.dlua_folder_cached(f) ~= 0,
+    cache_path = capi.string(C.dlua_folder_cache_path(f)),
+  }
+end
+
+-- File i (1-based) of the list: its path relative to the root and its class (1-based).
+function M.folder_entry(f, i)
+  local p = C.dlua_folder_file(f, i - 1)
+  if p == nil then return nil end
+  return ffi.string(p), C.dlua_folder_label(f, i - 1) + 1
+end
+
+local kinds = { RandomResizedCrop = C.DLUA_TF_RANDOM_RESIZED_CROP, Resize = C.DLUA_TF_RESIZE,
+  CenterCrop = C.DLUA_TF_CENTER_CROP, RandomHorizontalFlip = C.DLUA_TF_HFLIP, Normalize = C.DLUA_TF_NORMALIZE,
+  ToTensor = C.DLUA_TF_TO_TENSOR }
+
+-- A compiled transform list from specs {kind = 'Resize', h =, w =, ...} (see dlua.h).
+function M.pipeline(specs)
+  local n = #specs
+  local ops = ffi.new('dlua_transform_t[?]', math.max(n, 1))
+  for k, t in ipairs(specs) do
+    local o = ops[k - 1]
+    o.kind = kinds[t.kind]
+    o.h, o.w = t.h or 0, t.w or 0
+    if t.scale then o.scale[0], o.scale[1] = t.scale[1], t.scale[2] end
+    if t.ratio then o.ratio[0], o.ratio[1] = t.ratio[1], t.ratio[2] end
+    o.p = t.p or 0
+    if t.mean then
+      o.n = #t.mean
+      for c = 1, math.min(#t.mean, 4) do o.mean[c - 1], o.std[c - 1] = t.mean[c], t.std[c] end
+    end
+    o.layout = t.layout == 'nhwc' and 1 or 0
+    o.dtype = t.dtype == 'uint8' and C.DLUA_DTYPE_U8 or C.DLUA_DTYPE_F32
+  end
+  out_pipe[0] = nil
+  check(C.dlua_pipeline_new(out_pipe, ops, n), 'Compose')
+  local p = ffi.gc(out_pipe[0], C.dlua_pipeline_free)
+  out_pipe[0] = nil
+  return p
+end
+
+-- The transforms applied to one image (H, W, C) uint8, as sample `index` (1-based) of `epoch`.
+function M.pipeline_apply(p, img, seed, epoch, index)
+  return new('transform', C.dlua_pipeline_apply, 5, p, img, u64('transform', 'seed', seed, 0),
+    u64('transform', 'epoch', epoch, 1), index - 1)
+end
+
+-- The crop box (top, left, height, width; top/left 1-based) RandomResizedCrop draws.
+function M.rrc_box(scale, ratio, h, w, seed, epoch, index, position)
+  local sc, ra, box = ffi.new('double[2]', scale), ffi.new('double[2]', ratio), ffi.new('int[4]')
+  C.dlua_transform_rrc_box(sc, ra, h, w, u64('rrc_box', 'seed', seed, 0), u64('rrc_box', 'epoch', epoch, 1),
+    index - 1, position - 1, box)
+  return { box[0] + 1, box[1] + 1, box[2], box[3] }
+end
+
+function M.flip_draw(p, seed, epoch, index, position)
+  return C.dlua_transform_flip_draw(p, u64('flip_draw', 'seed', seed, 0), u64('flip_draw', 'epoch', epoch, 1),
+    index - 1, position - 1) ~= 0
+end
+
+-- The loader handle (freed, threads joined, by the GC or loader_free). cfg: folder, x, y,
+-- synthetic = {n =, shape =, classes =}, pipeline, batch, workers, prefetch, pin_memory,
+-- dct_scaling, quiet, seed.
+function M.loader_new(cfg)
+  local c = ffi.new('dlua_loader_config_t')
+  c.folder = cfg.folder
+  if cfg.x ~= nil then c.x = core.handle('DataLoader', cfg.x, 'x') end
+  if cfg.y ~= nil then c.y = core.handle('DataLoader', cfg.y, 'y') end
+  if cfg.synthetic then
+    c.synthetic_n = cfg.synthetic.n
+    for k = 1, 3 do c.synthetic_shape[k - 1] = cfg.synthetic.shape[k] end
+    c.synthetic_classes = cfg.synthetic.classes
+  end
+  c.pipeline = cfg.pipeline
+  c.batch, c.workers, c.prefetch = cfg.batch, cfg.workers, cfg.prefetch
+  c.pin_memory = cfg.pin_memory and 1 or 0
+  c.dct_scaling = cfg.dct_scaling and 1 or 0
+  c.quiet = cfg.quiet and 1 or 0
+  c.seed = u64('DataLoader', 'seed', cfg.seed, 0)
+  c.label_base = 1
+  out_loader[0] = nil
+  local st = C.dlua_loader_new(out_loader, c)
+  if st == C.DLUA_ERR_OOM then
+    core.full_gc()
+    st = C.dlua_loader_new(out_loader, c)
+  end
+  check(st, 'DataLoader')
+  local l = ffi.gc(out_loader[0], C.dlua_loader_free)
+  out_loader[0] = nil
+  core.keepalive(cfg.x, 'DataLoader')
+  core.keepalive(cfg.y, 'DataLoader')
+  return l
+end
+
+-- Frees now (threads joined); the handle must not be used afterwards.
+function M.loader_free(l)
+  ffi.gc(l, nil)
+  C.dlua_loader_free(l)
+end
+
+-- The sizes of one sample and the batch dtype name.
+function M.loader_sample(l)
+  local sz, dt = ffi.new('int64_t[8]'), ffi.new('int[1]')
+  local n = C.dlua_loader_sample_shape(l, sz, dt)
+  local r = {}
+  for d = 1, n do r[d] = tonumber(sz[d - 1]) end
+  return r, core.dtype_names[dt[0]]
+end
+
+-- Starts an epoch over `order` (int64 tensor of 1-based sample indices).
+function M.loader_start(l, order, epoch, drop_last)
+  local o = core.handle('DataLoader', order, 'the sample order')
+  if core.dtype_of(o) ~= core.I64 or C.dlua_tensor_is_contiguous(o) == 0 or C.dlua_tensor_ndim(o) ~= 1 then
+    order = order:contiguous():long()
+    o = core.handle('DataLoader', order)
+  end
+  check(C.dlua_loader_start(l, ffi.cast('const int64_t *', C.dlua_tensor_data(o)), C.dlua_tensor_numel(o), 1,
+    u64('DataLoader', 'epoch', epoch, 1), drop_last and 1 or 0), 'DataLoader')
+  core.keepalive(order, 'DataLoader')
+end
+
+-- The next batch: x, y (or nil), its 1-based position; nil at the end of the epoch.
+function M.loader_next(l)
+  out_x[0], out_y[0] = nil, nil
+  local st = C.dlua_loader_next(l, out_x, out_y, out_b)
+  if st ~= 0 then
+    C.dlua_loader_stop(l)  -- an error, Ctrl-C: the workers stop before the error travels
+    core.check(st, 'DataLoader')
+  end
+  local px, py = out_x[0], out_y[0]
+  out_x[0], out_y[0] = nil, nil
+  if px == nil then return nil end
+  local x = core.wrap(px)
+  local y = py ~= nil and core.wrap(py) or nil
+  return x, y, tonumber(out_b[0]) + 1
+end
+
+function M.loader_stop(l) C.dlua_loader_stop(l) end
+
+function M.loader_stats(l)
+  local s = ffi.new('dlua_loader_stats_t')
+  C.dlua_loader_get_stats(l, s)
+  local bad = {}
+  for i = 0, tonumber(s.bad_files) - 1 do
+    local m = C.dlua_loader_bad_file(l, i)
+    if m == nil then break end
+    bad[#bad + 1] = ffi.string(m)
+  end
+  return {
+    samples = tonumber(s.samples), batches = tonumber(s.batches), decoded = tonumber(s.decoded),
+    skipped = tonumber(s.skipped), bad_files = tonumber(s.bad_files), dct_scaled = tonumber(s.dct_scaled),
+    buffers = tonumber(s.buffers), wait_s = s.wait_s, work_s = s.work_s, threads = s.threads,
+    epoch_active = s.epoch_active ~= 0, bad = bad,
+  }
+end
+
+function M.live_threads() return C.dlua_loader_live_threads() end
 
 return M

@@ -414,7 +414,10 @@ function M.size_args(op, allow_neg, buf_index, ...)
     nargs = nargs - 1
   end
   local list
-  local first = ...
+  -- Not `local first = ...`: LuaJIT 2.1 before 2023-08 (Debian's included) miscompiles a
+  -- single-value vararg read (LuaJIT issue #1046) and, once traced, `first` could be the options
+  -- table, making dlua.empty({ n }, opts) a 0-d tensor (tests/lua/dlua/size_args_spec.lua).
+  local first = (select(1, ...))
   if nargs == 1 and type(first) == 'table' and not istype(Tensor, first) then
     list = first
   else

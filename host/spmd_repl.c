@@ -2,6 +2,7 @@
 #include "spmd_repl.h"
 
 #include <lauxlib.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -178,6 +179,10 @@ int dlua_spmd_frontend(dlua_job_t *job) {
     printf("dlua SPMD REPL: %d ranks run every chunk; ':on R <chunk>' runs it on rank R only\n", fe.world);
     fflush(stdout);
   }
+  /* SIGTERM/SIGHUP end the launcher at once (its ranks die with it: PR_SET_PDEATHSIG); the
+     loop below blocks in reads that the launcher's counting handler would only restart. */
+  signal(SIGTERM, SIG_DFL);
+  signal(SIGHUP, SIG_DFL);
   dlua_repl_loop(L, run_on_ranks, &fe);
   lua_close(L);
   dlua_launch_install_signals();  // the Lua state had taken over Ctrl-C for the prompt

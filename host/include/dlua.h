@@ -546,7 +546,7 @@ int64_t dlua_loader_dataset_size(const dlua_loader_t *l);
 dlua_status_t dlua_loader_start(dlua_loader_t *l, const int64_t *order, int64_t n, int64_t base, uint64_t epoch, int drop_last);
 /* The next batch: *x (B, ...), *y (B) int64 (NULL for unlabelled tensors), *batch its 0-based
    position in the epoch. *x NULL: the epoch is over (threads joined). Waits for the workers,
-   polling Ctrl-C (DLUA_ERR_INTERRUPTED; the epoch keeps running until dlua_loader_stop).
+   polling Ctrl-C; on DLUA_ERR_INTERRUPTED or any error the epoch is stopped (threads joined).
    x wraps a pool buffer that returns to the loader when the tensor is freed. */
 dlua_status_t dlua_loader_next(dlua_loader_t *l, dlua_tensor_t **x, dlua_tensor_t **y, int64_t *batch);
 /* Ends the epoch at any point: workers finish their sample and are joined. */

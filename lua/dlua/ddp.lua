@@ -213,6 +213,11 @@ function DDP:_reset_step()
   self._module_calls = {}
 end
 
+local function ready_then(ddp, mod, names, ...)
+  ddp:_ready(mod, names)
+  return ...
+end
+
 -- Every module with parameters reports when its backward has written their gradients.
 function DDP:_install()
   local ddp = self
@@ -223,9 +228,7 @@ function DDP:_install()
     local orig = m.backward
     m._ddp_wrapped = true
     m.backward = function(mod, ...)
-      local r = orig(mod, ...)
-      ddp:_ready(mod, names)
-      return r
+      return ready_then(ddp, mod, names, orig(mod, ...))  -- keeps every value (batch-norm returns two)
     end
   end)
 end

@@ -133,10 +133,7 @@ function dist.init(opts)
   s.debug = debug_on and true or false
   if s.debug then s.world_group:set_debug(true) end
   S = s
-  -- Data-parallel training (lua/dlua/ddp.lua, docs/ddp.md).
-function dist.DDP(model, opts) return require('dlua.ddp').new(dist, model, opts) end
-
-return dist
+  return dist
 end
 
 function dist.is_initialized() return S ~= nil end

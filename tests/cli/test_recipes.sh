@@ -30,5 +30,24 @@ else
   echo "skip - tiny Fashion-MNIST run: dataset-fashion-mnist is not installed"
 fi
 
+if [ -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ]; then
+  # the same recipe under the launcher: DDP over 2 gloo ranks, one epoch line from rank 0
+  out=$(CUDA_VISIBLE_DEVICES= timeout 300 "$DLUA" --nproc 2 recipes/fashion_mnist.lua --epochs 1 --limit 512 --batch 32 \
+    --model small_cnn --eval-batch 500 2>&1); rc=$?
+  [ $rc = 0 ] && grep -Eq "^\[0\] epoch 1  train loss [0-9.]+  test accuracy 0\.[0-9]{4}  img/s [0-9]+$" <<<"$out" \
+    && ! grep -q "^\[1\] epoch" <<<"$out"
+  check "fashion_mnist under --nproc 2 trains with DDP and prints rank 0's epoch line" $? "rc=$rc: $out"
+
+  out=$(CUDA_VISIBLE_DEVICES= timeout 300 "$DLUA" --nproc 2 recipes/resnet50_ddp.lua --model resnet18 --limit 128 \
+    --batch 16 --eval-limit 64 --image-size 28 2>&1); rc=$?
+  [ $rc = 0 ] && grep -Eq "^\[0\] epoch 1  train loss [0-9.]+  test accuracy 0\.[0-9]{4} \(64 images\)" <<<"$out" \
+    && grep -q "global batch 32" <<<"$out" && grep -Eq "^\[0\] done in [0-9]+ s: test accuracy" <<<"$out"
+  check "resnet50_ddp runs on 2 ranks (resnet18, tiny) and reports the all-reduced accuracy" $? "rc=$rc: $out"
+fi
+
+out=$("$DLUA" recipes/resnet50_ddp.lua --accumulat 2 2>&1); rc=$?
+[ $rc = 2 ] && grep -q "unknown option '--accumulat'" <<<"$out" && grep -q "accumulate" <<<"$out"
+check "resnet50_ddp rejects an unknown option by name" $? "rc=$rc: $out"
+
 echo "$passed passed, $failed failed"
 [ "$failed" = 0 ]

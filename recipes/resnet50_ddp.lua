@@ -1,0 +1,199 @@
+-- ResNet-50 with DDP: every local GPU (NCCL) or `dlua --nproc N` CPU ranks (gloo); Fashion-MNIST built in, or an ImageFolder.
+--   dlua --nproc 2 recipes/resnet50_ddp.lua --limit 2048            # 2 CPU ranks, built-in data
+--   dlua --nproc gpu recipes/resnet50_ddp.lua --data /data/imagenet --image-size 224 --batch 256
+local dlua = require 'dlua'
+local nn = require 'dlua.nn'
+local optim = require 'dlua.optim'
+local lr = require 'dlua.lr'
+local data = require 'dlua.data'
+local cli = require 'dlua.cli'
+local resnet = require 'models.resnet'
+
+local opt = cli.parse(arg, {
+  data = '', epochs = 1, batch = 32, lr = 0.1, warmup = 5, accumulate = 1, image_size = 32, workers = 2,
+  seed = 1, limit = 0, eval_limit = 0, model = 'resnet50', momentum = 0.9, weight_decay = 1e-4,
+  bucket_mb = 25, threads = 0, channels_last = true, print_every = 10,
+}, {
+  description = 'Trains a ResNet (default ResNet-50) data-parallel with dlua.dist.DDP.',
+  help = {
+    data = 'ImageFolder root with train/ and val/ (default: the built-in Fashion-MNIST, 3 channels, resized)',
+    epochs = 'passes over the training set',
+    batch = 'images per rank per step (per micro-batch with --accumulate)',
+    lr = 'learning rate per 256 images: the peak is lr * global batch / 256 (linear scaling rule)',
+    warmup = 'epochs of linear warmup before the cosine decay (capped to the run)',
+    accumulate = 'micro-batches per optimizer step (gradients reduced once per step)',
+    image_size = 'training crop (ImageFolder) or resized side (Fashion-MNIST)',
+    workers = 'decoding threads of the ImageFolder loader',
+    limit = 'train on the first N images only (0: all)',
+    eval_limit = 'evaluate on the first N images only (0: all)',
+    model = 'resnet18, resnet34, resnet50, resnet101, resnet152',
+    bucket_mb = 'DDP gradient bucket size in MB',
+    threads = 'CPU threads per rank (0: the launcher\'s share of the cores)',
+    channels_last = 'keep activations in NHWC memory',
+    print_every = 'steps between progress lines',
+  },
+})
+io.stdout:setvbuf('line')
+if opt.threads > 0 then dlua.set_num_threads(opt.threads) end
+
+local dist = dlua.dist
+dist.init()
+local rank, world = dist.rank(), dist.world_size()
+local function log(fmt, ...) if rank == 0 then print(string.format(fmt, ...)) end end
+dlua.manual_seed(opt.seed)
+
+---------------------------------------------------------------------------------------------
+-- Data: each rank reads its 1/world of every epoch through a DistributedSampler
+
+local size = opt.image_size
+local train_batches, eval_batches, train_len, num_classes, data_name
+
+local function to_layout(x)  -- (N, C, H, W) values in NCHW or channels-last memory
+  if opt.channels_last then return x:permute(1, 3, 4, 2):contiguous():permute(1, 4, 2, 3) end
+  return x:contiguous()
+end
+
+if opt.data == '' then
+  data_name = 'Fashion-MNIST (built in)'
+  local train = data.FashionMNIST({ train = true })
+  local test = data.FashionMNIST({ train = false })
+  if opt.limit > 0 and opt.limit < train:size() then train = train:narrow(1, opt.limit) end
+  if opt.eval_limit > 0 and opt.eval_limit < test:size() then test = test:narrow(1, opt.eval_limit) end
+  num_classes = 10
+  local mean, std = train.mean, train.std
+  -- 28x28 grey → size x size, three channels: nearest-neighbour rows and columns
+  local pick = {}
+  for i = 1, size do pick[i] = math.min(28, math.floor((i - 0.5) * 28 / size) + 1) end
+  pick = dlua.tensor(pick, { dtype = 'int64' })
+  local function rgb(x)
+    if size ~= 28 then x = x:index_select(3, pick):index_select(4, pick) end
+    return to_layout(x:expand({ x:size(1), 3, size, size }))
+  end
+  local sampler = data.DistributedSampler({ n = train:size(), shuffle = true, seed = opt.seed, drop_last = true })
+  train_len = sampler:len()
+  train_batches = function(epoch)
+    local idx = sampler:indices(epoch)
+    local shard = data.TensorDataset(train.x:index_select(1, idx), train.y:index_select(1, idx))
+    local it = data.batches(shard, { batch = opt.batch, drop_last = true, seed = opt.seed * 1000 + rank, epoch = epoch,
+      augment = { crop_pad = 2, flip = true }, mean = mean, std = std })
+    return function()
+      local i, x, y = it()
+      if i == nil then return nil end
+      return i, rgb(x), y
+    end
+  end
+  -- evaluation: rank r takes samples r+1, r+1+world, ... (no padding, so nothing counts twice)
+  local mine = {}
+  for i = rank + 1, test:size(), world do mine[#mine + 1] = i end
+  local eval_set = data.TensorDataset(test.x:index_select(1, dlua.tensor(mine, { dtype = 'int64' })),
+    test.y:index_select(1, dlua.tensor(mine, { dtype = 'int64' })))
+  eval_batches = function()
+    local it = data.batches(eval_set, { batch = 250, mean = mean, std = std })
+    return function()
+      local i, x, y = it()
+      if i == nil then return nil end
+      return i, rgb(x), y
+    end
+  end
+else
+  data_name = opt.data
+  local mean, std = { 0.485, 0.456, 0.406 }, { 0.229, 0.224, 0.225 }
+  local layout = opt.channels_last and 'nhwc' or 'nchw'
+  local train = data.ImageFolder(opt.data .. '/train', { transform = data.Compose({
+    data.RandomResizedCrop(size), data.RandomHorizontalFlip(), data.ToTensor({ layout = layout }), data.Normalize(mean, std) }) })
+  local val = data.ImageFolder(opt.data .. '/val', { transform = data.Compose({
+    data.Resize(math.floor(size * 256 / 224 + 0.5)), data.CenterCrop(size), data.ToTensor({ layout = layout }),
+    data.Normalize(mean, std) }) })
+  num_classes = #train.classes
+  local sampler = data.DistributedSampler({ dataset = train, shuffle = true, seed = opt.seed, drop_last = true })
+  local loader = data.DataLoader({ dataset = train, batch = opt.batch, sampler = sampler, workers = opt.workers,
+    drop_last = true, seed = opt.seed, pin_memory = true })
+  train_len = sampler:len()
+  train_batches = function(epoch)
+    loader:set_epoch(epoch)
+    return loader:batches()
+  end
+  local vsampler = data.DistributedSampler({ dataset = val, shuffle = false })
+  local vloader = data.DataLoader({ dataset = val, batch = opt.batch, sampler = vsampler, workers = opt.workers })
+  eval_batches = function() return vloader:batches() end
+end
+
+---------------------------------------------------------------------------------------------
+-- Model, DDP, optimizer, schedule
+
+local build = resnet[opt.model]
+if not build then error(('unknown --model %s'):format(opt.model), 0) end
+local net = build({ in_channels = 3, num_classes = num_classes, zero_init_residual = true })
+local model = dist.DDP(net, { accumulate = opt.accumulate, bucket_mb = opt.bucket_mb })
+local criterion = nn.CrossEntropyLoss()
+local global_batch = opt.batch * world * opt.accumulate
+local peak = lr.scale(opt.lr, global_batch, 256)
+local sgd = optim.SGD(model, {
+  lr = peak, momentum = opt.momentum, weight_decay = opt.weight_decay,
+  groups = { { filter = function(_, p) return p:dim() <= 1 end, weight_decay = 0 } },  -- none on BN and bias
+})
+local micro_per_epoch = math.floor(train_len / opt.batch)
+local steps_per_epoch = math.floor(micro_per_epoch / opt.accumulate)
+if steps_per_epoch < 1 then error(('--batch %d x --accumulate %d is more than a rank\'s %d images'):format(opt.batch, opt.accumulate, train_len), 0) end
+local total = opt.epochs * steps_per_epoch
+local warm = math.min(math.floor(opt.warmup * steps_per_epoch), total - 1)
+local schedule = warm > 0
+    and lr.sequential({ lr.linear_warmup({ lr = peak, steps = warm, start_factor = 0.1 }),
+      lr.cosine({ lr = peak, steps = total - warm }) })
+    or lr.cosine({ lr = peak, steps = total })
+
+log('%s: %s, %d parameters, %d classes, data %s', opt.model, tostring(model.module.__name), net:num_parameters(),
+  num_classes, data_name)
+log('%d ranks x batch %d x accumulate %d = global batch %d; lr %.4g (%.3g per 256), %d warmup steps of %d; %d threads per rank',
+  world, opt.batch, opt.accumulate, global_batch, peak, opt.lr, warm, total, dlua.get_num_threads())
+log('DDP: %d buckets', #model:bucket_plan())
+
+local function evaluate()
+  model:evaluate()
+  local counts = dlua.zeros({ 2 }, { dtype = 'float64' })
+  for _, x, y in eval_batches() do
+    local logits = model:forward(x)
+    counts[1] = counts[1] + logits:argmax(2):eq(y):sum():item()
+    counts[2] = counts[2] + y:numel()
+  end
+  model:train()
+  dist.all_reduce(counts, 'sum')  -- accuracy over the whole evaluation set, every rank's share
+  return counts[1] / counts[2], counts[2]
+end
+
+---------------------------------------------------------------------------------------------
+-- Training
+
+local step, acc = 0, 0
+local t_start = dlua.perf_counter()
+for epoch = 1, opt.epochs do
+  local t0, loss_sum, seen = dlua.perf_counter(), 0, 0
+  sgd:zero_grad()
+  for i, x, y in train_batches(epoch) do
+    if i > steps_per_epoch * opt.accumulate then break end
+    local out = model:forward(x)
+    local loss = criterion:forward(out, y):item()
+    model:backward(x, criterion:backward(out, y))
+    loss_sum, seen = loss_sum + loss * y:numel(), seen + y:numel()
+    if i % opt.accumulate == 0 then
+      sgd:set_lr(schedule(step))
+      sgd:step()
+      sgd:zero_grad()
+      step = step + 1
+      local s = i / opt.accumulate
+      if s % opt.print_every == 0 or s == steps_per_epoch then
+        local dt = dlua.perf_counter() - t0
+        log('epoch %d  step %d/%d  loss %.4f  lr %.4g  %.1f img/s', epoch, s, steps_per_epoch, loss_sum / seen,
+          schedule(step - 1), seen * world / dt)
+      end
+    end
+  end
+  local dt = dlua.perf_counter() - t0
+  local ips = dlua.tensor({ seen / dt, loss_sum, seen }, { dtype = 'float64' })
+  dist.all_reduce(ips, 'sum')  -- img/s summed over ranks, loss averaged over every image
+  local n_eval
+  acc, n_eval = evaluate()
+  log('epoch %d  train loss %.4f  test accuracy %.4f (%d images)  img/s %.1f', epoch, ips[2] / ips[3], acc, n_eval, ips[1])
+end
+log('done in %.0f s: test accuracy %.4f', dlua.perf_counter() - t_start, acc)
+dist.destroy()
