@@ -143,6 +143,53 @@ function M.batch_norm_backward(grad_out, x, output, gamma, save_mean, save_invst
   return core.wrap(a), b ~= nil and core.wrap(b) or nil
 end
 
+-- SyncBatchNorm's halves (docs/ddp.md). The packed (2C+1) float64 sums go into `into` when
+-- given (reused across steps), else a new tensor; each returns it.
+local function into_sums(op, into, f, ...)
+  outs3[0] = into ~= nil and handle(op, into) or nil
+  status(op, f, outs3, ...)
+  local p = outs3[0]
+  outs3[0] = nil
+  if into ~= nil then return into end
+  return core.wrap(p)
+end
+
+function M.batch_norm_stats(x, into)
+  return into_sums('SyncBatchNorm', into, C.dlua_nn_batch_norm_stats, handle('SyncBatchNorm', x))
+end
+
+-- -> out, save_mean, save_invstd, from stats summed over the ranks
+function M.batch_norm_apply(x, gamma, beta, skip, stats, running_mean, running_var, momentum, eps, relu)
+  local op = 'SyncBatchNorm'
+  outs3[0], outs3[1], outs3[2] = nil, nil, nil
+  status(op, C.dlua_nn_batch_norm_apply, outs3, outs3 + 1, outs3 + 2, handle(op, x), opt_handle(op, gamma),
+    opt_handle(op, beta), opt_handle(op, skip), handle(op, stats), opt_handle(op, running_mean),
+    opt_handle(op, running_var), momentum, eps, relu and 1 or 0)
+  local a, b, c = outs3[0], outs3[1], outs3[2]
+  outs3[0], outs3[1], outs3[2] = nil, nil, nil
+  return core.wrap(a), core.wrap(b), core.wrap(c)
+end
+
+-- -> this rank's backward sums; grad_gamma/grad_beta accumulate the local ones
+function M.batch_norm_backward_reduce(grad_out, x, output, save_mean, save_invstd, grad_gamma, grad_beta, relu, into)
+  local op = 'SyncBatchNorm.backward'
+  return into_sums(op, into, C.dlua_nn_batch_norm_backward_reduce, opt_handle(op, grad_gamma), opt_handle(op, grad_beta),
+    handle(op, grad_out), handle(op, x), opt_handle(op, output), handle(op, save_mean), handle(op, save_invstd),
+    relu and 1 or 0, 1)
+end
+
+-- -> grad_input, grad_skip (when want_skip), from sums summed over the ranks
+function M.batch_norm_backward_apply(grad_out, x, output, gamma, save_mean, save_invstd, sums, relu, want_skip)
+  local op = 'SyncBatchNorm.backward'
+  outs3[0], outs3[1] = nil, nil
+  status(op, C.dlua_nn_batch_norm_backward_apply, outs3, want_skip and outs3 + 1 or nil, handle(op, grad_out),
+    handle(op, x), opt_handle(op, output), opt_handle(op, gamma), handle(op, save_mean), handle(op, save_invstd),
+    handle(op, sums), relu and 1 or 0)
+  local a, b = outs3[0], outs3[1]
+  outs3[0], outs3[1] = nil, nil
+  return core.wrap(a), b ~= nil and core.wrap(b) or nil
+end
+
 local function sizes_of(op, x)
   local p = handle(op, x)
   local s = C.dlua_tensor_sizes(p)

@@ -2,6 +2,7 @@
 // Every gloo call sits in a try/catch; exceptions never cross into C, they become result codes + text.
 #include <cstdio>
 #include <cstring>
+#include <cstdlib>
 #include <exception>
 #include <memory>
 #include <string>
@@ -107,6 +108,28 @@ struct dlua_gloo {
   std::shared_ptr<gloo::rendezvous::Context> context;
 };
 
+// gloo checks message sizes on its own event-loop thread, where nothing of ours can catch: a
+// rank that posts a different size than its peer (a user error: the ranks disagree on a tensor's
+// shape) ends in std::terminate. Say what happened and exit(1), so the launcher reports this
+// rank with a message rather than a bare SIGABRT.
+[[noreturn]] static void on_terminate() {
+  const char *what = "unknown exception";
+  try {
+    std::exception_ptr e = std::current_exception();
+    if (e) std::rethrow_exception(e);
+  } catch (const std::exception &e) {
+    what = e.what();
+  } catch (...) {
+  }
+  std::fprintf(stderr,
+               "dlua: gloo: the ranks disagree on the size of a transfer (%s); every rank must pass "
+               "tensors of the same shape and dtype to a collective: rerun with DLUA_DIST_DEBUG=1 to "
+               "find the Lua line where they differ\n",
+               what);
+  std::fflush(stderr);
+  std::_Exit(1);
+}
+
 extern "C" dlua_gloo_result_t dlua_gloo_connect(dlua_store_t *store, const char *prefix, const char *bind_host,
                                                 const char *iface, int rank, int size, int64_t timeout_ms,
                                                 dlua_gloo_t **out, dlua_status_t *store_status, char *err,
@@ -114,6 +137,11 @@ extern "C" dlua_gloo_result_t dlua_gloo_connect(dlua_store_t *store, const char 
   *out = nullptr;
   if (store_status) *store_status = DLUA_OK;
   dlua_gloo_t *g = nullptr;
+  static bool handler_set = false;
+  if (!handler_set) {  // once, from the thread that creates groups
+    std::set_terminate(on_terminate);
+    handler_set = true;
+  }
   try {
     g = new dlua_gloo_t();
     gloo::transport::tcp::attr attr;

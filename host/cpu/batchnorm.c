@@ -180,13 +180,49 @@ static dlua_status_t save_vec(const char *op, dlua_tensor_t **out, int64_t C, dl
   return DLUA_OK;
 }
 
+/* ---- SyncBatchNorm's packed per-channel sums ------------------------------------------------------ */
+
+/* A (2C+1) float64 contiguous vector: what the ranks all-reduce between the halves of forward
+   ([sum x, sum x^2, count]) and of backward ([sum d, sum d (x - mean), count]). */
+static dlua_status_t check_sums(const char *op, const char *what, const dlua_tensor_t *t, int64_t C) {
+  if (!t || !t->storage) return DLUA_ERR(DLUA_ERR_ARG, "%s: %s is NULL (freed, or never created)", op, what);
+  DLUA_TRY(dlua_require_cpu(op, t));
+  if (t->dtype != DLUA_DTYPE_F64 || t->ndim != 1 || t->sizes[0] != 2 * C + 1 || !dlua_tensor_is_contiguous(t)) {
+    char b[200];
+    return DLUA_ERR(DLUA_ERR_ARG, "%s: %s must be a contiguous float64 tensor of shape (%" PRId64 ") (2C+1, C = %" PRId64
+                    "), got %s", op, what, 2 * C + 1, C, dlua_tensor_describe(t, b, sizeof b));
+  }
+  return DLUA_OK;
+}
+
+/* Undoes prepare_sums's allocation after a failure. */
+static void drop_sums(dlua_tensor_t **sums, int *allocated) {
+  if (*allocated) {
+    dlua_tensor_free(*sums);
+    *sums = NULL;
+    *allocated = 0;
+  }
+}
+
+/* *sums under the `out` convention, checked as above; *allocated says whether it was made here. */
+static dlua_status_t prepare_sums(const char *op, dlua_tensor_t **sums, int64_t C, int *allocated) {
+  int64_t n = 2 * C + 1;
+  *allocated = 0;
+  DLUA_TRY(dlua_prepare_out(op, sums, 1, &n, DLUA_DTYPE_F64, allocated));
+  dlua_status_t s = check_sums(op, "sums", *sums, C);
+  if (s != DLUA_OK) drop_sums(sums, allocated);
+  return s;
+}
+
 /* ---- forward ------------------------------------------------------------------------------------- */
 
-dlua_status_t dlua_nn_batch_norm_forward(dlua_tensor_t **out, dlua_tensor_t **save_mean, dlua_tensor_t **save_invstd,
-                                         const dlua_tensor_t *x, const dlua_tensor_t *gamma, const dlua_tensor_t *beta,
-                                         const dlua_tensor_t *skip, dlua_tensor_t *running_mean,
-                                         dlua_tensor_t *running_var, int train, double momentum, double eps, int relu) {
-  const char *op = "batch_norm";
+/* Forward in training from the batch (stats NULL) or from sums of several batches (stats: (2C+1)
+   [sum x, sum x^2, count], SyncBatchNorm's second half), or in evaluation from the running ones. */
+static dlua_status_t bn_forward(const char *op, dlua_tensor_t **out, dlua_tensor_t **save_mean,
+                                dlua_tensor_t **save_invstd, const dlua_tensor_t *x, const dlua_tensor_t *gamma,
+                                const dlua_tensor_t *beta, const dlua_tensor_t *skip, const dlua_tensor_t *stats,
+                                dlua_tensor_t *running_mean, dlua_tensor_t *running_var, int train, double momentum,
+                                double eps, int relu) {
   if (!out) return DLUA_ERR(DLUA_ERR_ARG, "%s: out is NULL", op);
   DLUA_TRY(check_input(op, "input", x));
   DLUA_TRY(check_vec(op, "gamma", gamma, x));
@@ -203,10 +239,19 @@ dlua_status_t dlua_nn_batch_norm_forward(dlua_tensor_t **out, dlua_tensor_t **sa
   if (fmt == ACT_OTHER) fmt = ACT_CONTIG;
   bn_geom_t g;
   geom_of(x, fmt, &g);
-  const int64_t C = g.C, M = g.N * g.S;
+  const int64_t C = g.C;
+  int64_t M = g.N * g.S;  // the values per channel the statistics cover (every rank's, with stats)
+  if (stats) {
+    DLUA_TRY(check_sums(op, "stats", stats, C));
+    double cnt = ((const double *)dlua_tensor_ptr(stats))[2 * C];
+    if (!(cnt >= 0) || cnt != floor(cnt) || cnt > 9e15)
+      return DLUA_ERR(DLUA_ERR_ARG, "%s: stats hold a count of %g values per channel, expected a whole number >= 0", op,
+                      cnt);
+    M = (int64_t)cnt;
+  }
   if (train && M == 1)
-    return DLUA_ERR(DLUA_ERR_ARG, "%s: expected more than 1 value per channel when training, got input %s", op,
-                    dlua_tensor_describe(x, b, sizeof b));
+    return DLUA_ERR(DLUA_ERR_ARG, "%s: expected more than 1 value per channel when training, got input %s%s", op,
+                    dlua_tensor_describe(x, b, sizeof b), stats ? " (over every rank)" : "");
   const dlua_dtype_t ct = x->dtype == DLUA_DTYPE_F64 ? DLUA_DTYPE_F64 : DLUA_DTYPE_F32;
   const size_t es = dlua_dtype_size(ct);
 
@@ -222,14 +267,25 @@ dlua_status_t dlua_nn_batch_norm_forward(dlua_tensor_t **out, dlua_tensor_t **sa
   // mean, invstd, gamma, beta, sum, sumsq, running values: 7 doubles per channel.
   if (s == DLUA_OK) dbl = xmalloc((size_t)(7 * C) * sizeof(double), &s, op);
   if (s == DLUA_OK) tv = xmalloc((size_t)(3 * C) * es, &s, op);
-  if (s == DLUA_OK && train && M > 0) scratch = xmalloc((size_t)scratch_len(&g) * sizeof(double), &s, op);
+  if (s == DLUA_OK && train && !stats && M > 0) scratch = xmalloc((size_t)scratch_len(&g) * sizeof(double), &s, op);
   if (s != DLUA_OK) goto done;
   double *mean = dbl, *invstd = dbl + C, *gm = dbl + 2 * C, *bt = dbl + 3 * C, *sum = dbl + 4 * C, *sq = dbl + 5 * C,
          *run = dbl + 6 * C;
   vec_read(gamma, C, gm, 1.0);
   vec_read(beta, C, bt, 0.0);
   const void *xp = dlua_tensor_ptr(xs);
-  if (train) {
+  if (train && stats) {
+    // Unshifted sums in double: var = E[x^2] - mean^2 loses about |mean|^2 / var * 1e-16 of var.
+    const double *st = (const double *)dlua_tensor_ptr(stats);
+    for (int64_t c = 0; c < C; c++) {
+      double m = M > 0 ? st[c] / (double)M : 0.0;
+      double var = M > 0 ? st[C + c] / (double)M - m * m : 0.0;
+      if (var < 0) var = 0;
+      mean[c] = m;
+      invstd[c] = 1.0 / sqrt(var + eps);
+      sq[c] = var;
+    }
+  } else if (train) {
     if (M > 0) {
       // Shift by the channel's first element (the first plane, or the first row).
       for (int64_t c = 0; c < C; c++)
@@ -245,6 +301,8 @@ dlua_status_t dlua_nn_batch_norm_forward(dlua_tensor_t **out, dlua_tensor_t **sa
       invstd[c] = 1.0 / sqrt(var + eps);
       sq[c] = var;  // the biased variance, for the running update below
     }
+  }
+  if (train) {
     if (M > 1) {
       const double unbias = (double)M / (double)(M - 1);
       if (running_mean) {
@@ -282,6 +340,68 @@ done:
   return s;
 }
 
+dlua_status_t dlua_nn_batch_norm_forward(dlua_tensor_t **out, dlua_tensor_t **save_mean, dlua_tensor_t **save_invstd,
+                                         const dlua_tensor_t *x, const dlua_tensor_t *gamma, const dlua_tensor_t *beta,
+                                         const dlua_tensor_t *skip, dlua_tensor_t *running_mean,
+                                         dlua_tensor_t *running_var, int train, double momentum, double eps, int relu) {
+  return bn_forward("batch_norm", out, save_mean, save_invstd, x, gamma, beta, skip, NULL, running_mean, running_var,
+                    train, momentum, eps, relu);
+}
+
+dlua_status_t dlua_nn_batch_norm_apply(dlua_tensor_t **out, dlua_tensor_t **save_mean, dlua_tensor_t **save_invstd,
+                                       const dlua_tensor_t *x, const dlua_tensor_t *gamma, const dlua_tensor_t *beta,
+                                       const dlua_tensor_t *skip, const dlua_tensor_t *stats,
+                                       dlua_tensor_t *running_mean, dlua_tensor_t *running_var, double momentum,
+                                       double eps, int relu) {
+  const char *op = "batch_norm_apply";
+  if (!stats) return DLUA_ERR(DLUA_ERR_ARG, "%s: stats is NULL", op);
+  return bn_forward(op, out, save_mean, save_invstd, x, gamma, beta, skip, stats, running_mean, running_var, 1,
+                    momentum, eps, relu);
+}
+
+/* Sums of x and x^2 per channel, and the count, of this batch: SyncBatchNorm's first half. */
+dlua_status_t dlua_nn_batch_norm_stats(dlua_tensor_t **stats, const dlua_tensor_t *x) {
+  const char *op = "batch_norm_stats";
+  DLUA_TRY(check_input(op, "input", x));
+  int fmt = act_format(x);
+  if (fmt == ACT_OTHER) fmt = ACT_CONTIG;
+  bn_geom_t g;
+  geom_of(x, fmt, &g);
+  const int64_t C = g.C, M = g.N * g.S;
+  if (!stats) return DLUA_ERR(DLUA_ERR_ARG, "%s: stats is NULL", op);
+  int allocated = 0;
+  DLUA_TRY(prepare_sums(op, stats, C, &allocated));
+  const dlua_dtype_t ct = x->dtype == DLUA_DTYPE_F64 ? DLUA_DTYPE_F64 : DLUA_DTYPE_F32;
+  dlua_status_t s = DLUA_OK;
+  dlua_tensor_t *xs = NULL;
+  double *dbl = NULL, *scratch = NULL;
+  s = act_stage(x, ct, fmt, &xs);
+  if (s == DLUA_OK) dbl = xmalloc((size_t)(3 * C) * sizeof(double), &s, op);
+  if (s == DLUA_OK && M > 0) scratch = xmalloc((size_t)scratch_len(&g) * sizeof(double), &s, op);
+  if (s != DLUA_OK) goto done;
+  double *out = (double *)dlua_tensor_ptr(*stats), *sh = dbl, *sum = dbl + C, *sq = dbl + 2 * C;
+  for (int64_t c = 0; c < 2 * C; c++) out[c] = 0;
+  if (M > 0) {
+    // As forward: sums of x - shift (a value of the channel), then the shift put back, in double.
+    const void *xp = dlua_tensor_ptr(xs);
+    for (int64_t c = 0; c < C; c++)
+      sh[c] = ct == DLUA_DTYPE_F64 ? ((const double *)xp)[g.rows ? c : c * g.S] : ((const float *)xp)[g.rows ? c : c * g.S];
+    if (ct == DLUA_DTYPE_F64) bn_stats_f64(&g, xp, sh, scratch, sum, sq);
+    else bn_stats_f32(&g, xp, sh, scratch, sum, sq);
+    for (int64_t c = 0; c < C; c++) {
+      out[c] = sum[c] + (double)M * sh[c];
+      out[C + c] = sq[c] + sh[c] * (2.0 * sum[c] + (double)M * sh[c]);
+    }
+  }
+  out[2 * C] = (double)M;
+done:
+  if (s != DLUA_OK) drop_sums(stats, &allocated);
+  free(dbl);
+  free(scratch);
+  dlua_tensor_free(xs);
+  return s;
+}
+
 /* ---- backward ------------------------------------------------------------------------------------ */
 
 static dlua_status_t param_grad(const char *op, const char *what, dlua_tensor_t *t, const dlua_tensor_t *x) {
@@ -289,13 +409,15 @@ static dlua_status_t param_grad(const char *op, const char *what, dlua_tensor_t 
   return check_vec(op, what, t, x);
 }
 
-dlua_status_t dlua_nn_batch_norm_backward(dlua_tensor_t **grad_input, dlua_tensor_t **grad_skip,
-                                          dlua_tensor_t *grad_gamma, dlua_tensor_t *grad_beta,
-                                          const dlua_tensor_t *grad_output, const dlua_tensor_t *x,
-                                          const dlua_tensor_t *output, const dlua_tensor_t *gamma,
-                                          const dlua_tensor_t *save_mean, const dlua_tensor_t *save_invstd, int train,
-                                          int relu, int accumulate) {
-  const char *op = "batch_norm_backward";
+/* Backward whole (sums_out and sums_in NULL), or its halves for SyncBatchNorm: with sums_out, the
+   per-channel reductions only ([sum d, sum d (x - mean), count] into *sums_out, and the local
+   grad_gamma/grad_beta); with sums_in, the elementwise pass only, from reductions summed over
+   every rank (their count normalises). */
+static dlua_status_t bn_backward(const char *op, dlua_tensor_t **grad_input, dlua_tensor_t **grad_skip,
+                                 dlua_tensor_t *grad_gamma, dlua_tensor_t *grad_beta, const dlua_tensor_t *grad_output,
+                                 const dlua_tensor_t *x, const dlua_tensor_t *output, const dlua_tensor_t *gamma,
+                                 const dlua_tensor_t *save_mean, const dlua_tensor_t *save_invstd, int train, int relu,
+                                 int accumulate, dlua_tensor_t **sums_out, const dlua_tensor_t *sums_in) {
   DLUA_TRY(check_input(op, "input", x));
   DLUA_TRY(check_like(op, "grad_output", grad_output, "input", x));
   if (relu) {
@@ -315,11 +437,22 @@ dlua_status_t dlua_nn_batch_norm_backward(dlua_tensor_t **grad_input, dlua_tenso
   if (fmt == ACT_OTHER) fmt = ACT_CONTIG;
   bn_geom_t g;
   geom_of(x, fmt, &g);
-  const int64_t C = g.C, M = g.N * g.S;
+  const int64_t C = g.C;
+  int64_t M = g.N * g.S;
+  int sums_allocated = 0;
+  if (sums_out) DLUA_TRY(prepare_sums(op, sums_out, C, &sums_allocated));
+  if (sums_in) {
+    DLUA_TRY(check_sums(op, "sums", sums_in, C));
+    double cnt = ((const double *)dlua_tensor_ptr(sums_in))[2 * C];
+    if (!(cnt >= 0) || cnt != floor(cnt) || cnt > 9e15)
+      return DLUA_ERR(DLUA_ERR_ARG, "%s: sums hold a count of %g values per channel, expected a whole number >= 0", op,
+                      cnt);
+    M = (int64_t)cnt;
+  }
   const dlua_dtype_t ct = x->dtype == DLUA_DTYPE_F64 || grad_output->dtype == DLUA_DTYPE_F64 ? DLUA_DTYPE_F64 : DLUA_DTYPE_F32;
   const size_t es = dlua_dtype_size(ct);
   const int want_dx = grad_input != NULL, want_skip = grad_skip != NULL;
-  const int reduce = (want_dx && train) || grad_gamma || grad_beta;
+  const int reduce = !sums_in && (sums_out || (want_dx && train) || grad_gamma || grad_beta);
 
   dlua_status_t s = DLUA_OK;
   dlua_tensor_t *xs = NULL, *ds = NULL, *ys = NULL;
@@ -336,7 +469,7 @@ dlua_status_t dlua_nn_batch_norm_backward(dlua_tensor_t **grad_input, dlua_tenso
   // mean, invstd, gamma, sum dy, sum dy (x - mean): 5 doubles per channel.
   if (s == DLUA_OK) dbl = xmalloc((size_t)(5 * C) * sizeof(double), &s, op);
   if (s == DLUA_OK) tv = xmalloc((size_t)(4 * C) * es, &s, op);
-  if (s == DLUA_OK && reduce && M > 0) scratch = xmalloc((size_t)scratch_len(&g) * sizeof(double), &s, op);
+  if (s == DLUA_OK && reduce && g.N * g.S > 0) scratch = xmalloc((size_t)scratch_len(&g) * sizeof(double), &s, op);
   if (s != DLUA_OK) goto done;
   double *mean = dbl, *invstd = dbl + C, *gm = dbl + 2 * C, *sdy = dbl + 3 * C, *sdx = dbl + 4 * C;
   vec_read(save_mean, C, mean, 0.0);
@@ -347,9 +480,18 @@ dlua_status_t dlua_nn_batch_norm_backward(dlua_tensor_t **grad_input, dlua_tenso
   void *tm = tv, *ta = (char *)tv + C * es, *tb = (char *)tv + 2 * C * es, *td = (char *)tv + 3 * C * es;
   put_t(ct, tm, mean, C);
   for (int64_t c = 0; c < C; c++) sdy[c] = sdx[c] = 0;
-  if (reduce && M > 0) {
+  if (reduce && g.N * g.S > 0) {
     if (ct == DLUA_DTYPE_F64) bn_bwd_reduce_f64(&g, xp, dp, yp, tm, scratch, sdy, sdx);
     else bn_bwd_reduce_f32(&g, xp, dp, yp, tm, scratch, sdy, sdx);
+  }
+  if (sums_in) {
+    const double *si = (const double *)dlua_tensor_ptr(sums_in);
+    for (int64_t c = 0; c < C; c++) sdy[c] = si[c], sdx[c] = si[C + c];
+  }
+  if (sums_out) {
+    double *so = (double *)dlua_tensor_ptr(*sums_out);
+    for (int64_t c = 0; c < C; c++) so[c] = sdy[c], so[C + c] = sdx[c];
+    so[2 * C] = (double)M;
   }
   for (int64_t c = 0; c < C; c++) {
     if (grad_gamma) vec_set(grad_gamma, c, (accumulate ? vec_get(grad_gamma, c) : 0.0) + sdx[c] * invstd[c]);
@@ -377,6 +519,7 @@ dlua_status_t dlua_nn_batch_norm_backward(dlua_tensor_t **grad_input, dlua_tenso
 done:
   s = act_out_end(&odx, s);
   s = act_out_end(&osk, s);
+  if (s != DLUA_OK && sums_out) drop_sums(sums_out, &sums_allocated);
   free(dbl);
   free(tv);
   free(scratch);
@@ -384,4 +527,36 @@ done:
   dlua_tensor_free(ds);
   dlua_tensor_free(ys);
   return s;
+}
+
+dlua_status_t dlua_nn_batch_norm_backward(dlua_tensor_t **grad_input, dlua_tensor_t **grad_skip,
+                                          dlua_tensor_t *grad_gamma, dlua_tensor_t *grad_beta,
+                                          const dlua_tensor_t *grad_output, const dlua_tensor_t *x,
+                                          const dlua_tensor_t *output, const dlua_tensor_t *gamma,
+                                          const dlua_tensor_t *save_mean, const dlua_tensor_t *save_invstd, int train,
+                                          int relu, int accumulate) {
+  return bn_backward("batch_norm_backward", grad_input, grad_skip, grad_gamma, grad_beta, grad_output, x, output, gamma,
+                     save_mean, save_invstd, train, relu, accumulate, NULL, NULL);
+}
+
+dlua_status_t dlua_nn_batch_norm_backward_reduce(dlua_tensor_t **sums, dlua_tensor_t *grad_gamma,
+                                                 dlua_tensor_t *grad_beta, const dlua_tensor_t *grad_output,
+                                                 const dlua_tensor_t *x, const dlua_tensor_t *output,
+                                                 const dlua_tensor_t *save_mean, const dlua_tensor_t *save_invstd,
+                                                 int relu, int accumulate) {
+  const char *op = "batch_norm_backward_reduce";
+  if (!sums) return DLUA_ERR(DLUA_ERR_ARG, "%s: sums is NULL", op);
+  return bn_backward(op, NULL, NULL, grad_gamma, grad_beta, grad_output, x, output, NULL, save_mean, save_invstd, 1,
+                     relu, accumulate, sums, NULL);
+}
+
+dlua_status_t dlua_nn_batch_norm_backward_apply(dlua_tensor_t **grad_input, dlua_tensor_t **grad_skip,
+                                                const dlua_tensor_t *grad_output, const dlua_tensor_t *x,
+                                                const dlua_tensor_t *output, const dlua_tensor_t *gamma,
+                                                const dlua_tensor_t *save_mean, const dlua_tensor_t *save_invstd,
+                                                const dlua_tensor_t *sums, int relu) {
+  const char *op = "batch_norm_backward_apply";
+  if (!sums) return DLUA_ERR(DLUA_ERR_ARG, "%s: sums is NULL", op);
+  return bn_backward(op, grad_input, grad_skip, NULL, NULL, grad_output, x, output, gamma, save_mean, save_invstd, 1,
+                     relu, 0, NULL, sums);
 }

@@ -608,6 +608,24 @@ dlua_status_t dlua_nn_batch_norm_forward(dlua_tensor_t **out, dlua_tensor_t **sa
    wanted. grad_gamma and grad_beta (C) (may be NULL; any floating dtype) receive sum(dy * xhat)
    and sum(dy): accumulate 1 adds to what they hold (Torch7's backward), 0 overwrites. */
 dlua_status_t dlua_nn_batch_norm_backward(dlua_tensor_t **grad_input, dlua_tensor_t **grad_skip, dlua_tensor_t *grad_gamma, dlua_tensor_t *grad_beta, const dlua_tensor_t *grad_output, const dlua_tensor_t *x, const dlua_tensor_t *output, const dlua_tensor_t *gamma, const dlua_tensor_t *save_mean, const dlua_tensor_t *save_invstd, int train, int relu, int accumulate);
+/* SyncBatchNorm (torch.nn.SyncBatchNorm): the two functions above cut at their per-channel
+   reductions, so that the ranks sum those between the halves. The reductions travel as one
+   contiguous float64 vector of 2C+1 values (`out` convention: allocated, or given and overwritten):
+   forward [sum x (C), sum x^2 (C), M], backward [sum d (C), sum d (x - mean) (C), M], where M counts
+   the values per channel (N * H * W) and d is grad_output masked by the ReLU. Summed over ranks,
+   they give the statistics of the whole batch.
+   Forward in training: stats = batch_norm_stats(x) on each rank, summed over ranks, then
+   batch_norm_apply: mean = sum x / M, biased var = sum x^2 / M - mean^2 (sums in double), the
+   running update as above with the summed M, then out, save_mean, save_invstd as forward's. */
+dlua_status_t dlua_nn_batch_norm_stats(dlua_tensor_t **stats, const dlua_tensor_t *x);
+dlua_status_t dlua_nn_batch_norm_apply(dlua_tensor_t **out, dlua_tensor_t **save_mean, dlua_tensor_t **save_invstd, const dlua_tensor_t *x, const dlua_tensor_t *gamma, const dlua_tensor_t *beta, const dlua_tensor_t *skip, const dlua_tensor_t *stats, dlua_tensor_t *running_mean, dlua_tensor_t *running_var, double momentum, double eps, int relu);
+/* Backward: batch_norm_backward_reduce gives this rank's sums and its local grad_gamma
+   (sum d xhat) and grad_beta (sum d), accumulated or overwritten as backward does (DDP's average
+   of the local sums is the whole batch's gradient of the ranks' mean loss); then, with the sums
+   summed over ranks, batch_norm_backward_apply writes grad_input (and grad_skip) as backward does
+   in training, normalised by the summed M. */
+dlua_status_t dlua_nn_batch_norm_backward_reduce(dlua_tensor_t **sums, dlua_tensor_t *grad_gamma, dlua_tensor_t *grad_beta, const dlua_tensor_t *grad_output, const dlua_tensor_t *x, const dlua_tensor_t *output, const dlua_tensor_t *save_mean, const dlua_tensor_t *save_invstd, int relu, int accumulate);
+dlua_status_t dlua_nn_batch_norm_backward_apply(dlua_tensor_t **grad_input, dlua_tensor_t **grad_skip, const dlua_tensor_t *grad_output, const dlua_tensor_t *x, const dlua_tensor_t *output, const dlua_tensor_t *gamma, const dlua_tensor_t *save_mean, const dlua_tensor_t *save_invstd, const dlua_tensor_t *sums, int relu);
 
 /* Pooling output extent along one dimension, PyTorch's rule: floor (or ceil when ceil_mode)
    of (in + 2*pad - dil*(kernel-1) - 1) / stride, plus 1, less 1 when ceil_mode makes the last

@@ -100,6 +100,16 @@ out=$(DLUA_DIST_DEBUG=1 timeout 60 "$DLUA" --nproc 2 "$work/mismatch.lua" 2>&1);
 expect "debug mode: mismatch fails the job" '[ $rc -eq 1 ]' "$out"
 expect "debug mode: names both calls and their lines" 'grep -q "all_reduce" <<<"$out" && grep -q "broadcast" <<<"$out" && grep -q "mismatch.lua:6" <<<"$out" && grep -q "mismatch.lua:8" <<<"$out"' "$out"
 
+# without debug mode, ranks passing different sizes still get a message, not a bare SIGABRT
+cat >"$work/sizes.lua" <<'LUA'
+local dlua = require 'dlua'
+local dist = dlua.dist
+dist.init{ timeout = 20 }
+dist.all_reduce(dlua.ones({ dist.rank() == 0 and 1000 or 2000 }))
+LUA
+out=$(timeout 60 "$DLUA" --nproc 2 "$work/sizes.lua" 2>&1); rc=$?
+expect "different sizes: the failure says the ranks disagree and how to find where" '[ $rc -eq 1 ] && grep -q "failed (exit code 1): gloo: the ranks disagree on the size" <<<"$out" && grep -q "DLUA_DIST_DEBUG=1" <<<"$out"' "$out"
+
 # the SPMD REPL driven through a pipe
 out=$(printf '%s\n' 'x = dist.rank()' '=x' '1 + 1' 't = dlua.full({2}, dist.rank() + 1); dist.all_reduce(t); print(t)' \
   'if dist.rank() == 1 then error("oops") end' ':on 1 print("only", dist.rank())' 'for i = 1, 2 do' '  io.write(i, " ")' 'end print()' \

@@ -232,18 +232,30 @@ function Conv2d:backward(x, grad)
 end
 
 ---------------------------------------------------------------------------------------------
--- BatchNorm2d(C, {eps = 1e-5, momentum = 0.1, affine = true, relu = false, zero_init = false}):
--- torch.nn.BatchNorm2d (batch statistics in training, running ones in evaluation; running_var
--- updated with the unbiased variance). relu = true fuses a ReLU (the output is what is kept);
--- zero_init starts gamma at 0 (the last BN of a residual block, "Bag of Tricks").
+-- BatchNorm2d(C, {eps = 1e-5, momentum = 0.1, affine = true, relu = false, zero_init = false,
+-- sync = false, group = nil}): torch.nn.BatchNorm2d (batch statistics in training, running ones
+-- in evaluation; running_var updated with the unbiased variance). relu = true fuses a ReLU (the
+-- output is what is kept); zero_init starts gamma at 0 (the last BN of a residual block, "Bag of
+-- Tricks"). sync = true is torch.nn.SyncBatchNorm: in training the statistics are those of the
+-- batch of every rank of `group` (the world by default), summed in one all-reduce forward and one
+-- backward; without dlua.dist initialised, or in a group of one, it is plain BatchNorm2d.
 
 local BatchNorm2d = Module:extend('BatchNorm2d')
 nn.BatchNorm2d = BatchNorm2d
+
+local function check_group(g, where, level)
+  if g ~= nil and (type(g) ~= 'table' or type(g.size) ~= 'function' or type(g.is_member) ~= 'function') then
+    error(string.format('%s: group must come from dlua.dist.new_group, got %s', where, type(g)), level + 1)
+  end
+  return g
+end
 
 function BatchNorm2d:__init(c, opts)
   opts = opts or {}
   self.num_features, self.eps, self.momentum = c, opts.eps or 1e-5, opts.momentum or 0.1
   self.relu = opts.relu or false
+  self.sync = opts.sync or false
+  self.process_group = check_group(opts.group, self.__name, getmetatable(self) == BatchNorm2d and 3 or 4)  -- the caller's line
   local dtype = opts.dtype or 'float32'
   if opts.affine ~= false then
     self:register_parameter('weight', opts.zero_init and dlua.zeros(c, { dtype = dtype }) or dlua.ones(c, { dtype = dtype }))
@@ -255,7 +267,16 @@ function BatchNorm2d:__init(c, opts)
 end
 
 function BatchNorm2d:extra_repr()
-  return tostring(self.num_features) .. (self.relu and ', relu' or '')
+  return tostring(self.num_features) .. (self.relu and ', relu' or '') .. (self.sync and ', sync' or '')
+end
+
+-- The size of the group SyncBatchNorm reduces over (1: nothing to synchronise).
+function BatchNorm2d:_sync_size()
+  if not self.sync then return 1 end
+  local dist = dlua.dist
+  if not dist.is_initialized() then return 1 end
+  if self.process_group then return self.process_group:size() end
+  return dist.world_size()
 end
 
 -- skip (optional): a tensor added before the ReLU (a residual block's shortcut), fused.
@@ -264,18 +285,81 @@ function BatchNorm2d:forward(x, skip)
     self:input_error(x, string.format('(N, %d, ...)', self.num_features))
   end
   if self.training then self.num_batches_tracked:add_(1) end
-  self.output, self.save_mean, self.save_invstd = K.batch_norm(x, self.weight, self.bias, skip, self.running_mean,
-    self.running_var, self.training, self.momentum, self.eps, self.relu, true)
+  self._synced = self.training and self:_sync_size() > 1
+  if self._synced then
+    -- SyncBatchNorm: [sum x, sum x^2, count] of every rank in one all-reduce, then normalise
+    self._sums = K.batch_norm_stats(x, self._sums)
+    dlua.dist.all_reduce(self._sums, 'sum', { group = self.process_group })
+    self.output, self.save_mean, self.save_invstd = K.batch_norm_apply(x, self.weight, self.bias, skip, self._sums,
+      self.running_mean, self.running_var, self.momentum, self.eps, self.relu)
+  else
+    self.output, self.save_mean, self.save_invstd = K.batch_norm(x, self.weight, self.bias, skip, self.running_mean,
+      self.running_var, self.training, self.momentum, self.eps, self.relu, true)
+  end
   self.has_skip = skip ~= nil
   return self.output
 end
 
 -- -> grad_input (and grad_skip when forward had a skip)
 function BatchNorm2d:backward(x, grad)
-  local gi, gs = K.batch_norm_backward(grad, x, self.relu and self.output or nil, self.weight, self.save_mean,
-    self.save_invstd, self.grad_weight, self.grad_bias, self.training, self.relu, self.has_skip)
+  local out = self.relu and self.output or nil
+  local gi, gs
+  if self._synced then
+    -- the local sums of d and d (x - mean) give grad_weight/grad_bias (DDP averages them); summed
+    -- over the ranks they give grad_input
+    self._sums = K.batch_norm_backward_reduce(grad, x, out, self.save_mean, self.save_invstd, self.grad_weight,
+      self.grad_bias, self.relu, self._sums)
+    dlua.dist.all_reduce(self._sums, 'sum', { group = self.process_group })
+    gi, gs = K.batch_norm_backward_apply(grad, x, out, self.weight, self.save_mean, self.save_invstd, self._sums,
+      self.relu, self.has_skip)
+  else
+    gi, gs = K.batch_norm_backward(grad, x, out, self.weight, self.save_mean, self.save_invstd, self.grad_weight,
+      self.grad_bias, self.training, self.relu, self.has_skip)
+  end
   self.grad_input = gi
   return gi, gs
+end
+
+-- SyncBatchNorm(C, opts): BatchNorm2d(C, opts) with sync = true (torch.nn.SyncBatchNorm).
+local SyncBatchNorm = BatchNorm2d:extend('SyncBatchNorm')
+nn.SyncBatchNorm = SyncBatchNorm
+
+function SyncBatchNorm:__init(c, opts)
+  local o = {}
+  for k, v in pairs(opts or {}) do o[k] = v end
+  o.sync = true
+  BatchNorm2d.__init(self, c, o)
+end
+
+local function is_batch_norm(m)
+  local cls = getmetatable(m)
+  while cls do
+    if cls == BatchNorm2d then return true end
+    local mt = getmetatable(cls)
+    cls = mt and mt.__index
+  end
+  return false
+end
+
+-- SyncBatchNorm.convert(model, {group = g}) (torch's convert_sync_batchnorm): every BatchNorm2d
+-- of the model becomes a SyncBatchNorm in place, keeping its parameters, buffers, name and
+-- options (relu, eps, momentum; views into flat arenas stay). Returns the model.
+function SyncBatchNorm.convert(model, opts)
+  if type(model) ~= 'table' or type(model.walk) ~= 'function' then
+    error('SyncBatchNorm.convert: expected a dlua.nn module, got ' .. type(model), 2)
+  end
+  opts = opts or {}
+  for k in pairs(opts) do
+    if k ~= 'group' then error(string.format("SyncBatchNorm.convert: unknown option '%s' (expected group)", tostring(k)), 2) end
+  end
+  local group = check_group(opts.group, 'SyncBatchNorm.convert', 2)
+  model:walk(function(_, m)
+    if is_batch_norm(m) then
+      m.sync, m.process_group = true, group
+      if getmetatable(m) == BatchNorm2d then setmetatable(m, SyncBatchNorm) end
+    end
+  end)
+  return model
 end
 
 -- Pooling: kernel, {stride = kernel, padding = 0, dilation = 1, ceil_mode = false}.
