@@ -12,7 +12,7 @@ local resnet = require 'models.resnet'
 local opt = cli.parse(arg, {
   data = '', epochs = 1, batch = 32, lr = 0.1, warmup = 5, accumulate = 1, image_size = 32, workers = 2,
   seed = 1, limit = 0, eval_limit = 0, model = 'resnet50', momentum = 0.9, weight_decay = 1e-4,
-  bucket_mb = 25, threads = 0, channels_last = true, print_every = 10,
+  bucket_mb = 25, threads = 0, channels_last = true, print_every = 10, sync_bn = false,
 }, {
   description = 'Trains a ResNet (default ResNet-50) data-parallel with dlua.dist.DDP.',
   help = {
@@ -31,6 +31,7 @@ local opt = cli.parse(arg, {
     threads = 'CPU threads per rank (0: the launcher\'s share of the cores)',
     channels_last = 'keep activations in NHWC memory',
     print_every = 'steps between progress lines',
+    sync_bn = 'batch-norm statistics over all ranks (SyncBatchNorm) instead of per rank',
   },
 })
 io.stdout:setvbuf('line')
@@ -124,6 +125,7 @@ end
 local build = resnet[opt.model]
 if not build then error(('unknown --model %s'):format(opt.model), 0) end
 local net = build({ in_channels = 3, num_classes = num_classes, zero_init_residual = true })
+if opt.sync_bn then nn.SyncBatchNorm.convert(net) end
 local model = dist.DDP(net, { accumulate = opt.accumulate, bucket_mb = opt.bucket_mb })
 local criterion = nn.CrossEntropyLoss()
 local global_batch = opt.batch * world * opt.accumulate
@@ -146,7 +148,7 @@ log('%s: %s, %d parameters, %d classes, data %s', opt.model, tostring(model.modu
   num_classes, data_name)
 log('%d ranks x batch %d x accumulate %d = global batch %d; lr %.4g (%.3g per 256), %d warmup steps of %d; %d threads per rank',
   world, opt.batch, opt.accumulate, global_batch, peak, opt.lr, warm, total, dlua.get_num_threads())
-log('DDP: %d buckets', #model:bucket_plan())
+log('DDP: %d buckets%s', #model:bucket_plan(), opt.sync_bn and ', SyncBatchNorm' or '')
 
 local function evaluate()
   model:evaluate()
