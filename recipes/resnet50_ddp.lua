@@ -70,32 +70,27 @@ if opt.data == '' then
     if size ~= 28 then x = x:index_select(3, pick):index_select(4, pick) end
     return to_layout(x:expand({ x:size(1), 3, size, size }))
   end
-  local sampler = data.DistributedSampler({ n = train:size(), shuffle = true, seed = opt.seed, drop_last = true })
-  train_len = sampler:len()
-  train_batches = function(epoch)
-    local idx = sampler:indices(epoch)
-    local shard = data.TensorDataset(train.x:index_select(1, idx), train.y:index_select(1, idx))
-    local it = data.batches(shard, { batch = opt.batch, drop_last = true, seed = opt.seed * 1000 + rank, epoch = epoch,
-      augment = { crop_pad = 2, flip = true }, mean = mean, std = std })
+  local function with_rgb(it)  -- the batches of `it`, images made rgb(x)
     return function()
       local i, x, y = it()
       if i == nil then return nil end
       return i, rgb(x), y
     end
+  end
+  local sampler = data.DistributedSampler({ n = train:size(), shuffle = true, seed = opt.seed, drop_last = true })
+  train_len = sampler:len()
+  train_batches = function(epoch)
+    local idx = sampler:indices(epoch)
+    local shard = data.TensorDataset(train.x:index_select(1, idx), train.y:index_select(1, idx))
+    return with_rgb(data.batches(shard, { batch = opt.batch, drop_last = true, seed = opt.seed * 1000 + rank,
+      epoch = epoch, augment = { crop_pad = 2, flip = true }, mean = mean, std = std }))
   end
   -- evaluation: rank r takes samples r+1, r+1+world, ... (no padding, so nothing counts twice)
   local mine = {}
   for i = rank + 1, test:size(), world do mine[#mine + 1] = i end
   local eval_set = data.TensorDataset(test.x:index_select(1, dlua.tensor(mine, { dtype = 'int64' })),
     test.y:index_select(1, dlua.tensor(mine, { dtype = 'int64' })))
-  eval_batches = function()
-    local it = data.batches(eval_set, { batch = 250, mean = mean, std = std })
-    return function()
-      local i, x, y = it()
-      if i == nil then return nil end
-      return i, rgb(x), y
-    end
-  end
+  eval_batches = function() return with_rgb(data.batches(eval_set, { batch = 250, mean = mean, std = std })) end
 else
   data_name = opt.data
   local mean, std = { 0.485, 0.456, 0.406 }, { 0.229, 0.224, 0.225 }

@@ -3,12 +3,7 @@
 set -u
 DLUA=${1:?usage: test_dist.sh path/to/dlua}
 here=$(cd "$(dirname "$0")" && pwd)
-work=$(mktemp -d /tmp/dlua-dist-test.XXXXXX)
-trap 'pkill -9 -f "$work" 2>/dev/null; rm -rf "$work"' EXIT
-pass=0 failn=0
-ok() { pass=$((pass + 1)); echo "ok   $1"; }
-bad() { failn=$((failn + 1)); echo "FAIL $1"; [ -n "${2:-}" ] && printf '%s\n' "$2" | sed 's/^/     | /'; }
-expect() { if eval "$2"; then ok "$1"; else bad "$1" "$3"; fi; }
+. "$here/common.sh"
 export CUDA_VISIBLE_DEVICES=
 
 # every collective, every dtype, 2 and 3 ranks (3: an odd world; the multi-MB case at 2 and 4)
@@ -146,5 +141,4 @@ for n in 2 3; do
   expect "DDP on $n ranks" '[ $rc -eq 0 ] && [ "$(grep -c "DDP checks passed" <<<"$out")" = $n ]' "$out"
 done
 
-echo "dist: $pass passed, $failn failed"
-[ $failn -eq 0 ]
+finish dist

@@ -2,17 +2,8 @@
 # The launcher end to end: `dlua --nproc N` on 127.0.0.1, output tags, failures, signals, multi-node, no strays.
 set -u
 DLUA=${1:?usage: test_launch.sh path/to/dlua}
-work=$(mktemp -d /tmp/dlua-launch-test.XXXXXX)
-trap 'pkill -9 -f "$work" 2>/dev/null; rm -rf "$work"' EXIT
-pass=0 failn=0
-ok() { pass=$((pass + 1)); echo "ok   $1"; }
-bad() { failn=$((failn + 1)); echo "FAIL $1"; [ -n "${2:-}" ] && printf '%s\n' "$2" | sed 's/^/     | /'; }
-# check NAME COND OUTPUT
-expect() { if eval "$2"; then ok "$1"; else bad "$1" "$3"; fi; }
-no_strays() {  # no process still runs a script of this test
-  sleep 0.3
-  if pgrep -f "$work" >/dev/null; then bad "$1: no stray processes" "$(pgrep -af "$work")"; else ok "$1: no stray processes"; fi
-}
+here=$(cd "$(dirname "$0")" && pwd)
+. "$here/common.sh"
 
 cat >"$work/env.lua" <<'LUA'
 print(string.format('rank=%s world=%s local=%s lws=%s arg=%s', os.getenv('RANK'), os.getenv('WORLD_SIZE'),
@@ -119,5 +110,4 @@ chk_err "--master without port" "--master 'host': expected host:port" --nproc 1 
 chk_err "--nproc gpu without GPUs" "--nproc gpu: no CUDA device available" --nproc gpu "$work/env.lua"
 chk_err "a missing script" "cannot open" --nproc 2 "$work/nosuch.lua"
 
-echo "launcher: $pass passed, $failn failed"
-[ $failn -eq 0 ]
+finish launcher
