@@ -2,9 +2,10 @@
 """torchvision side of bench/loader: ImageFolder + RandomResizedCrop(224) + flip + normalise through
 torch.utils.data.DataLoader with the same worker count; and `check`, which compares dlua's pixels
 with torchvision's (Pillow) for the same crops.
-usage: loader.py run ROOT WORKERS BATCH EPOCHS      -> prints img/s<TAB>best
+usage: loader.py run ROOT WORKERS BATCH EPOCHS      -> prints img/s<TAB>best<TAB>CPU s/img (main + workers, best epoch)
        loader.py check DUMP                          -> max/mean pixel difference
 Needs Debian's python3-torchvision (apt-get install python3-torchvision)."""
+import os
 import sys
 import time
 
@@ -26,13 +27,30 @@ if mode == 'run':
     ds = torchvision.datasets.ImageFolder(root, transform=tf)
     loader = torch.utils.data.DataLoader(ds, batch_size=batch, shuffle=True, num_workers=workers,
                                          persistent_workers=workers > 0)
-    best = 0.0
-    for _ in range(epochs):
-        t0, n = time.perf_counter(), 0
+    def cpu_now():
+        # This process plus its (persistent) worker processes, from /proc: workers are not
+        # reaped children until the end, so os.times() alone would miss them.
+        t = os.times()
+        total = t.user + t.system
+        for w in getattr(getattr(loader, '_iterator', None), '_workers', None) or []:
+            try:
+                with open(f'/proc/{w.pid}/stat') as f:
+                    fields = f.read().rsplit(')', 1)[1].split()
+                total += (int(fields[11]) + int(fields[12])) / os.sysconf('SC_CLK_TCK')
+            except (OSError, IndexError, ValueError):
+                pass
+        return total
+
+    best, best_cpu = 0.0, float('inf')
+    for epoch in range(epochs):
+        t0, c0, n = time.perf_counter(), cpu_now(), 0
         for x, y in loader:
             n += x.shape[0]
         best = max(best, n / (time.perf_counter() - t0))
-    print(f'img/s\t{best:.1f}')
+        # The first epoch starts the workers (imports included): counted only when alone.
+        if epoch > 0 or epochs == 1 or workers == 0:
+            best_cpu = min(best_cpu, (cpu_now() - c0) / n)
+    print(f'img/s\t{best:.1f}\t{best_cpu:.6f}')
 elif mode == 'check':
     import numpy as np
     from PIL import Image

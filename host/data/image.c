@@ -1,4 +1,4 @@
-/* Image decoding and encoding: JPEG through TurboJPEG (with DCT-domain scaling), PNG through libpng, always to 8-bit RGB. */
+/* Image decoding and encoding: JPEG through TurboJPEG (with DCT-domain scaling) or libjpeg-turbo's libjpeg API (crop regions), PNG through libpng, always to 8-bit RGB. */
 #include "data/image.h"
 #include <errno.h>
 #include <limits.h>
@@ -6,6 +6,7 @@
 #include <setjmp.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <jpeglib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <turbojpeg.h>
@@ -26,6 +27,10 @@ dlua_image_format_t dlua_image_sniff(const uint8_t *buf, size_t len) {
 void dlua_image_decoder_free(dlua_image_decoder_t *d) {
   if (!d) return;
   if (d->tj) tjDestroy((tjhandle)d->tj);
+  if (d->jd) {
+    jpeg_destroy_decompress(d->jd);
+    free(d->jd);
+  }
   free(d->pixels);
   free(d->aux);
   memset(d, 0, sizeof *d);
@@ -92,12 +97,23 @@ static dlua_status_t jpeg_header(dlua_image_decoder_t *d, const char *op, const 
   if (!tj) return DLUA_ERR(DLUA_ERR_OOM, "%s: cannot create a TurboJPEG decoder", op);
   int sub = 0, color = 0;
   *w = *h = 0;  // a corrupt header can return success without setting them
-  if (len > ULONG_MAX || tjDecompressHeader3(tj, buf, (unsigned long)len, w, h, &sub, &color) != 0)
-    return DLUA_ERR(DLUA_ERR_IO, "%s: '%s' is not a readable JPEG: %s", op, name, tjGetErrorStr2(tj));
+  if (len > ULONG_MAX || tjDecompressHeader3(tj, buf, (unsigned long)len, w, h, &sub, &color) != 0) {
+    dlua_status_t s = DLUA_ERR(DLUA_ERR_IO, "%s: '%s' is not a readable JPEG: %s", op, name, tjGetErrorStr2(tj));
+    // TurboJPEG 2.1 leaves the handle mid-header after a failed header read, and the next
+    // file's header would then come out as 0x0: start again with a fresh handle.
+    tjDestroy(tj);
+    d->tj = NULL;
+    return s;
+  }
   if (*w <= 0 || *h <= 0 || (int64_t)*w * *h > MAX_PIXELS)
     return DLUA_ERR(DLUA_ERR_IO, "%s: '%s' has an unusable size %dx%d", op, name, *w, *h);
   if (cs) *cs = color;
   return DLUA_OK;
+}
+
+dlua_status_t dlua_image_jpeg_size(dlua_image_decoder_t *d, const char *op, const char *name, const uint8_t *buf,
+                                   size_t len, int *h, int *w) {
+  return jpeg_header(d, op, name, buf, len, h, w, NULL);
 }
 
 static dlua_status_t jpeg_decode(dlua_image_decoder_t *d, const char *op, const char *name, const uint8_t *buf,
@@ -142,6 +158,132 @@ static dlua_status_t jpeg_decode(dlua_image_decoder_t *d, const char *op, const 
   if (rc != 0) return DLUA_ERR(DLUA_ERR_IO, "%s: cannot decode JPEG '%s': %s", op, name, tjGetErrorStr2(tj));
   *oh = sh;
   *ow = sw;
+  return DLUA_OK;
+}
+
+/* ---- JPEG regions (libjpeg API) ---------------------------------------------------------------- */
+
+/* TurboJPEG 2.1 cannot crop; the libjpeg API of the same library can (jpeg_crop_scanline,
+   jpeg_skip_scanlines), and stopping after the last needed row skips even the entropy
+   decoding of the rows below. */
+typedef struct {
+  struct jpeg_decompress_struct ci; /* first: ci.err points at err */
+  struct jpeg_error_mgr err;
+  jmp_buf jb;
+  int warned;
+  char msg[JMSG_LENGTH_MAX];
+} jdec_t;
+
+static void jdec_error_exit(j_common_ptr c) {
+  jdec_t *j = (jdec_t *)(void *)c;
+  (*c->err->format_message)(c, j->msg);
+  longjmp(j->jb, 1);
+}
+
+/* Warnings (corrupt or missing data) make the decode fail, as TurboJPEG's do. */
+static void jdec_emit(j_common_ptr c, int level) {
+  jdec_t *j = (jdec_t *)(void *)c;
+  if (level < 0 && !j->warned) {
+    (*c->err->format_message)(c, j->msg);
+    j->warned = 1;
+  }
+}
+
+static jdec_t *jdec_of(dlua_image_decoder_t *d) {
+  if (d->jd) return d->jd;
+  jdec_t *j = calloc(1, sizeof *j);
+  if (!j) return NULL;
+  j->ci.err = jpeg_std_error(&j->err);
+  j->err.error_exit = jdec_error_exit;
+  j->err.emit_message = jdec_emit;
+  if (setjmp(j->jb)) {  // jpeg_create_decompress fails only when out of memory
+    free(j);
+    return NULL;
+  }
+  jpeg_create_decompress(&j->ci);
+  d->jd = j;
+  return j;
+}
+
+/* A complete JPEG ends with its EOI marker. Files that do not (truncated ones, or trailing
+   bytes) take the full decode, which sees the whole stream: a region decode stops early and
+   would accept a truncated file whose missing part lies below the crop. */
+static int ends_with_eoi(const uint8_t *buf, size_t len) { return len >= 4 && buf[len - 2] == 0xFF && buf[len - 1] == 0xD9; }
+
+dlua_status_t dlua_image_decode_region(dlua_image_decoder_t *d, const char *op, const char *name, const uint8_t *buf,
+                                       size_t len, const int want[4], int got[4]) {
+  int h = 0, w = 0, cs = 0;
+  DLUA_TRY(jpeg_header(d, op, name, buf, len, &h, &w, &cs));
+  int y0 = want[0], x0 = want[1], y1 = want[0] + want[2], x1 = want[1] + want[3];
+  if (y0 < 0) y0 = 0;
+  if (x0 < 0) x0 = 0;
+  if (y1 > h) y1 = h;
+  if (x1 > w) x1 = w;
+  if (y0 >= y1 || x0 >= x1 || cs == TJCS_CMYK || cs == TJCS_YCCK || !ends_with_eoi(buf, len) ||
+      (y0 == 0 && x0 == 0 && y1 == h && x1 == w)) {
+    got[0] = got[1] = 0;
+    DLUA_TRY(jpeg_decode(d, op, name, buf, len, 1, 1, &got[2], &got[3]));
+    return DLUA_OK;
+  }
+  jdec_t *j = jdec_of(d);
+  if (!j) return DLUA_ERR(DLUA_ERR_OOM, "%s: cannot create a JPEG decoder", op);
+  struct jpeg_decompress_struct *ci = &j->ci;
+  // volatile: read after a longjmp back to the setjmp below.
+  volatile dlua_status_t st = DLUA_OK;
+  JSAMPROW row[1];
+  if (setjmp(j->jb)) {
+    jpeg_abort_decompress(ci);
+    if (st != DLUA_OK) return st;
+    return DLUA_ERR(DLUA_ERR_IO, "%s: cannot decode JPEG '%s': %s", op, name, j->msg);
+  }
+  j->warned = 0;
+  jpeg_mem_src(ci, buf, (unsigned long)len);
+  jpeg_read_header(ci, TRUE);
+  // What TurboJPEG does for TJPF_RGB without flags: accurate integer IDCT, fancy upsampling,
+  // so that the region equals the same rows and columns of a full decode.
+  ci->out_color_space = JCS_EXT_RGB;
+  ci->dct_method = JDCT_ISLOW;
+  ci->do_fancy_upsampling = TRUE;
+  ci->do_block_smoothing = TRUE;
+  ci->scale_num = ci->scale_denom = 1;
+  jpeg_start_decompress(ci);
+  if ((int)ci->output_width != w || (int)ci->output_height != h || ci->output_components != 3) {
+    snprintf(j->msg, sizeof j->msg, "the header says %dx%d, the decoder %ux%u", w, h, ci->output_width,
+             ci->output_height);
+    longjmp(j->jb, 1);
+  }
+  // The fancy upsampler interpolates chroma across a cropped region's edges from neighbours
+  // outside it, and a skip resumes at an iMCU row: keep a whole iMCU of margin on the left,
+  // right and top, so the pixels asked for are interior and equal a full decode's.
+  const int mw = ci->max_h_samp_factor * DCTSIZE, mh = ci->max_v_samp_factor * DCTSIZE;
+  int cx0 = x0 - mw < 0 ? 0 : x0 - mw, cx1 = x1 + mw > w ? w : x1 + mw;
+  int ry0 = y0 - mh < 0 ? 0 : (y0 - mh) / mh * mh;
+  JDIMENSION xoff = (JDIMENSION)cx0, cw = (JDIMENSION)(cx1 - cx0);
+  if (cx0 > 0 || cx1 < w) jpeg_crop_scanline(ci, &xoff, &cw);
+  const size_t stride = (size_t)cw * 3;
+  if (!grow(&d->pixels, &d->cap, stride * (size_t)(y1 - ry0) + 64)) {
+    st = DLUA_ERR(DLUA_ERR_OOM, "%s: out of memory decoding '%s' (%ux%d)", op, name, cw, y1 - ry0);
+    longjmp(j->jb, 1);
+  }
+  if (ry0 > 0 && (int)jpeg_skip_scanlines(ci, (JDIMENSION)ry0) != ry0) {
+    snprintf(j->msg, sizeof j->msg, "cannot skip to row %d", ry0);
+    longjmp(j->jb, 1);
+  }
+  while ((int)ci->output_scanline < y1) {
+    row[0] = d->pixels + stride * (ci->output_scanline - (JDIMENSION)ry0);
+    if (jpeg_read_scanlines(ci, row, 1) != 1) {
+      snprintf(j->msg, sizeof j->msg, "no data at row %u", ci->output_scanline);
+      longjmp(j->jb, 1);
+    }
+  }
+  int warned = j->warned;
+  // Rows below the region are never decoded: abort rather than finish.
+  jpeg_abort_decompress(ci);
+  if (warned) return DLUA_ERR(DLUA_ERR_IO, "%s: cannot decode JPEG '%s': %s", op, name, j->msg);
+  got[0] = ry0;
+  got[1] = (int)xoff;
+  got[2] = y1 - ry0;
+  got[3] = (int)cw;
   return DLUA_OK;
 }
 

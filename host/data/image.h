@@ -1,4 +1,4 @@
-/* JPEG (TurboJPEG, DCT-domain down-scaling) and PNG (libpng) decoding into 8-bit RGB, and JPEG/PNG encoding for tools and tests. */
+/* JPEG (TurboJPEG with DCT-domain down-scaling; libjpeg API for crop regions) and PNG (libpng) decoding into 8-bit RGB, and JPEG/PNG encoding for tools and tests. */
 #ifndef DLUA_DATA_IMAGE_H
 #define DLUA_DATA_IMAGE_H
 #include <stddef.h>
@@ -16,6 +16,7 @@ typedef struct dlua_image_decoder {
   void *tj;             /* tjhandle, created on first use */
   uint8_t *pixels;      /* (h, w, 3) RGB of the last decode */
   size_t cap;
+  void *jd;             /* libjpeg decompressor for regions, created on first use */
   uint8_t *aux;         /* CMYK staging */
   size_t aux_cap;
 } dlua_image_decoder_t;
@@ -32,6 +33,20 @@ dlua_status_t dlua_image_peek(const char *op, const char *name, const uint8_t *b
    corrupt or truncated image is DLUA_ERR_IO naming `name`. */
 dlua_status_t dlua_image_decode_into(dlua_image_decoder_t *d, const char *op, const char *name, const uint8_t *buf,
                                      size_t len, int num, int den, int *h, int *w);
+
+/* The size of a JPEG from its header, with d's decoder (no allocation once warm). */
+dlua_status_t dlua_image_jpeg_size(dlua_image_decoder_t *d, const char *op, const char *name, const uint8_t *buf,
+                                   size_t len, int *h, int *w);
+
+/* Decodes, at full size, a block of a JPEG that contains the rows and columns want = (y, x, h,
+   w) of the image (clipped to it), into d->pixels as RGB; got = (y, x, h, w) is the block's
+   place in the image (pixel (y, x) of the image is at d->pixels[((y - got[0]) * got[3] +
+   x - got[1]) * 3]). Inside want the pixels equal those of a full decode. Rows below the block
+   are not even entropy-decoded. CMYK files, files that do not end with an EOI marker (so a
+   truncated file fails as in a full decode) and a region covering the whole image take the
+   full decode (got = the whole image). */
+dlua_status_t dlua_image_decode_region(dlua_image_decoder_t *d, const char *op, const char *name, const uint8_t *buf,
+                                       size_t len, const int want[4], int got[4]);
 
 /* The smallest TurboJPEG scaling factor num/den (den > 0) that keeps a full-size extent of
    (h, w) at least (need_h, need_w) after scaling; 1/1 when none is smaller. */

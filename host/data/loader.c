@@ -205,17 +205,24 @@ static dlua_status_t load_sample(dlua_loader_t *l, scratch_t *s, int64_t index, 
     size_t len = 0;
     DLUA_TRY(dlua_image_read_file(OP, path, &s->file, &s->file_cap, &len));
     int num = 1, den = 1, h = 0, w = 0;
-    if (l->dct && dlua_image_sniff(s->file, len) == DLUA_IMAGE_JPEG) {
-      int h0, w0;
-      DLUA_TRY(dlua_image_peek(OP, path, s->file, len, &h0, &w0));
-      dlua_tf_plan_decode(&l->pipe, &key, h0, w0, &num, &den);
+    if (dlua_image_sniff(s->file, len) == DLUA_IMAGE_JPEG) {
+      int h0, w0, box[4];
+      DLUA_TRY(dlua_image_jpeg_size(&s->dec, OP, path, s->file, len, &h0, &w0));
+      if (l->dct) dlua_tf_plan_decode(&l->pipe, &key, h0, w0, &num, &den);
+      if (num == den && dlua_tf_plan_region(&l->pipe, &key, h0, w0, box)) {
+        // Only the rows and columns the crop reads: the same pixels, less decoding.
+        int got[4];
+        DLUA_TRY(dlua_image_decode_region(&s->dec, OP, path, s->file, len, box, got));
+        dlua_tf_view_t v = {s->dec.pixels, h0, w0, 3, (ptrdiff_t)got[3] * 3, 0, h0, w0, got[0], got[1], got[2], got[3]};
+        return dlua_tf_run(&l->pipe, &s->tf, &key, v, out, l->out_h, l->out_w, NULL, NULL);
+      }
       DLUA_TRY(dlua_image_decode_into(&s->dec, OP, path, s->file, len, num, den, &h, &w));
-      dlua_tf_view_t v = {s->dec.pixels, h, w, 3, (ptrdiff_t)w * 3, 0, h0, w0};
+      dlua_tf_view_t v = {s->dec.pixels, h, w, 3, (ptrdiff_t)w * 3, 0, h0, w0, 0, 0, 0, 0};
       *scaled = num != den;
       return dlua_tf_run(&l->pipe, &s->tf, &key, v, out, l->out_h, l->out_w, NULL, NULL);
     }
     DLUA_TRY(dlua_image_decode_into(&s->dec, OP, path, s->file, len, 1, 0, &h, &w));
-    dlua_tf_view_t v = {s->dec.pixels, h, w, 3, (ptrdiff_t)w * 3, 0, h, w};
+    dlua_tf_view_t v = {s->dec.pixels, h, w, 3, (ptrdiff_t)w * 3, 0, h, w, 0, 0, 0, 0};
     return dlua_tf_run(&l->pipe, &s->tf, &key, v, out, l->out_h, l->out_w, NULL, NULL);
   }
   if (l->source == SRC_SYNTHETIC) {
@@ -223,7 +230,7 @@ static dlua_status_t load_sample(dlua_loader_t *l, scratch_t *s, int64_t index, 
     if (!grow(&s->hwc, &s->hwc_cap, (size_t)l->in_h * l->in_w * l->in_c))
       return DLUA_ERR(DLUA_ERR_OOM, "%s: out of memory for a synthetic image", OP);
     synth_image(l, index, s->hwc);
-    dlua_tf_view_t v = {s->hwc, l->in_h, l->in_w, l->in_c, (ptrdiff_t)l->in_w * l->in_c, 0, l->in_h, l->in_w};
+    dlua_tf_view_t v = {s->hwc, l->in_h, l->in_w, l->in_c, (ptrdiff_t)l->in_w * l->in_c, 0, l->in_h, l->in_w, 0, 0, 0, 0};
     return dlua_tf_run(&l->pipe, &s->tf, &key, v, out, l->out_h, l->out_w, NULL, NULL);
   }
   // In memory: x[index], raw or through the transforms.
@@ -249,7 +256,7 @@ static dlua_status_t load_sample(dlua_loader_t *l, scratch_t *s, int64_t index, 
     for (int c = 0; c < C; c++)
       for (int i = 0; i < H * W; i++) s->hwc[(size_t)i * C + c] = p[(size_t)c * H * W + i];
   }
-  dlua_tf_view_t v = {s->hwc, H, W, C, (ptrdiff_t)W * C, 0, H, W};
+  dlua_tf_view_t v = {s->hwc, H, W, C, (ptrdiff_t)W * C, 0, H, W, 0, 0, 0, 0};
   return dlua_tf_run(&l->pipe, &s->tf, &key, v, out, l->out_h, l->out_w, NULL, NULL);
 }
 

@@ -237,6 +237,22 @@ void dlua_tf_plan_decode(const dlua_pipeline_t *p, const dlua_tf_key_t *key, int
   }
 }
 
+int dlua_tf_plan_region(const dlua_pipeline_t *p, const dlua_tf_key_t *key, int h, int w, int box[4]) {
+  int flip = 0;
+  for (int i = 0; i < p->n; i++) {
+    const dlua_transform_t *t = &p->ops[i];
+    if (t->kind == DLUA_TF_HFLIP) {
+      flip ^= dlua_transform_flip_draw(t->p, key->seed, key->epoch, key->sample, i);
+      continue;
+    }
+    if (t->kind != DLUA_TF_RANDOM_RESIZED_CROP) return 0;
+    dlua_transform_rrc_box(t->scale, t->ratio, h, w, key->seed, key->epoch, key->sample, i, box);
+    if (flip) box[1] = w - box[1] - box[3];
+    return box[2] < h || box[3] < w;
+  }
+  return 0;
+}
+
 /* ---- buffers ---------------------------------------------------------------------------------- */
 
 void dlua_tf_scratch_free(dlua_tf_scratch_t *s) {
@@ -379,6 +395,162 @@ DLUA_TF_HOT static void resample_h(const uint8_t *src, ptrdiff_t sstride, int c,
   }
 }
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define DLUA_TF_AVX2 1
+
+/* resample_h for RGB with every window of ksize taps, in AVX2: a pair of taps per 256-bit
+   step, one pixel's R, G, B (and a zero) widened to int32 in each 128-bit half, times the
+   taps' coefficients (kk: per output x, per pair, {k0 x4, k1 x4}); the same int32 sums as
+   the scalar loop, so the same bytes. Each pair loads 8 bytes from its first pixel: the
+   caller makes sure the last window of the last row has 2 (odd ksize: 5) readable bytes
+   after it. */
+__attribute__((target("avx2"), always_inline)) static inline __m128i h3_pixel(const uint8_t *s, const int32_t *kk,
+                                                                              int npairs) {
+  const __m256i widen = _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, -1, -1, -1, -1,  //
+                                         3, -1, -1, -1, 4, -1, -1, -1, 5, -1, -1, -1, -1, -1, -1, -1);
+  __m256i acc = _mm256_setzero_si256();
+  for (int q = 0; q < npairs; q++, s += 6) {
+    long long b8;
+    memcpy(&b8, s, 8);  // one unaligned load
+    __m256i px = _mm256_shuffle_epi8(_mm256_set1_epi64x(b8), widen);
+    acc = _mm256_add_epi32(acc, _mm256_mullo_epi32(px, _mm256_loadu_si256((const __m256i *)(const void *)(kk + 8 * q))));
+  }
+  __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+  return _mm_srai_epi32(_mm_add_epi32(sum, _mm_set1_epi32(1 << (PRECISION_BITS - 1))), PRECISION_BITS);
+}
+
+/* One row; npairs is a constant in each inlined copy, so the tap loop unrolls. */
+__attribute__((target("avx2"), always_inline)) static inline void h3_row(const uint8_t *row, uint8_t *o, int ow,
+                                                                         const int *bounds, const int32_t *kk,
+                                                                         int npairs) {
+  const __m128i compact = _mm_setr_epi8(0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14, -1, -1, -1, -1);
+  const size_t kstep = (size_t)npairs * 8;
+  int x = 0;
+  for (; x + 4 <= ow; x += 4) {
+    __m128i r0 = h3_pixel(row + (ptrdiff_t)bounds[2 * x] * 3, kk + x * kstep, npairs);
+    __m128i r1 = h3_pixel(row + (ptrdiff_t)bounds[2 * x + 2] * 3, kk + (x + 1) * kstep, npairs);
+    __m128i r2 = h3_pixel(row + (ptrdiff_t)bounds[2 * x + 4] * 3, kk + (x + 2) * kstep, npairs);
+    __m128i r3 = h3_pixel(row + (ptrdiff_t)bounds[2 * x + 6] * 3, kk + (x + 3) * kstep, npairs);
+    // Signed then unsigned saturation: Pillow's clip8.
+    __m128i b = _mm_shuffle_epi8(_mm_packus_epi16(_mm_packs_epi32(r0, r1), _mm_packs_epi32(r2, r3)), compact);
+    _mm_storel_epi64((__m128i *)(void *)(o + 3 * x), b);
+    uint32_t t4 = (uint32_t)_mm_extract_epi32(b, 2);
+    memcpy(o + 3 * x + 8, &t4, 4);
+  }
+  for (; x < ow; x++) {
+    __m128i r = h3_pixel(row + (ptrdiff_t)bounds[2 * x] * 3, kk + x * kstep, npairs);
+    uint32_t t4 = (uint32_t)_mm_cvtsi128_si32(_mm_packus_epi16(_mm_packs_epi32(r, r), r));
+    memcpy(o + 3 * x, &t4, 3);
+  }
+}
+
+/* resample_h for RGB with every window of ksize taps, in AVX2: a pair of taps per 256-bit
+   step, one pixel's R, G, B (and a zero) widened to int32 in each 128-bit half, times the
+   taps' coefficients (kk: per output x, per pair, {k0 x4, k1 x4}); the same int32 sums as
+   the scalar loop, so the same bytes. Each pair loads 8 bytes from its first pixel: a
+   window reads up to 5 bytes past its end, so the caller keeps the last row for the scalar
+   loop. */
+__attribute__((target("avx2"))) static void resample_h3_avx2(const uint8_t *src, ptrdiff_t sstride, int y0, int y1,
+                                                               uint8_t *dst, int ow, const int *bounds,
+                                                               const int32_t *kk, int npairs) {
+  for (int y = y0; y < y1; y++) {
+    const uint8_t *row = src + (ptrdiff_t)y * sstride;
+    uint8_t *o = dst + (size_t)(y - y0) * ow * 3;
+    switch (npairs) {
+      case 2: h3_row(row, o, ow, bounds, kk, 2); break;
+      case 3: h3_row(row, o, ow, bounds, kk, 3); break;
+      case 4: h3_row(row, o, ow, bounds, kk, 4); break;
+      default: h3_row(row, o, ow, bounds, kk, npairs); break;
+    }
+  }
+}
+
+/* resample_v in AVX2: 32 bytes of a row at a time, their int32 sums kept in registers across
+   the taps (the portable loop goes through memory once per tap); same sums, same bytes. */
+__attribute__((target("avx2"))) static void resample_v_avx2(const uint8_t *src, ptrdiff_t sstride, int wc, uint8_t *dst,
+                                                              int oh, const coeffs_t *cf) {
+  const __m256i half = _mm256_set1_epi32(1 << (PRECISION_BITS - 1));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int y = 0; y < oh; y++) {
+    const int ymin = cf->bounds[2 * y], yn = cf->bounds[2 * y + 1];
+    const int32_t *k = cf->k + (size_t)y * cf->ksize;
+    const uint8_t *s0 = src + (ptrdiff_t)ymin * sstride;
+    uint8_t *o = dst + (size_t)y * wc;
+    int x = 0;
+    for (; x + 32 <= wc; x += 32) {
+      __m256i a0 = half, a1 = half, a2 = half, a3 = half;
+      const uint8_t *s = s0 + x;
+      for (int t = 0; t < yn; t++, s += sstride) {
+        const __m256i kt = _mm256_set1_epi32(k[t]);
+        const __m128i lo = _mm_loadu_si128((const __m128i *)(const void *)s);
+        const __m128i hi = _mm_loadu_si128((const __m128i *)(const void *)(s + 16));
+        a0 = _mm256_add_epi32(a0, _mm256_mullo_epi32(_mm256_cvtepu8_epi32(lo), kt));
+        a1 = _mm256_add_epi32(a1, _mm256_mullo_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)), kt));
+        a2 = _mm256_add_epi32(a2, _mm256_mullo_epi32(_mm256_cvtepu8_epi32(hi), kt));
+        a3 = _mm256_add_epi32(a3, _mm256_mullo_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)), kt));
+      }
+      a0 = _mm256_srai_epi32(a0, PRECISION_BITS);
+      a1 = _mm256_srai_epi32(a1, PRECISION_BITS);
+      a2 = _mm256_srai_epi32(a2, PRECISION_BITS);
+      a3 = _mm256_srai_epi32(a3, PRECISION_BITS);
+      // packs/packus work within 128-bit lanes: the permute puts the 32 bytes back in order.
+      __m256i b = _mm256_packus_epi16(_mm256_packs_epi32(a0, a1), _mm256_packs_epi32(a2, a3));
+      _mm256_storeu_si256((__m256i *)(void *)(o + x), _mm256_permutevar8x32_epi32(b, order));
+    }
+    for (; x < wc; x++) {
+      int32_t a = 1 << (PRECISION_BITS - 1);
+      for (int t = 0; t < yn; t++) a += s0[(ptrdiff_t)t * sstride + x] * k[t];
+      o[x] = clip8(a);
+    }
+  }
+}
+
+/* ToTensor + Normalize of an RGB view into (3, H, W) float: 8 pixels (24 bytes, no more) per
+   step, split into channels with byte shuffles, their values gathered from the lookup table
+   the scalar loop reads, so the floats are the same. */
+__attribute__((target("avx2"))) static void store_chw3_avx2(const float lut[][256], const uint8_t *p, ptrdiff_t stride,
+                                                              int H, int W, int flip, float *o) {
+  const __m128i lo_m[3] = {_mm_setr_epi8(0, 3, 6, 9, 12, 15, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1),
+                           _mm_setr_epi8(1, 4, 7, 10, 13, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1),
+                           _mm_setr_epi8(2, 5, 8, 11, 14, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1)};
+  const __m128i hi_m[3] = {_mm_setr_epi8(-1, -1, -1, -1, -1, -1, 10, 13, -1, -1, -1, -1, -1, -1, -1, -1),
+                           _mm_setr_epi8(-1, -1, -1, -1, -1, 8, 11, 14, -1, -1, -1, -1, -1, -1, -1, -1),
+                           _mm_setr_epi8(-1, -1, -1, -1, -1, 9, 12, 15, -1, -1, -1, -1, -1, -1, -1, -1)};
+  const __m256i rev = _mm256_setr_epi32(7, 6, 5, 4, 3, 2, 1, 0);
+  for (int y = 0; y < H; y++) {
+    const uint8_t *row = p + (ptrdiff_t)y * stride;
+    int x = 0;
+    for (; x + 8 <= W; x += 8) {
+      const uint8_t *s = row + (ptrdiff_t)(flip ? W - 8 - x : x) * 3;
+      const __m128i lo = _mm_loadu_si128((const __m128i *)(const void *)s);
+      const __m128i hi = _mm_loadu_si128((const __m128i *)(const void *)(s + 8));
+      for (int c = 0; c < 3; c++) {
+        __m128i b = _mm_or_si128(_mm_shuffle_epi8(lo, lo_m[c]), _mm_shuffle_epi8(hi, hi_m[c]));
+        __m256i idx = _mm256_cvtepu8_epi32(b);
+        if (flip) idx = _mm256_permutevar8x32_epi32(idx, rev);
+        _mm256_storeu_ps(o + ((size_t)c * H + y) * W + x, _mm256_i32gather_ps(lut[c], idx, 4));
+      }
+    }
+    for (; x < W; x++) {
+      const uint8_t *px = row + (ptrdiff_t)(flip ? W - 1 - x : x) * 3;
+      for (int c = 0; c < 3; c++) o[((size_t)c * H + y) * W + x] = lut[c][px[c]];
+    }
+  }
+}
+
+static int have_avx2(void) {
+  static int v = -1;
+  int r = __atomic_load_n(&v, __ATOMIC_RELAXED);
+  if (r < 0) {
+    __builtin_cpu_init();
+    r = __builtin_cpu_supports("avx2") ? 1 : 0;
+    __atomic_store_n(&v, r, __ATOMIC_RELAXED);
+  }
+  return r;
+}
+#endif
+
 /* src rows (width w * c bytes each) -> dst (oh rows); bounds relative to src row 0. Taps
    outer, pixels inner, so the row loop vectorises (int32 multiply-adds over a row). */
 DLUA_TF_HOT static void resample_v(const uint8_t *src, ptrdiff_t sstride, int wc, uint8_t *dst, int oh,
@@ -398,6 +570,45 @@ DLUA_TF_HOT static void resample_v(const uint8_t *src, ptrdiff_t sstride, int wc
   }
 }
 
+/* The horizontal pass over rows [y0, y1) of v into dst; kmem: room for the AVX2 path's
+   expanded coefficients (hpass_bytes). */
+static void hpass(dlua_tf_view_t v, int y0, int y1, uint8_t *dst, int ow, const coeffs_t *cf, void *kmem) {
+#ifdef DLUA_TF_AVX2
+  if (v.c == 3 && v.w >= cf->ksize && y1 > y0 && have_avx2()) {
+    const int K = cf->ksize, npairs = (K + 1) / 2;
+    int32_t *kk = kmem;
+    for (int x = 0; x < ow; x++) {
+      const int32_t *k = cf->k + (size_t)x * K;
+      int32_t *o = kk + (size_t)x * npairs * 8;
+      for (int t = 0; t < 2 * npairs; t++)
+        for (int j = 0; j < 4; j++) o[(t / 2) * 8 + (t % 2) * 4 + j] = t < K ? k[t] : 0;
+    }
+    // The last row reads past its end: it takes the scalar loop.
+    resample_h3_avx2(v.p, v.stride, y0, y1 - 1, dst, ow, cf->bounds, kk, npairs);
+    resample_h(v.p, v.stride, 3, y1 - 1, y1, dst + (size_t)(y1 - 1 - y0) * ow * 3, ow, cf);
+    return;
+  }
+#endif
+  (void)kmem;
+  resample_h(v.p, v.stride, v.c, y0, y1, dst, ow, cf);
+}
+
+static void vpass(const uint8_t *src, ptrdiff_t sstride, int wc, uint8_t *dst, int oh, const coeffs_t *cf, int32_t *acc) {
+#ifdef DLUA_TF_AVX2
+  if (have_avx2()) {
+    resample_v_avx2(src, sstride, wc, dst, oh, cf);
+    return;
+  }
+#endif
+  resample_v(src, sstride, wc, dst, oh, cf, acc);
+}
+
+static size_t hpass_bytes(int in_size, int out_size) {
+  double scale = (double)in_size / out_size;
+  int ksize = (int)ceil(scale < 1 ? 1 : scale) * 2 + 1;
+  return (size_t)out_size * ((ksize + 1) / 2) * 8 * sizeof(int32_t) + 64;
+}
+
 dlua_status_t dlua_tf_resize(dlua_tf_scratch_t *s, dlua_tf_view_t v, uint8_t *dst, int oh, int ow) {
   const int c = v.c;
   int need_h = ow != v.w, need_v = oh != v.h;
@@ -408,19 +619,20 @@ dlua_status_t dlua_tf_resize(dlua_tf_scratch_t *s, dlua_tf_view_t v, uint8_t *ds
   size_t bh = need_h ? coeffs_bytes(v.w, ow) : 0, bv = need_v ? coeffs_bytes(v.h, oh) : 0;
   bh = (bh + 63) / 64 * 64;
   bv = (bv + 63) / 64 * 64;
-  size_t bacc = (size_t)ow * c * sizeof(int32_t);
-  char *mem = reserve(&s->coef, &s->coef_cap, bh + bv + bacc);
-  if (!mem) return DLUA_ERR(DLUA_ERR_OOM, "resize: out of memory for %zu bytes of coefficients", bh + bv + bacc);
+  size_t bacc = ((size_t)ow * c * sizeof(int32_t) + 63) / 64 * 64, bk = need_h ? hpass_bytes(v.w, ow) : 0;
+  char *mem = reserve(&s->coef, &s->coef_cap, bh + bv + bacc + bk);
+  if (!mem) return DLUA_ERR(DLUA_ERR_OOM, "resize: out of memory for %zu bytes of coefficients", bh + bv + bacc + bk);
   int32_t *acc = (int32_t *)(mem + bh + bv);
+  void *kmem = mem + bh + bv + bacc;
   coeffs_t ch = {0}, cv = {0};
   if (need_h) precompute(v.w, ow, &ch, mem);
   if (need_v) precompute(v.h, oh, &cv, mem + bh);
   if (!need_v) {
-    resample_h(v.p, v.stride, c, 0, oh, dst, ow, &ch);
+    hpass(v, 0, oh, dst, ow, &ch, kmem);
     return DLUA_OK;
   }
   if (!need_h) {
-    resample_v(v.p, v.stride, ow * c, dst, oh, &cv, acc);
+    vpass(v.p, v.stride, ow * c, dst, oh, &cv, acc);
     return DLUA_OK;
   }
   // Horizontal pass over the rows the vertical pass reads, as Pillow does.
@@ -428,8 +640,8 @@ dlua_status_t dlua_tf_resize(dlua_tf_scratch_t *s, dlua_tf_view_t v, uint8_t *ds
   for (int y = 0; y < oh; y++) cv.bounds[2 * y] -= y0;
   uint8_t *tmp = reserve((void **)&s->tmp, &s->tmp_cap, (size_t)(y1 - y0) * ow * c);
   if (!tmp) return DLUA_ERR(DLUA_ERR_OOM, "resize: out of memory for a %dx%d intermediate", ow, y1 - y0);
-  resample_h(v.p, v.stride, c, y0, y1, tmp, ow, &ch);
-  resample_v(tmp, (ptrdiff_t)ow * c, ow * c, dst, oh, &cv, acc);
+  hpass(v, y0, y1, tmp, ow, &ch, kmem);
+  vpass(tmp, (ptrdiff_t)ow * c, ow * c, dst, oh, &cv, acc);
   return DLUA_OK;
 }
 
@@ -438,12 +650,25 @@ dlua_status_t dlua_tf_resize(dlua_tf_scratch_t *s, dlua_tf_view_t v, uint8_t *ds
 /* The physical window of a logical crop (y, x, h, w) of v (mirroring maps x). */
 static dlua_tf_view_t crop(dlua_tf_view_t v, int y, int x, int h, int w) {
   int px = v.flip ? v.w - x - w : x;
-  v.p += (ptrdiff_t)y * v.stride + (ptrdiff_t)px * v.c;
+  v.p += (ptrdiff_t)(y - v.oy) * v.stride + (ptrdiff_t)(px - v.ox) * v.c;
   v.h = h;
   v.w = w;
   v.lh = h;
   v.lw = w;
+  v.oy = v.ox = v.rh = v.rw = 0;
   return v;
+}
+
+/* A view holding only a decoded region can take one crop inside that region and nothing else. */
+static dlua_status_t region_check(const dlua_tf_view_t *v, const char *name, const int *box) {
+  if (v->rh <= 0) return DLUA_OK;
+  if (box) {
+    int px = v->flip ? v->w - box[1] - box[3] : box[1];
+    if (box[0] >= v->oy && box[0] + box[2] <= v->oy + v->rh && px >= v->ox && px + box[3] <= v->ox + v->rw)
+      return DLUA_OK;
+  }
+  return DLUA_ERR(DLUA_ERR_INTERNAL, "transforms: %s needs pixels outside the decoded region (%d, %d) %dx%d of a %dx%d image",
+                  name, v->oy, v->ox, v->rw, v->rh, v->w, v->h);
 }
 
 /* A buffer of the scratch that v does not point into. */
@@ -504,6 +729,12 @@ DLUA_TF_HOT static void store(const dlua_pipeline_t *p, const dlua_tf_view_t *v,
       for (int i = 0; i < 256; i++) lut[c][i] = (float)(i * p->a[c] + p->b[c]);
     }
     float *o = dst;
+#ifdef DLUA_TF_AVX2
+    if (C == 3 && p->layout == 0 && have_avx2()) {
+      store_chw3_avx2((const float(*)[256])lut, v->p, v->stride, H, W, v->flip, o);
+      return;
+    }
+#endif
     for (int y = 0; y < H; y++) {
       const uint8_t *row = v->p + (ptrdiff_t)y * v->stride;
       if (p->layout == 0) {
@@ -557,6 +788,7 @@ dlua_status_t dlua_tf_run(const dlua_pipeline_t *p, dlua_tf_scratch_t *s, const 
       case DLUA_TF_RANDOM_RESIZED_CROP: {
         int box[4];
         dlua_transform_rrc_box(t->scale, t->ratio, v.lh, v.lw, key->seed, key->epoch, key->sample, i, box);
+        DLUA_TRY(region_check(&v, "RandomResizedCrop", box));
         if (v.lh != v.h || v.lw != v.w) {
           // Drawn on the full-size image, applied to its DCT-scaled decode.
           double fy = (double)v.h / v.lh, fx = (double)v.w / v.lw;
@@ -577,6 +809,7 @@ dlua_status_t dlua_tf_run(const dlua_pipeline_t *p, dlua_tf_scratch_t *s, const 
       }
       case DLUA_TF_RESIZE: {
         int nh, nw;
+        DLUA_TRY(region_check(&v, "Resize", NULL));
         resize_hw(t, v.lh, v.lw, &nh, &nw);
         v.lh = v.h;
         v.lw = v.w;
@@ -584,6 +817,7 @@ dlua_status_t dlua_tf_run(const dlua_pipeline_t *p, dlua_tf_scratch_t *s, const 
         break;
       }
       case DLUA_TF_CENTER_CROP:
+        DLUA_TRY(region_check(&v, "CenterCrop", NULL));
         DLUA_TRY(center_crop(s, &v, t->h, t->w));
         break;
       case DLUA_TF_HFLIP:
@@ -592,6 +826,7 @@ dlua_status_t dlua_tf_run(const dlua_pipeline_t *p, dlua_tf_scratch_t *s, const 
       default: break;  // ToTensor and Normalize are folded into the store
     }
   }
+  DLUA_TRY(region_check(&v, "the output", NULL));
   if (oh) *oh = v.h;
   if (ow) *ow = v.w;
   if (eh >= 0 && (v.h != eh || v.w != ew))
@@ -618,7 +853,7 @@ dlua_status_t dlua_pipeline_apply(dlua_tensor_t **out, const dlua_pipeline_t *p,
   dlua_tensor_t *c = NULL;
   DLUA_TRY(dlua_tensor_contiguous(&c, img));
   dlua_tf_view_t v = {(const uint8_t *)dlua_tensor_ptr(c), (int)c->sizes[0], (int)c->sizes[1], (int)c->sizes[2],
-                      (ptrdiff_t)(c->sizes[1] * c->sizes[2]), 0, 0, 0};
+                      (ptrdiff_t)(c->sizes[1] * c->sizes[2]), 0, 0, 0, 0, 0, 0, 0};
   dlua_tf_scratch_t s = {0};
   dlua_tf_key_t key = {seed, epoch, sample};
   int oh = 0, ow = 0;

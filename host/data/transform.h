@@ -30,13 +30,16 @@ typedef struct {
 
 /* An 8-bit image seen through a crop: pixel (y, x) channel c is at p[y * stride + x * c + c],
    mirrored (x -> w - 1 - x) when flip. lh, lw: the size the random draws see (the full-size
-   image when it was decoded at a reduced DCT scale), else h, w. */
+   image when it was decoded at a reduced DCT scale), else h, w. rh > 0: only a region was
+   decoded, rows oy .. oy + rh - 1 and columns ox .. ox + rw - 1 (unmirrored), and p points at
+   pixel (oy, ox); the pipeline's first crop must lie inside it (dlua_tf_plan_region). */
 typedef struct {
   const uint8_t *p;
   int h, w, c;
   ptrdiff_t stride;
   int flip;
   int lh, lw;
+  int oy, ox, rh, rw;
 } dlua_tf_view_t;
 
 /* Per-thread buffers, grown on demand and reused across samples. */
@@ -56,6 +59,11 @@ void dlua_tf_scratch_free(dlua_tf_scratch_t *s);
    the transform, so the result differs from a full decode by resampling detail only).
    *num / *den = 1 / 1 when no smaller decode helps. */
 void dlua_tf_plan_decode(const dlua_pipeline_t *p, const dlua_tf_key_t *key, int h, int w, int *num, int *den);
+
+/* The part of a full-size (h, w) image the transforms read, when it is less than all of it:
+   the first resizing transform is a RandomResizedCrop (flips before it mirror its box).
+   Returns 1 and box = (y, x, h, w) in unmirrored image coordinates, else 0. */
+int dlua_tf_plan_region(const dlua_pipeline_t *p, const dlua_tf_key_t *key, int h, int w, int box[4]);
 
 /* Runs every transform on v and writes the result to dst in the pipeline's output dtype and
    layout. The result must be exactly (eh, ew) (the batch's sample size) unless eh < 0;

@@ -1,4 +1,4 @@
-/* Check suite for host/data/image.c: JPEG/PNG fixtures encoded here with TurboJPEG and libpng, decoded pixels against the known ones, grey/CMYK/palette/16-bit/alpha conversions, DCT scaling, bad files. */
+/* Check suite for host/data/image.c: JPEG/PNG fixtures encoded here with TurboJPEG and libpng, decoded pixels against the known ones, grey/CMYK/palette/16-bit/alpha conversions, DCT scaling, crop-region decodes equal to full decodes, bad files. */
 #include <check.h>
 #include <png.h>
 #include <stdint.h>
@@ -143,6 +143,148 @@ START_TEST(test_jpeg_dct_scaling) {
   dlua_image_pick_scale(800, 800, 90, 90, &num, &den);
   ck_assert_int_eq(num, 1);
   ck_assert_int_eq(den, 8);
+}
+END_TEST
+
+/* Textured pixels (noise on a gradient), so chroma upsampling and IDCT edges show in every block. */
+static void noisy(uint8_t *px, int h, int w, int ch, unsigned seed) {
+  uint32_t z = seed * 2654435761u + 1;
+  for (int i = 0; i < h * w * ch; i++) {
+    z = z * 1664525u + 1013904223u;
+    int y = i / (w * ch), x = (i / ch) % w;
+    px[i] = (uint8_t)((3 * y + 5 * x + (i % ch) * 70) % 200 + (int)(z >> 27));
+  }
+}
+
+/* A JPEG like TurboJPEG's encoder writes them (progressive optional), quality 85. */
+static unsigned char *encode_jpeg_q(const uint8_t *px, int h, int w, int pf, int samp, int flags, unsigned long *len) {
+  tjhandle tj = tjInitCompress();
+  unsigned char *out = NULL;
+  ck_assert_int_eq(tjCompress2(tj, px, w, 0, h, pf, &out, len, samp, 85, flags), 0);
+  tjDestroy(tj);
+  return out;
+}
+
+/* Region pixels against the same rows and columns of a full decode, byte for byte. */
+static void check_region(const unsigned char *jpg, unsigned long len, int H, int W, const int want[4], const char *what) {
+  dlua_image_decoder_t full = {0}, part = {0};
+  int h, w, got[4];
+  ck_assert_int_eq(dlua_image_decode_into(&full, "t", "full.jpg", jpg, len, 1, 0, &h, &w), DLUA_OK);
+  ck_assert(h == H && w == W);
+  dlua_status_t st = dlua_image_decode_region(&part, "t", "part.jpg", jpg, len, want, got);
+  ck_assert_msg(st == DLUA_OK, "%s: %s", what, dlua_last_error());
+  ck_assert_msg(got[0] <= want[0] && got[1] <= want[1] && got[0] + got[2] >= want[0] + want[2] &&
+                    got[1] + got[3] >= want[1] + want[3] && got[0] >= 0 && got[1] >= 0 && got[0] + got[2] <= H &&
+                    got[1] + got[3] <= W,
+                "%s: block (%d, %d) %dx%d does not hold (%d, %d) %dx%d", what, got[0], got[1], got[3], got[2], want[0],
+                want[1], want[3], want[2]);
+  for (int y = want[0]; y < want[0] + want[2]; y++) {
+    const uint8_t *a = full.pixels + ((size_t)y * W + want[1]) * 3;
+    const uint8_t *b = part.pixels + ((size_t)(y - got[0]) * got[3] + want[1] - got[1]) * 3;
+    ck_assert_msg(!memcmp(a, b, (size_t)want[3] * 3), "%s: row %d of (%d, %d) %dx%d differs from a full decode", what, y,
+                  want[0], want[1], want[3], want[2]);
+  }
+  dlua_image_decoder_free(&full);
+  dlua_image_decoder_free(&part);
+}
+
+START_TEST(test_jpeg_region_equals_full_decode) {
+  // Sizes that are not multiples of the MCU, every chroma subsampling, grey, progressive; boxes
+  // at the corners, the edges, inside, one pixel, whole rows and columns, and many random ones.
+  static const int sizes[][2] = {{61, 83}, {120, 97}, {33, 250}};
+  static const struct {
+    int pf, samp, flags;
+    const char *name;
+  } kinds[] = {{TJPF_RGB, TJSAMP_420, 0, "4:2:0"},          {TJPF_RGB, TJSAMP_422, 0, "4:2:2"},
+               {TJPF_RGB, TJSAMP_444, 0, "4:4:4"},          {TJPF_RGB, TJSAMP_440, 0, "4:4:0"},
+               {TJPF_RGB, TJSAMP_411, 0, "4:1:1"},          {TJPF_GRAY, TJSAMP_GRAY, 0, "grey"},
+               {TJPF_RGB, TJSAMP_420, TJFLAG_PROGRESSIVE, "progressive 4:2:0"}};
+  int checked = 0;
+  for (size_t si = 0; si < sizeof sizes / sizeof sizes[0]; si++) {
+    const int H = sizes[si][0], W = sizes[si][1];
+    for (size_t ki = 0; ki < sizeof kinds / sizeof kinds[0]; ki++) {
+      const int ch = kinds[ki].pf == TJPF_GRAY ? 1 : 3;
+      uint8_t *px = malloc((size_t)H * W * ch);
+      noisy(px, H, W, ch, (unsigned)(si * 10 + ki));
+      unsigned long len = 0;
+      unsigned char *jpg = encode_jpeg_q(px, H, W, kinds[ki].pf, kinds[ki].samp, kinds[ki].flags, &len);
+      const int fixed[][4] = {{0, 0, 1, 1},          {H - 1, W - 1, 1, 1},     {0, W - 9, 9, 9},      {H - 7, 0, 7, 5},
+                              {17, 16, 16, 16},       {16, 17, 15, 17},         {31, 33, H - 31, 1},   {0, 40, H, 3},
+                              {H / 2, 0, 1, W},       {1, 1, H - 2, W - 2},     {9, 8, H - 20, W / 3}, {0, 0, H, W}};
+      char what[96];
+      for (size_t b = 0; b < sizeof fixed / sizeof fixed[0]; b++) {
+        int box[4] = {fixed[b][0], fixed[b][1], fixed[b][2], fixed[b][3]};
+        if (box[0] < 0 || box[1] < 0 || box[2] < 1 || box[3] < 1 || box[0] + box[2] > H || box[1] + box[3] > W) continue;
+        snprintf(what, sizeof what, "%s %dx%d, fixed box %zu", kinds[ki].name, W, H, b);
+        check_region(jpg, len, H, W, box, what);
+        checked++;
+      }
+      uint32_t z = 12345u + (uint32_t)(si * 7 + ki);
+      for (int r = 0; r < 25; r++) {
+        z = z * 1664525u + 1013904223u;
+        int bh = 1 + (int)((z >> 8) % (uint32_t)H), bw = 1 + (int)((z >> 20) % (uint32_t)W);
+        z = z * 1664525u + 1013904223u;
+        int box[4] = {(int)((z >> 8) % (uint32_t)(H - bh + 1)), (int)((z >> 20) % (uint32_t)(W - bw + 1)), bh, bw};
+        snprintf(what, sizeof what, "%s %dx%d, random box %d", kinds[ki].name, W, H, r);
+        check_region(jpg, len, H, W, box, what);
+        checked++;
+      }
+      tjFree(jpg);
+      free(px);
+    }
+  }
+  ck_assert_int_ge(checked, 500);
+}
+END_TEST
+
+START_TEST(test_jpeg_region_fallbacks_and_errors) {
+  enum { H = 48, W = 64 };
+  uint8_t px[H * W * 4];
+  noisy(px, H, W, 3, 5);
+  unsigned long len = 0;
+  unsigned char *jpg = encode_jpeg_q(px, H, W, TJPF_RGB, TJSAMP_420, 0, &len);
+  dlua_image_decoder_t d = {0};
+  int got[4], box[4] = {20, 20, 10, 10};
+  // Trailing bytes after EOI: the whole image (a full decode), still the same pixels.
+  unsigned char *tail = malloc(len + 3);
+  memcpy(tail, jpg, len);
+  memset(tail + len, 0, 3);
+  check_region(tail, len + 3, H, W, box, "trailing bytes");
+  ck_assert_int_eq(dlua_image_decode_region(&d, "t", "tail.jpg", tail, len + 3, box, got), DLUA_OK);
+  ck_assert(got[0] == 0 && got[1] == 0 && got[2] == H && got[3] == W);
+  // Truncated above the region: an error, as a full decode; truncated below it too (no EOI).
+  int top[4] = {0, 0, 4, 4};
+  ck_assert_int_eq(dlua_image_decode_region(&d, "t", "cut.jpg", jpg, len / 2, top, got), DLUA_ERR_IO);
+  ck_assert_int_eq(dlua_image_decode_region(&d, "t", "cut.jpg", jpg, len / 2, box, got), DLUA_ERR_IO);
+  ck_assert(tu_err_has("cut.jpg"));
+  // Corrupt entropy data before the region's last row, EOI intact: an error naming the file,
+  // and the decoder still works afterwards.
+  memcpy(tail, jpg, len);
+  for (unsigned long i = len / 3; i < len / 3 + 40; i++) tail[i] = 0xFF;
+  int all_rows[4] = {0, 0, H, 8};
+  ck_assert_int_eq(dlua_image_decode_region(&d, "t", "bad.jpg", tail, len, all_rows, got), DLUA_ERR_IO);
+  ck_assert_msg(tu_err_has("bad.jpg"), "%s", dlua_last_error());
+  check_region(jpg, len, H, W, box, "after an error");
+  ck_assert_int_eq(dlua_image_decode_region(&d, "t", "ok.jpg", jpg, len, box, got), DLUA_OK);
+  ck_assert(got[2] < H || got[3] < W);  // a real region this time
+  free(tail);
+  // A header cut before its SOS marker, then a good file, through one decoder: the good
+  // file's size (TurboJPEG's handle must not keep the failed read's state).
+  int hh = -1, ww = -1;
+  ck_assert_int_eq(dlua_image_jpeg_size(&d, "t", "head.jpg", jpg, 300, &hh, &ww), DLUA_ERR_IO);
+  ck_assert_int_eq(dlua_image_jpeg_size(&d, "t", "ok.jpg", jpg, len, &hh, &ww), DLUA_OK);
+  ck_assert(hh == H && ww == W);
+  tjFree(jpg);
+  // CMYK takes the full decode (with the Pillow conversion).
+  for (int y = 0; y < H; y++)
+    for (int x = 0; x < W; x++)
+      for (int c = 0; c < 4; c++) px[(y * W + x) * 4 + c] = cmyk_c(y / 3, x / 4, c);
+  jpg = encode_jpeg_q(px, H, W, TJPF_CMYK, TJSAMP_444, 0, &len);
+  check_region(jpg, len, H, W, box, "CMYK");
+  ck_assert_int_eq(dlua_image_decode_region(&d, "t", "cmyk.jpg", jpg, len, box, got), DLUA_OK);
+  ck_assert(got[2] == H && got[3] == W);
+  tjFree(jpg);
+  dlua_image_decoder_free(&d);
 }
 END_TEST
 
@@ -349,6 +491,8 @@ int main(void) {
   tcase_add_test(tc, test_jpeg_grey_becomes_rgb);
   tcase_add_test(tc, test_jpeg_cmyk_becomes_rgb);
   tcase_add_test(tc, test_jpeg_dct_scaling);
+  tcase_add_test(tc, test_jpeg_region_equals_full_decode);
+  tcase_add_test(tc, test_jpeg_region_fallbacks_and_errors);
   tcase_add_test(tc, test_png_conversions_exact);
   tcase_add_test(tc, test_bad_data_is_an_io_error_naming_the_file);
   tcase_add_test(tc, test_write_and_read_files);

@@ -1,4 +1,4 @@
-/* Check suite for host/data/transform.c: RandomResizedCrop boxes and flips against an independent recomputation of the documented Philox rule, Pillow's bilinear resize by hand, CenterCrop offsets and padding, ToTensor/Normalize values. */
+/* Check suite for host/data/transform.c: RandomResizedCrop boxes and flips against an independent recomputation of the documented Philox rule, Pillow's bilinear resize by hand and against a plain rewrite of Pillow's resampler on many shapes (the vectorised paths), region views, CenterCrop offsets and padding, ToTensor/Normalize values. */
 #include <check.h>
 #include <math.h>
 #include <stdint.h>
@@ -181,6 +181,215 @@ START_TEST(test_resize_matches_pillow_by_hand) {
 }
 END_TEST
 
+/* Pillow's ImagingResample (bilinear, 8 bits) written out plainly: per output the window
+   [xmin, xmin + n) with normalised weights in 22-bit fixed point, horizontal pass first over
+   every row, then vertical; no window sliding, no vector code. */
+static void pil_coeffs(int in, int out, int *xmin, int *n, int32_t *k, int ksize_max) {
+  double scale = (double)in / out, fs = scale < 1 ? 1 : scale, support = fs;
+  for (int xx = 0; xx < out; xx++) {
+    double center = (xx + 0.5) * scale, ww = 0, w[300];
+    int lo = (int)(center - support + 0.5), hi = (int)(center + support + 0.5);
+    if (lo < 0) lo = 0;
+    if (hi > in) hi = in;
+    ck_assert(hi - lo <= ksize_max && hi - lo <= 300);
+    for (int x = lo; x < hi; x++) {
+      double t = fabs((x - center + 0.5) / fs);
+      w[x - lo] = t < 1 ? 1 - t : 0;
+      ww += w[x - lo];
+    }
+    for (int x = 0; x < hi - lo; x++) {
+      double v = ww != 0 ? w[x] / ww : w[x];
+      k[xx * ksize_max + x] = (int32_t)(v < 0 ? -0.5 + v * (1 << 22) : 0.5 + v * (1 << 22));
+    }
+    xmin[xx] = lo;
+    n[xx] = hi - lo;
+  }
+}
+
+static uint8_t pil_clip(int64_t v) { return v <= 0 ? 0 : v >= (255LL << 22) ? 255 : (uint8_t)(v >> 22); }
+
+static void pil_resize(const uint8_t *src, ptrdiff_t stride, int h, int w, int c, uint8_t *dst, int oh, int ow) {
+  enum { KM = 300 };
+  int *xmin = malloc(sizeof(int) * (ow + oh)), *xn = malloc(sizeof(int) * (ow + oh));
+  int32_t *k = malloc(sizeof(int32_t) * KM * (ow + oh));
+  uint8_t *mid = malloc((size_t)h * ow * c);
+  if (ow != w) {
+    pil_coeffs(w, ow, xmin, xn, k, KM);
+    for (int y = 0; y < h; y++)
+      for (int x = 0; x < ow; x++)
+        for (int ch = 0; ch < c; ch++) {
+          int64_t a = 1 << 21;
+          for (int t = 0; t < xn[x]; t++) a += (int64_t)src[y * stride + (xmin[x] + t) * c + ch] * k[x * KM + t];
+          mid[((size_t)y * ow + x) * c + ch] = pil_clip(a);
+        }
+  } else {
+    for (int y = 0; y < h; y++) memcpy(mid + (size_t)y * w * c, src + y * stride, (size_t)w * c);
+  }
+  if (oh != h) {
+    pil_coeffs(h, oh, xmin, xn, k, KM);
+    for (int y = 0; y < oh; y++)
+      for (int i = 0; i < ow * c; i++) {
+        int64_t a = 1 << 21;
+        for (int t = 0; t < xn[y]; t++) a += (int64_t)mid[(size_t)(xmin[y] + t) * ow * c + i] * k[y * KM + t];
+        dst[(size_t)y * ow * c + i] = pil_clip(a);
+      }
+  } else {
+    memcpy(dst, mid, (size_t)h * ow * c);
+  }
+  free(mid);
+  free(k);
+  free(xn);
+  free(xmin);
+}
+
+START_TEST(test_resize_matches_plain_pillow_on_many_shapes) {
+  // Parent images with noise (every byte value), crops of them as views with the parent's
+  // stride; outputs that shrink by 1..10x (3..23 taps), enlarge, or keep one side; 1, 3 and 4
+  // channels; widths that leave vector tails.
+  enum { PH = 97, PW = 131 };
+  uint8_t *parent = malloc(PH * PW * 4);
+  uint32_t z = 99;
+  for (int i = 0; i < PH * PW * 4; i++) {
+    z = z * 1664525u + 1013904223u;
+    parent[i] = (uint8_t)(z >> 24);
+  }
+  static const int cases[][6] = {
+      // crop y, x, h, w; out h, w
+      {0, 0, 97, 131, 40, 55},   {3, 5, 90, 120, 45, 60},  {10, 7, 60, 77, 31, 33},  {1, 2, 95, 128, 13, 17},
+      {0, 0, 97, 131, 97, 37},   {0, 0, 97, 131, 11, 131}, {5, 9, 33, 50, 66, 100},  {2, 2, 7, 9, 40, 36},
+      {20, 30, 41, 59, 41, 59},  {0, 0, 96, 130, 9, 13},   {4, 4, 80, 120, 224, 224}, {0, 1, 97, 130, 95, 127},
+      {6, 3, 88, 121, 1, 1},     {0, 0, 97, 131, 3, 5},    {7, 11, 50, 70, 49, 69},  {0, 0, 60, 131, 60, 12}};
+  dlua_tf_scratch_t sc = {0};
+  int checked = 0;
+  for (int c = 1; c <= 4; c++) {
+    if (c == 2) continue;
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+      const int *k = cases[i];
+      ptrdiff_t stride = (ptrdiff_t)PW * c;
+      const uint8_t *p = parent + k[0] * stride + k[1] * c;
+      int oh = k[4], ow = k[5];
+      uint8_t *got = malloc((size_t)oh * ow * c), *want = malloc((size_t)oh * ow * c);
+      pil_resize(p, stride, k[2], k[3], c, want, oh, ow);
+      dlua_tf_view_t v = {p, k[2], k[3], c, stride, 0, k[2], k[3], 0, 0, 0, 0};
+      ck_assert_int_eq(dlua_tf_resize(&sc, v, got, oh, ow), DLUA_OK);
+      for (size_t j = 0; j < (size_t)oh * ow * c; j++)
+        ck_assert_msg(got[j] == want[j], "%d channels, %dx%d crop at (%d, %d) -> %dx%d: byte %zu is %d, Pillow %d", c,
+                      k[3], k[2], k[0], k[1], ow, oh, j, got[j], want[j]);
+      checked++;
+      free(got);
+      free(want);
+    }
+  }
+  ck_assert_int_eq(checked, 48);
+  // The last rows of a buffer that ends right after them: the vector loops must not read past it.
+  const int h = 5, w = 40;
+  uint8_t *tight = malloc(h * w * 3), *got = malloc(3 * 16 * 3), *want = malloc(3 * 16 * 3);
+  memcpy(tight, parent, h * w * 3);
+  pil_resize(tight, w * 3, h, w, 3, want, 3, 16);
+  dlua_tf_view_t v = {tight, h, w, 3, w * 3, 0, h, w, 0, 0, 0, 0};
+  ck_assert_int_eq(dlua_tf_resize(&sc, v, got, 3, 16), DLUA_OK);
+  ck_assert_int_eq(memcmp(got, want, 3 * 16 * 3), 0);
+  free(tight);
+  free(got);
+  free(want);
+  dlua_tf_scratch_free(&sc);
+  free(parent);
+}
+END_TEST
+
+START_TEST(test_region_view_equals_whole_image) {
+  // The loader's crop decode hands dlua_tf_run only the block the first crop needs; the
+  // result must be the whole image's, with and without a flip before the crop.
+  enum { H = 90, W = 120 };
+  uint8_t *img = malloc(H * W * 3);
+  for (int i = 0; i < H * W * 3; i++) img[i] = (uint8_t)(i * 13 + i / 7);
+  dlua_transform_t ops[5] = {{.kind = DLUA_TF_HFLIP, .p = 0.5},
+                             {.kind = DLUA_TF_RANDOM_RESIZED_CROP, .h = 24, .w = 20, .scale = {0.08, 1}, .ratio = {0.75, 4.0 / 3}},
+                             {.kind = DLUA_TF_HFLIP, .p = 0.5},
+                             {.kind = DLUA_TF_TO_TENSOR, .dtype = DLUA_DTYPE_F32},
+                             {.kind = DLUA_TF_NORMALIZE, .n = 3, .mean = {0.4, 0.5, 0.6}, .std = {0.2, 0.3, 0.4}}};
+  dlua_pipeline_t *p = pipe_of(ops, 5);
+  dlua_tf_scratch_t sc = {0};
+  float *a = malloc(sizeof(float) * 3 * 24 * 20), *b = malloc(sizeof(float) * 3 * 24 * 20);
+  uint8_t *block = malloc(H * W * 3);
+  int flipped = 0, regions = 0;
+  for (int64_t sample = 0; sample < 60; sample++) {
+    dlua_tf_key_t key = {3, 2, sample};
+    dlua_tf_view_t whole = {img, H, W, 3, W * 3, 0, H, W, 0, 0, 0, 0};
+    ck_assert_int_eq(dlua_tf_run(p, &sc, &key, whole, a, 24, 20, NULL, NULL), DLUA_OK);
+    int box[4];
+    if (!dlua_tf_plan_region(p, &key, H, W, box)) continue;
+    regions++;
+    flipped += dlua_transform_flip_draw(0.5, 3, 2, sample, 0);
+    // Exactly the box, copied out: nothing outside it may be read.
+    for (int y = 0; y < box[2]; y++) memcpy(block + (size_t)y * box[3] * 3, img + ((box[0] + y) * W + box[1]) * 3, box[3] * 3);
+    dlua_tf_view_t part = {block, H, W, 3, box[3] * 3, 0, H, W, box[0], box[1], box[2], box[3]};
+    ck_assert_int_eq(dlua_tf_run(p, &sc, &key, part, b, 24, 20, NULL, NULL), DLUA_OK);
+    ck_assert_msg(!memcmp(a, b, sizeof(float) * 3 * 24 * 20), "sample %d: region result differs", (int)sample);
+  }
+  ck_assert_int_ge(regions, 50);
+  ck_assert(flipped > 5 && flipped < regions - 5);
+  // A region that misses the crop is refused, not read out of bounds.
+  dlua_tf_key_t key = {3, 2, 0};
+  int box[4];
+  ck_assert(dlua_tf_plan_region(p, &key, H, W, box));
+  dlua_tf_view_t wrong = {block, H, W, 3, 3, 0, H, W, 0, 0, 1, 1};
+  ck_assert_int_eq(dlua_tf_run(p, &sc, &key, wrong, b, 24, 20, NULL, NULL), DLUA_ERR_INTERNAL);
+  // No region when a Resize comes first.
+  dlua_transform_t rs[2] = {{.kind = DLUA_TF_RESIZE, .h = 40, .w = 0}, {.kind = DLUA_TF_CENTER_CROP, .h = 20, .w = 20}};
+  dlua_pipeline_t *q = pipe_of(rs, 2);
+  ck_assert(!dlua_tf_plan_region(q, &key, H, W, box));
+  dlua_pipeline_free(q);
+  free(block);
+  free(a);
+  free(b);
+  dlua_tf_scratch_free(&sc);
+  dlua_pipeline_free(p);
+  free(img);
+}
+END_TEST
+
+START_TEST(test_to_tensor_wide_rgb_rows) {
+  // Rows of 8-pixel steps plus tails (the vectorised store), mirrored or not, against
+  // (x / 255 - mean) / std per pixel; NCHW and NHWC must hold the same values.
+  static const int widths[] = {1, 7, 8, 9, 16, 21, 40};
+  const double m[3] = {0.485, 0.456, 0.406}, sd[3] = {0.229, 0.224, 0.225};
+  for (size_t wi = 0; wi < sizeof widths / sizeof widths[0]; wi++) {
+    const int H = 5, W = widths[wi];
+    uint8_t *v = malloc(H * W * 3);
+    for (int i = 0; i < H * W * 3; i++) v[i] = (uint8_t)(i * 37 + i / 5);
+    dlua_tensor_t *img = image(H, W, 3, v);
+    for (int flip = 0; flip <= 1; flip++) {
+      dlua_transform_t ops[3] = {{.kind = DLUA_TF_HFLIP, .p = flip},
+                                 {.kind = DLUA_TF_TO_TENSOR, .dtype = DLUA_DTYPE_F32},
+                                 {.kind = DLUA_TF_NORMALIZE, .n = 3, .mean = {m[0], m[1], m[2]}, .std = {sd[0], sd[1], sd[2]}}};
+      dlua_pipeline_t *p = pipe_of(ops, 3);
+      dlua_tensor_t *o = apply(p, img, 0);
+      ops[1].layout = 1;
+      dlua_pipeline_t *q = pipe_of(ops, 3);
+      dlua_tensor_t *o2 = apply(q, img, 0);
+      const float *f = dlua_tensor_data(o), *g = dlua_tensor_data(o2);
+      for (int c = 0; c < 3; c++)
+        for (int y = 0; y < H; y++)
+          for (int x = 0; x < W; x++) {
+            int sx = flip ? W - 1 - x : x;
+            double want = (v[(y * W + sx) * 3 + c] / 255.0 - m[c]) / sd[c];
+            float got = f[(c * H + y) * W + x];
+            ck_assert_msg(fabs(got - want) < 1e-5, "width %d flip %d (%d, %d, %d): %g, expected %g", W, flip, c, y, x, got,
+                          want);
+            ck_assert_msg(got == g[(y * W + x) * 3 + c], "width %d: NCHW and NHWC differ at (%d, %d, %d)", W, c, y, x);
+          }
+      dlua_tensor_free(o);
+      dlua_tensor_free(o2);
+      dlua_pipeline_free(p);
+      dlua_pipeline_free(q);
+    }
+    dlua_tensor_free(img);
+    free(v);
+  }
+}
+END_TEST
+
 START_TEST(test_center_crop_flip_to_tensor_normalize) {
   // 5x7 single-channel image, v(y, x) = 10 y + x.
   uint8_t v[5 * 7];
@@ -303,6 +512,9 @@ int main(void) {
   tcase_add_test(tc, test_rrc_boxes_follow_the_rule);
   tcase_add_test(tc, test_flip_draw_follows_the_rule);
   tcase_add_test(tc, test_resize_matches_pillow_by_hand);
+  tcase_add_test(tc, test_resize_matches_plain_pillow_on_many_shapes);
+  tcase_add_test(tc, test_region_view_equals_whole_image);
+  tcase_add_test(tc, test_to_tensor_wide_rgb_rows);
   tcase_add_test(tc, test_center_crop_flip_to_tensor_normalize);
   tcase_add_test(tc, test_rrc_applies_its_box);
   tcase_add_test(tc, test_pipeline_errors);

@@ -152,6 +152,22 @@ describe('DataLoader', function()
     local _ = y2
   end)
 
+  it('decodes only the rows and columns a crop reads, with the pixels of a full decode', function()
+    -- The loader decodes a JPEG's crop region only; ImageFolder:get decodes the whole file.
+    local dir = tmp .. '/big'
+    sh("mkdir -p '" .. dir .. "/a'")
+    for k = 1, 6 do data.write_jpeg(picture(30 + k, 70 + 9 * k, 95 - 6 * k), dir .. '/a/' .. k .. '.jpg') end
+    local big = data.ImageFolder(dir, { transform = crop, cache = false })
+    -- dct_scaling off: a crop twice the output's size would otherwise be decoded at 1/2 scale.
+    local loader = data.DataLoader { dataset = big, batch = 6, workers = 2, seed = 5, dct_scaling = false }
+    for epoch = 1, 3 do
+      local _, xs = epoch_batches(loader)
+      for k = 1, 6 do
+        assert.is_true(same(xs[1][k], big:get(k, { seed = 5, epoch = epoch })), 'epoch ' .. epoch .. ' sample ' .. k)
+      end
+    end
+  end)
+
   it('skips corrupt, truncated, zero-byte and non-image files, counting them and warning once per file', function()
     local broken = tmp .. '/broken'
     sh("cp -r '" .. root .. "' '" .. broken .. "'")
