@@ -64,6 +64,11 @@ end
 -- Gives cached, unused device memory (and unused pinned host memory) back to the driver.
 function M.empty_cache(d) check(C.dlua_cuda_empty_cache(ordinal('empty_cache', d)), 'empty_cache') end
 
+-- Whether f32 matmuls on CUDA may use TF32 (faster, ~1e-3 relative error); off by default, as
+-- PyTorch's torch.backends.cuda.matmul.allow_tf32.
+function M.set_allow_tf32(on) C.dlua_cuda_set_allow_tf32(on and 1 or 0) end
+function M.allow_tf32() return C.dlua_cuda_get_allow_tf32() ~= 0 end
+
 ---------------------------------------------------------------------------------------------
 -- Streams
 

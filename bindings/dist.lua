@@ -29,6 +29,17 @@ function M.gloo(host, port, token, name, rank, size, timeout_s)
   return self
 end
 
+-- Joins an NCCL group on CUDA device `device` (errors: no device, no libnccl.so.2, a rank missing).
+function M.nccl(host, port, token, name, rank, size, device, timeout_s)
+  local out = ffi.new('dlua_pg_t *[1]')
+  check(C.dlua_pg_nccl_new(host, port, token, name, rank, size, device, math.floor(timeout_s * 1000 + 0.5), out),
+        'dist.init')
+  local self = setmetatable({ name = name, device = device }, Group)
+  self.h = ffi.gc(out[0], C.dlua_pg_free)
+  return self
+end
+
+function Group:backend() return ffi.string(C.dlua_pg_backend(self.h)) end
 function Group:rank() return tonumber(C.dlua_pg_rank(self.h)) end
 function Group:size() return tonumber(C.dlua_pg_size(self.h)) end
 function Group:seq() return tonumber(C.dlua_pg_seq(self.h)) end
@@ -116,6 +127,16 @@ function Group:all_reduce(t, op, async)
   local code = M.ops[op]
   local p = core.handle('all_reduce', t)
   return finish('all_reduce', C.dlua_pg_all_reduce(self.h, p, code, M.site(), wptr(async)), async, { t }, t)
+end
+
+-- One work over a list of tensors, each reduced in place (NCCL: one grouped call).
+function Group:all_reduce_many(list, op, async)
+  if type(list) ~= 'table' then core.raise(format('all_reduce_many: expected a list of tensors, got %s', type(list))) end
+  local n = #list
+  local arr = ffi.new('dlua_tensor_t *[?]', math.max(n, 1))
+  for i = 1, n do arr[i - 1] = core.handle('all_reduce_many', list[i], format('tensors[%d]', i)) end
+  return finish('all_reduce_many', C.dlua_pg_all_reduce_many(self.h, arr, n, M.ops[op], M.site(), wptr(async)),
+                async, { list, arr }, list)
 end
 
 function Group:broadcast(t, src, async)

@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "comm/pg.h"
+#include "comm/pg_internal.h"
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/tensor.h"
@@ -109,39 +110,16 @@ static void divide_by(void *buf, size_t n, dlua_dtype_t dt, int size) {
 
 /* ---- the group and its work ------------------------------------------------------------------- */
 
-enum work_kind { K_ALL_REDUCE, K_BROADCAST, K_ALL_GATHER, K_REDUCE_SCATTER, K_ALL_TO_ALL, K_BARRIER, K_SEND, K_RECV };
 static const char *const kind_names[] = {"all_reduce", "broadcast",  "all_gather", "reduce_scatter",
-                                         "all_to_all", "barrier",    "send",       "recv"};
+                                         "all_to_all", "barrier",    "send",       "recv",
+                                         "all_reduce_many"};
 static const char *const op_names[] = {"sum", "avg", "max", "min", "product"};
 
 enum {
-  PG_MSG = 2048,
-  PG_SITE = 128,
-  PG_NAME = 64,
   PG_DIAG_MS = 2000,            /* how long a failed rank listens for the others' positions */
   PG_P2P_PREFIX = 0x40,         /* gloo slot prefixes of ours, above gloo's own (0x01..0x08) */
-  PG_RING_PREFIX = 0x41
-};
-
-struct dlua_work {
-  dlua_pg_t *pg;
-  struct dlua_work *next;
-  int kind;
-  int64_t seq;             /* collective number (1-based); send/recv: collectives issued before it */
-  dlua_reduce_t op;
-  int peer;                /* broadcast root, send dst, recv src */
-  int tag;
-  char site[PG_SITE];
-  char desc[160];          /* "(4) float32" for messages */
-  dlua_tensor_t *t;        /* all_reduce/broadcast/send/recv tensor, all_gather input, reduce_scatter out */
-  dlua_tensor_t **outs;    /* all_gather/all_to_all outputs (size of them) */
-  dlua_tensor_t **ins;     /* reduce_scatter/all_to_all inputs (size of them) */
-  dlua_gloo_p2p_t *p2p;    /* send/recv: the posted transfer */
-  void *stage;             /* send/recv: contiguous copy of a strided tensor */
-  int detached;            /* under pg->mu: the caller freed it; the comm thread frees it when done */
-  int done;                /* atomic: set last, after status and msg */
-  dlua_status_t status;
-  char msg[PG_MSG];
+  PG_RING_PREFIX = 0x41,
+  PG_MAX_CUDA = 16              /* CUDA devices a gloo group stages tensors of (a stream each) */
 };
 
 struct dlua_pg {
@@ -167,6 +145,9 @@ struct dlua_pg {
   char join_msg[PG_MSG];
   int broken;              /* under mu: after the first failure every call fails at once */
   char broken_msg[640];
+  const dlua_pg_backend_t *be;  /* NULL: gloo (the code below); else the backend that runs the works */
+  void *be_ctx;
+  dlua_cuda_stream_t *stage_streams[PG_MAX_CUDA];  /* under mu: gloo's copies of CUDA tensors */
 };
 
 static int64_t now_ms(void) {
@@ -202,7 +183,7 @@ static void work_from_last_error(dlua_work_t *w, const char *what) {
 }
 
 static void work_release_tensors(dlua_work_t *w) {
-  int n = w->pg ? w->pg->size : 0;
+  int n = w->nlist;
   dlua_tensor_free(w->t);
   w->t = NULL;
   if (w->outs)
@@ -214,18 +195,45 @@ static void work_release_tensors(dlua_work_t *w) {
   w->outs = w->ins = NULL;
 }
 
+/* Staging buffers: page-locked when a CUDA tensor is copied through them (fast, asynchronous copies
+   from the pinned caching allocator), plain malloc otherwise. */
+static void *st_alloc(const dlua_work_t *w, size_t bytes) {
+  if (!w->pinned) return malloc(bytes);
+  void *p = NULL;
+  if (dlua_cuda_host_alloc(&p, bytes ? bytes : 1) != DLUA_OK) return NULL;
+  return p;
+}
+
+static void st_free(const dlua_work_t *w, void *p) {
+  if (!p) return;
+  if (!w->pinned) {
+    free(p);
+  } else if (dlua_cuda_host_free(p) != DLUA_OK) {
+    dlua_clear_error();
+  }
+}
+
 static void work_destroy(dlua_work_t *w) {
   if (!w) return;
   work_release_tensors(w);
   dlua_gloo_p2p_free(w->p2p);
-  free(w->stage);
+  st_free(w, w->stage);
+  dlua_cuda_event_destroy(w->ready);
   free(w);
 }
 
-/* ---- staging: contiguous bytes for gloo --------------------------------------------------------- */
+/* ---- staging: contiguous bytes for gloo ---------------------------------------------------------
+   A CUDA tensor (contiguous: checked when queued) is copied on `cs`, a stream of the group that
+   waits for the caller's stream first, and the copy is waited for here. */
 
-static dlua_status_t copy_to_flat(const dlua_tensor_t *t, void *dst) {
+static dlua_status_t cuda_copy(void *dst, const void *src, size_t bytes, int kind, dlua_cuda_stream_t *cs) {
+  DLUA_TRY(dlua_cuda_memcpy(dst, src, bytes, kind, 1, cs));
+  return dlua_cuda_stream_synchronize(cs);
+}
+
+static dlua_status_t copy_to_flat(const dlua_tensor_t *t, void *dst, dlua_cuda_stream_t *cs) {
   if (dlua_tensor_numel(t) == 0) return DLUA_OK;
+  if (t->device != DLUA_CPU) return cuda_copy(dst, dlua_tensor_ptr(t), tbytes(t), 1, cs);
   if (dlua_tensor_is_contiguous(t)) {
     memcpy(dst, dlua_tensor_ptr(t), tbytes(t));
     return DLUA_OK;
@@ -237,8 +245,9 @@ static dlua_status_t copy_to_flat(const dlua_tensor_t *t, void *dst) {
   return s;
 }
 
-static dlua_status_t copy_from_flat(dlua_tensor_t *t, const void *src) {
+static dlua_status_t copy_from_flat(dlua_tensor_t *t, const void *src, dlua_cuda_stream_t *cs) {
   if (dlua_tensor_numel(t) == 0) return DLUA_OK;
+  if (t->device != DLUA_CPU) return cuda_copy(dlua_tensor_ptr(t), src, tbytes(t), 0, cs);
   if (dlua_tensor_is_contiguous(t)) {
     memmove(dlua_tensor_ptr(t), src, tbytes(t));
     return DLUA_OK;
@@ -250,6 +259,9 @@ static dlua_status_t copy_from_flat(dlua_tensor_t *t, const void *src) {
   return s;
 }
 
+/* gloo reads and writes this tensor's own memory (no staging copy). */
+static int in_place(const dlua_tensor_t *t) { return t->device == DLUA_CPU && dlua_tensor_is_contiguous(t); }
+
 /* The n tensors' bytes back to back in rank order, if they already lie so in memory (views of one
    flat buffer): then gloo reads/writes them directly. NULL otherwise. */
 static char *packed_base(dlua_tensor_t *const *ts, int n) {
@@ -258,7 +270,7 @@ static char *packed_base(dlua_tensor_t *const *ts, int n) {
   for (int r = 0; r < n; r++) {
     size_t b = tbytes(ts[r]);
     if (b == 0) continue;
-    if (!dlua_tensor_is_contiguous(ts[r])) return NULL;
+    if (!in_place(ts[r])) return NULL;
     char *p = dlua_tensor_ptr(ts[r]);
     if (!base) base = p - off;
     if (p != base + off) return NULL;
@@ -413,15 +425,17 @@ static void fingerprint(const dlua_pg_t *pg, const dlua_work_t *w, pg_fingerprin
   f->dtype = -1;
   f->op = w->kind == K_ALL_REDUCE || w->kind == K_REDUCE_SCATTER ? (int32_t)w->op : -1;
   f->root = w->kind == K_BROADCAST ? w->peer : -1;
-  const dlua_tensor_t *t = w->t ? w->t : (w->ins ? w->ins[pg->rank] : NULL);
+  const dlua_tensor_t *t = w->t;
+  if (!t && w->ins) t = w->ins[w->kind == K_ALL_REDUCE_MANY ? 0 : pg->rank];
   if (t) {
     f->dtype = t->dtype;
     f->ndim = t->ndim;
     for (int d = 0; d < t->ndim; d++) f->sizes[d] = t->sizes[d];
   }
-  if (w->kind == K_ALL_GATHER) {
+  if (w->kind == K_ALL_GATHER || w->kind == K_ALL_REDUCE_MANY) {  // every output's / tensor's numel
+    dlua_tensor_t *const *list = w->kind == K_ALL_GATHER ? w->outs : w->ins;
     uint64_t h = 1469598103934665603ull;
-    for (int r = 0; r < pg->size; r++) h = (h ^ (uint64_t)dlua_tensor_numel(w->outs[r])) * 1099511628211ull;
+    for (int r = 0; r < w->nlist; r++) h = (h ^ (uint64_t)dlua_tensor_numel(list[r])) * 1099511628211ull;
     f->extra = h;
   }
   snprintf(f->site, sizeof f->site, "%s", w->site);
@@ -450,9 +464,11 @@ static int debug_check(dlua_pg_t *pg, dlua_work_t *w, int64_t timeout) {
   size_t *counts = calloc((size_t)pg->size, sizeof(size_t));
   for (int r = 0; counts && r < pg->size; r++) counts[r] = sizeof mine;
   char err[512];
-  dlua_gloo_result_t gr = counts ? dlua_gloo_allgatherv(pg->gloo, &mine, all, counts, 1, (uint32_t)(w->seq * 2 + 1),
-                                                       timeout, err, sizeof err)
-                                 : DLUA_GLOO_OTHER;
+  dlua_gloo_result_t gr = !counts ? DLUA_GLOO_OTHER
+                          : pg->be ? pg->be->allgather_host(pg->be_ctx, &mine, all, sizeof mine, timeout, err, sizeof err)
+                                   : dlua_gloo_allgatherv(pg->gloo, &mine, all, counts, 1, (uint32_t)(w->seq * 2 + 1),
+                                                          timeout, err, sizeof err);
+  if (!counts) snprintf(err, sizeof err, "out of memory");
   free(counts);
   if (gr != DLUA_GLOO_OK) {
     diagnose(pg, w, gr, err, timeout);
@@ -526,6 +542,62 @@ static void mark_broken(dlua_pg_t *pg, const dlua_work_t *w) {
   pthread_mutex_unlock(&pg->mu);
 }
 
+/* The group's stream for copies of cuda:dev tensors (created on first use). */
+static dlua_cuda_stream_t *stage_stream(dlua_pg_t *pg, int dev) {
+  if (dev < 0 || dev >= PG_MAX_CUDA) {
+    DLUA_ERR(DLUA_ERR_ARG, "process group %s: cuda:%d is beyond the %d devices gloo stages for", pg->name, dev,
+             PG_MAX_CUDA);
+    return NULL;
+  }
+  pthread_mutex_lock(&pg->mu);
+  dlua_cuda_stream_t *s = pg->stage_streams[dev];
+  pthread_mutex_unlock(&pg->mu);
+  if (s) return s;
+  if (dlua_cuda_stream_create(&s, dev) != DLUA_OK) return NULL;
+  pthread_mutex_lock(&pg->mu);
+  if (pg->stage_streams[dev]) {  // the other thread won: keep one
+    dlua_cuda_stream_t *won = pg->stage_streams[dev];
+    pthread_mutex_unlock(&pg->mu);
+    dlua_cuda_stream_destroy(s);
+    return won;
+  }
+  pg->stage_streams[dev] = s;
+  pthread_mutex_unlock(&pg->mu);
+  return s;
+}
+
+/* all_reduce / broadcast of one tensor, in place when gloo can use its memory, else through a stage. */
+static dlua_gloo_result_t gloo_one(dlua_pg_t *pg, dlua_work_t *w, dlua_tensor_t *t, int kind, dlua_cuda_stream_t *cs,
+                                   uint32_t tag, int64_t timeout, char *err, size_t errlen) {
+  size_t n = (size_t)dlua_tensor_numel(t), es = dlua_dtype_size(t->dtype);
+  if (n == 0) return DLUA_GLOO_OK;
+  char *buf = dlua_tensor_ptr(t);
+  void *stage = NULL;
+  if (!in_place(t)) {
+    if (!(stage = st_alloc(w, n * es))) {
+      work_set(w, DLUA_ERR_OOM, "%s #%" PRId64 ": out of memory staging %zu bytes", kind_names[w->kind], w->seq, n * es);
+      return DLUA_GLOO_OK;
+    }
+    if (copy_to_flat(t, stage, cs) != DLUA_OK) {
+      work_from_last_error(w, "staging");
+      st_free(w, stage);
+      return DLUA_GLOO_OK;
+    }
+    buf = stage;
+  }
+  dlua_gloo_result_t gr;
+  if (kind == K_ALL_REDUCE)
+    gr = dlua_gloo_allreduce(pg->gloo, buf, n, es, dlua_pg_reduce_fn_for(w->op, t->dtype), tag, timeout, err, errlen);
+  else
+    gr = dlua_gloo_broadcast(pg->gloo, buf, n, es, w->peer, tag, timeout, err, errlen);
+  if (gr == DLUA_GLOO_OK && kind == K_ALL_REDUCE && w->op == DLUA_PG_REDUCE_AVG) divide_by(buf, n, t->dtype, pg->size);
+  int writes = kind == K_ALL_REDUCE || pg->rank != w->peer;
+  if (gr == DLUA_GLOO_OK && stage && writes && copy_from_flat(t, stage, cs) != DLUA_OK)
+    work_from_last_error(w, "writing back the staged result");
+  st_free(w, stage);
+  return gr;
+}
+
 static void run_work(dlua_pg_t *pg, dlua_work_t *w) {
   int64_t timeout = __atomic_load_n(&pg->timeout_ms, __ATOMIC_RELAXED);
   pthread_mutex_lock(&pg->mu);
@@ -546,44 +618,36 @@ static void run_work(dlua_pg_t *pg, dlua_work_t *w) {
 
   char err[1024] = "";
   dlua_gloo_result_t gr = DLUA_GLOO_OK;
+  if (pg->be) {
+    gr = pg->be->run(pg->be_ctx, w, timeout, err, sizeof err);
+    if (gr == DLUA_GLOO_OK) return;
+    diagnose(pg, w, gr, err, timeout);
+    goto broke;
+  }
+
   uint32_t tag = (uint32_t)(w->seq * 2);
   int size = pg->size, rank = pg->rank;
   void *stage = NULL, *stage2 = NULL;
   static char dummy[8];  // a valid address for empty buffers
+  dlua_cuda_stream_t *cs = NULL;  // CUDA tensors: copies wait for the caller's stream, then run on this one
+  if (w->cuda_dev >= 0 && w->kind != K_SEND && w->kind != K_RECV) {
+    if (!(cs = stage_stream(pg, w->cuda_dev)) ||
+        (w->ready && dlua_cuda_stream_wait_event(cs, w->ready) != DLUA_OK)) {
+      work_from_last_error(w, "staging CUDA tensors");
+      return;
+    }
+  }
 
   switch (w->kind) {
     case K_SEND:
     case K_RECV: break;  // posted by the caller, waited on by the p2p thread
     case K_ALL_REDUCE:
-    case K_BROADCAST: {
-      dlua_tensor_t *t = w->t;
-      size_t n = (size_t)dlua_tensor_numel(t), es = dlua_dtype_size(t->dtype);
-      if (n == 0) break;
-      char *buf = dlua_tensor_ptr(t);
-      if (!dlua_tensor_is_contiguous(t)) {
-        if (!(stage = malloc(n * es))) {
-          work_set(w, DLUA_ERR_OOM, "%s #%" PRId64 ": out of memory staging %zu bytes", kind_names[w->kind], w->seq,
-                   n * es);
-          return;
-        }
-        if (copy_to_flat(t, stage) != DLUA_OK) {
-          work_from_last_error(w, "staging");
-          free(stage);
-          return;
-        }
-        buf = stage;
-      }
-      if (w->kind == K_ALL_REDUCE)
-        gr = dlua_gloo_allreduce(pg->gloo, buf, n, es, dlua_pg_reduce_fn_for(w->op, t->dtype), tag, timeout, err,
-                                 sizeof err);
-      else
-        gr = dlua_gloo_broadcast(pg->gloo, buf, n, es, w->peer, tag, timeout, err, sizeof err);
-      if (gr == DLUA_GLOO_OK && w->kind == K_ALL_REDUCE && w->op == DLUA_PG_REDUCE_AVG) divide_by(buf, n, t->dtype, size);
-      int writes = w->kind == K_ALL_REDUCE || rank != w->peer;
-      if (gr == DLUA_GLOO_OK && stage && writes && copy_from_flat(t, stage) != DLUA_OK)
-        work_from_last_error(w, "writing back the staged result");
+    case K_BROADCAST: gr = gloo_one(pg, w, w->t, w->kind, cs, tag, timeout, err, sizeof err); break;
+    case K_ALL_REDUCE_MANY:
+      // gloo has no grouped calls: one ring after the other, under one sequence number
+      for (int i = 0; i < w->nlist && gr == DLUA_GLOO_OK && w->status == DLUA_OK; i++)
+        gr = gloo_one(pg, w, w->ins[i], K_ALL_REDUCE, cs, tag, timeout, err, sizeof err);
       break;
-    }
     case K_ALL_GATHER: {
       size_t es = dlua_dtype_size(w->t->dtype), total = 0;
       size_t *counts = malloc((size_t)size * sizeof(size_t));
@@ -597,11 +661,11 @@ static void run_work(dlua_pg_t *pg, dlua_work_t *w) {
         break;
       }
       char *out = packed_base(w->outs, size);
-      char *in = dlua_tensor_is_contiguous(w->t) ? dlua_tensor_ptr(w->t) : NULL;
-      if (!out) out = stage = malloc(total * es);
+      char *in = in_place(w->t) ? dlua_tensor_ptr(w->t) : NULL;
+      if (!out) out = stage = st_alloc(w, total * es);
       if (!in) {
-        in = stage2 = malloc(counts[rank] * es + 1);
-        if (in && copy_to_flat(w->t, in) != DLUA_OK) {
+        in = stage2 = st_alloc(w, counts[rank] * es + 1);
+        if (in && copy_to_flat(w->t, in, cs) != DLUA_OK) {
           work_from_last_error(w, "staging");
           free(counts);
           break;
@@ -617,7 +681,7 @@ static void run_work(dlua_pg_t *pg, dlua_work_t *w) {
       if (gr == DLUA_GLOO_OK && stage) {
         size_t off = 0;
         for (int r = 0; r < size && w->status == DLUA_OK; r++) {
-          if (copy_from_flat(w->outs[r], (char *)stage + off * es) != DLUA_OK)
+          if (copy_from_flat(w->outs[r], (char *)stage + off * es, cs) != DLUA_OK)
             work_from_last_error(w, "writing back the staged result");
           off += counts[r];
         }
@@ -629,15 +693,15 @@ static void run_work(dlua_pg_t *pg, dlua_work_t *w) {
       dlua_tensor_t *out = w->t;
       size_t m = (size_t)dlua_tensor_numel(out), es = dlua_dtype_size(out->dtype);
       if (m == 0) break;
-      char *acc = stage = malloc((size_t)size * m * es);
-      char *tmp = stage2 = malloc(m * es);
+      char *acc = stage = st_alloc(w, (size_t)size * m * es);
+      char *tmp = stage2 = st_alloc(w, m * es);
       if (!acc || !tmp) {
         work_set(w, DLUA_ERR_OOM, "reduce_scatter #%" PRId64 ": out of memory staging %zu bytes", w->seq,
                  (size_t)(size + 1) * m * es);
         break;
       }
       for (int r = 0; r < size; r++)
-        if (copy_to_flat(w->ins[r], acc + (size_t)r * m * es) != DLUA_OK) {
+        if (copy_to_flat(w->ins[r], acc + (size_t)r * m * es, cs) != DLUA_OK) {
           work_from_last_error(w, "staging");
           break;
         }
@@ -648,7 +712,7 @@ static void run_work(dlua_pg_t *pg, dlua_work_t *w) {
       if (gr != DLUA_GLOO_OK) break;
       char *mine = acc + (size_t)rank * m * es;
       if (w->op == DLUA_PG_REDUCE_AVG) divide_by(mine, m, out->dtype, size);
-      if (copy_from_flat(out, mine) != DLUA_OK) work_from_last_error(w, "writing the result");
+      if (copy_from_flat(out, mine, cs) != DLUA_OK) work_from_last_error(w, "writing the result");
       break;
     }
     case K_ALL_TO_ALL: {
@@ -667,15 +731,15 @@ static void run_work(dlua_pg_t *pg, dlua_work_t *w) {
       char *in = tin ? packed_base(w->ins, size) : dummy;
       char *out = tout ? packed_base(w->outs, size) : dummy;
       if (!in) {
-        in = stage2 = malloc(tin * es);
+        in = stage2 = st_alloc(w, tin * es);
         size_t off = 0;
         for (int r = 0; in && r < size; off += (size_t)ic[r], r++)
-          if (copy_to_flat(w->ins[r], in + off * es) != DLUA_OK) {
+          if (copy_to_flat(w->ins[r], in + off * es, cs) != DLUA_OK) {
             work_from_last_error(w, "staging");
             break;
           }
       }
-      if (!out) out = stage = malloc(tout * es);
+      if (!out) out = stage = st_alloc(w, tout * es);
       if (w->status == DLUA_OK && (!in || !out))
         work_set(w, DLUA_ERR_OOM, "all_to_all #%" PRId64 ": out of memory staging", w->seq);
       if (w->status == DLUA_OK) {
@@ -683,7 +747,7 @@ static void run_work(dlua_pg_t *pg, dlua_work_t *w) {
         if (gr == DLUA_GLOO_OK && stage) {
           size_t off = 0;
           for (int r = 0; r < size && w->status == DLUA_OK; r++) {
-            if (copy_from_flat(w->outs[r], (char *)stage + off * es) != DLUA_OK)
+            if (copy_from_flat(w->outs[r], (char *)stage + off * es, cs) != DLUA_OK)
               work_from_last_error(w, "writing back the staged result");
             off += (size_t)oc[r];
           }
@@ -695,8 +759,8 @@ static void run_work(dlua_pg_t *pg, dlua_work_t *w) {
     }
     case K_BARRIER: gr = dlua_gloo_barrier(pg->gloo, tag, timeout, err, sizeof err); break;
   }
-  free(stage);
-  free(stage2);
+  st_free(w, stage);
+  st_free(w, stage2);
   if (gr == DLUA_GLOO_OK) return;
   diagnose(pg, w, gr, err, timeout);
 broke:
@@ -731,8 +795,11 @@ static void *comm_main(void *arg) {
   dlua_pg_t *pg = arg;
   char err[1024] = "";
   dlua_status_t store_status = DLUA_OK;
-  dlua_gloo_result_t gr = dlua_gloo_connect(pg->store, pg->name, pg->bind_host, pg->iface, pg->rank, pg->size,
-                                            pg->timeout_ms, &pg->gloo, &store_status, err, sizeof err);
+  dlua_gloo_result_t gr =
+      pg->be ? pg->be->join(pg->be_ctx, pg->store, pg->name, pg->rank, pg->size, pg->timeout_ms, &store_status, err,
+                            sizeof err)
+             : dlua_gloo_connect(pg->store, pg->name, pg->bind_host, pg->iface, pg->rank, pg->size, pg->timeout_ms,
+                                 &pg->gloo, &store_status, err, sizeof err);
   pthread_mutex_lock(&pg->mu);
   if (gr == DLUA_GLOO_OK) {
     pg->joined = 1;
@@ -789,12 +856,14 @@ static void *p2p_main(void *arg) {
     if (gr != DLUA_GLOO_OK) {
       diagnose(pg, w, gr, err, timeout);
       mark_broken(pg, w);
-    } else if (w->kind == K_RECV && w->stage && copy_from_flat(w->t, w->stage) != DLUA_OK) {
-      work_from_last_error(w, "writing back the staged result");
+    } else if (w->kind == K_RECV && w->stage) {
+      dlua_cuda_stream_t *cs = w->cuda_dev >= 0 ? stage_stream(pg, w->cuda_dev) : NULL;
+      if ((w->cuda_dev >= 0 && !cs) || copy_from_flat(w->t, w->stage, cs) != DLUA_OK)
+        work_from_last_error(w, "writing back the staged result");
     }
     dlua_gloo_p2p_free(w->p2p);
     w->p2p = NULL;
-    free(w->stage);
+    st_free(w, w->stage);
     w->stage = NULL;
     work_complete(pg, w);
   }
@@ -841,19 +910,36 @@ static void pg_destroy(dlua_pg_t *pg) {
   free(pg);
 }
 
+/* The backend's state goes with a group that never came to be (the status passes through). */
+static dlua_status_t drop_backend(const dlua_pg_backend_t *be, void *ctx, dlua_status_t s) {
+  if (be) be->close(ctx, 1);
+  return s;
+}
+
 dlua_status_t dlua_pg_gloo_new(const char *store_host, int store_port, const char *token, const char *name, int rank,
                                int size, int64_t timeout_ms, dlua_pg_t **out) {
-  if (!out) return DLUA_ERR(DLUA_ERR_ARG, "process group: out is NULL");
+  return dlua_pg_new_with_backend(store_host, store_port, token, name, rank, size, timeout_ms, NULL, NULL, out);
+}
+
+dlua_status_t dlua_pg_new_with_backend(const char *store_host, int store_port, const char *token, const char *name,
+                                       int rank, int size, int64_t timeout_ms, const dlua_pg_backend_t *be, void *ctx,
+                                       dlua_pg_t **out) {
+  if (!out) return drop_backend(be, ctx, DLUA_ERR(DLUA_ERR_ARG, "process group: out is NULL"));
   *out = NULL;
   if (!name || !*name || strlen(name) >= PG_NAME)
-    return DLUA_ERR(DLUA_ERR_ARG, "process group: the name must be 1 to %d bytes", PG_NAME - 1);
+    return drop_backend(be, ctx, DLUA_ERR(DLUA_ERR_ARG, "process group: the name must be 1 to %d bytes", PG_NAME - 1));
   if (size < 1 || rank < 0 || rank >= size)
-    return DLUA_ERR(DLUA_ERR_ARG, "process group %s: rank %d is out of range for a group of %d ranks", name, rank, size);
+    return drop_backend(be, ctx,
+                        DLUA_ERR(DLUA_ERR_ARG, "process group %s: rank %d is out of range for a group of %d ranks",
+                                 name, rank, size));
   if (timeout_ms <= 0)
-    return DLUA_ERR(DLUA_ERR_ARG, "process group %s: the timeout must be positive, got %" PRId64 " ms", name,
-                    timeout_ms);
+    return drop_backend(be, ctx,
+                        DLUA_ERR(DLUA_ERR_ARG, "process group %s: the timeout must be positive, got %" PRId64 " ms",
+                                 name, timeout_ms));
   dlua_pg_t *pg = calloc(1, sizeof *pg);
-  if (!pg) return DLUA_ERR(DLUA_ERR_OOM, "process group %s: out of memory", name);
+  if (!pg) return drop_backend(be, ctx, DLUA_ERR(DLUA_ERR_OOM, "process group %s: out of memory", name));
+  pg->be = be;
+  pg->be_ctx = ctx;
   snprintf(pg->name, sizeof pg->name, "%s", name);
   pg->rank = rank;
   pg->size = size;
@@ -874,14 +960,16 @@ dlua_status_t dlua_pg_gloo_new(const char *store_host, int store_port, const cha
   dlua_status_t s = dlua_store_connect(store_host, store_port, token, timeout_ms, &pg->store);
   if (s != DLUA_OK) {
     pg_destroy(pg);
-    return s;  // the store's message says where and why
+    return drop_backend(be, ctx, s);  // the store's message says where and why
   }
   // The comm thread creates the gloo device, so gloo's event-loop thread inherits its signal mask.
   int e = start_quiet_thread(&pg->thread, comm_main, pg);
   if (e != 0) {
     dlua_store_close(pg->store);
     pg_destroy(pg);
-    return DLUA_ERR(DLUA_ERR_INTERNAL, "process group %s: cannot start its comm thread: %s", name, strerror(e));
+    return drop_backend(be, ctx,
+                        DLUA_ERR(DLUA_ERR_INTERNAL, "process group %s: cannot start its comm thread: %s", name,
+                                 strerror(e)));
   }
   pthread_mutex_lock(&pg->mu);
   while (pg->joined == 0) pthread_cond_wait(&pg->cv_done, &pg->mu);
@@ -893,8 +981,9 @@ dlua_status_t dlua_pg_gloo_new(const char *store_host, int store_port, const cha
     char msg[PG_MSG];
     snprintf(msg, sizeof msg, "%s", pg->join_msg);
     pg_destroy(pg);
-    return DLUA_ERR(js, "process group %s: rank %d of %d could not join within %" PRId64 " ms: %s", name, rank, size,
-                    timeout_ms, msg);
+    return drop_backend(be, ctx,
+                        DLUA_ERR(js, "process group %s: rank %d of %d could not join within %" PRId64 " ms: %s", name,
+                                 rank, size, timeout_ms, msg));
   }
   *out = pg;
   return DLUA_OK;
@@ -921,6 +1010,13 @@ void dlua_pg_free(dlua_pg_t *pg) {
     dlua_store_set_timeout(pg->store, 2000);
     dlua_store_set(pg->store, key, val, strlen(val));
   }
+  if (pg->be) {
+    pthread_mutex_lock(&pg->mu);
+    broken = pg->broken;  // a queued work may have failed while the comm thread drained the queue
+    pthread_mutex_unlock(&pg->mu);
+    pg->be->close(pg->be_ctx, broken);
+  }
+  for (int d = 0; d < PG_MAX_CUDA; d++) dlua_cuda_stream_destroy(pg->stage_streams[d]);
   dlua_gloo_destroy(pg->gloo);
   dlua_store_close(pg->store);
   pg_destroy(pg);
@@ -1016,10 +1112,44 @@ void dlua_work_free(dlua_work_t *w) {
 
 static dlua_status_t check_tensor(const dlua_pg_t *pg, const char *op, const char *what, const dlua_tensor_t *t) {
   if (!t || !t->storage) return DLUA_ERR(DLUA_ERR_ARG, "%s: %s is NULL (freed, or never created)", op, what);
-  if (t->device != DLUA_CPU)
-    return DLUA_ERR(DLUA_ERR_ARG, "%s: gloo: cuda:%d tensors need the staging path, not built yet (%s)", op, t->device,
-                    what);
+  if (pg->be) return DLUA_OK;  // the backend checks devices when the work is prepared
+  if (t->device != DLUA_CPU && !dlua_tensor_is_contiguous(t))
+    return DLUA_ERR(DLUA_ERR_ARG,
+                    "%s: gloo stages cuda:%d tensors through pinned host memory, and %s is not contiguous (CUDA "
+                    "strided copies are not built yet: pass t:contiguous())",
+                    op, t->device, what);
   return DLUA_OK;
+}
+
+/* The CUDA device of the work's tensors (-1: all on the CPU); one device per work. */
+static dlua_status_t work_find_device(dlua_work_t *w) {
+  w->cuda_dev = -1;
+  const dlua_tensor_t *one[1] = {w->t};
+  dlua_tensor_t *const *lists[3] = {(dlua_tensor_t *const *)one, w->outs, w->ins};
+  int counts[3] = {w->t ? 1 : 0, w->outs ? w->nlist : 0, w->ins ? w->nlist : 0};
+  for (int l = 0; l < 3; l++)
+    for (int i = 0; i < counts[l]; i++) {
+      int d = lists[l][i]->device;
+      if (d == DLUA_CPU) continue;
+      if (w->cuda_dev >= 0 && d != w->cuda_dev)
+        return DLUA_ERR(DLUA_ERR_ARG, "%s: tensors on cuda:%d and cuda:%d in one call (one device per collective)",
+                        kind_names[w->kind], w->cuda_dev, d);
+      w->cuda_dev = d;
+    }
+  return DLUA_OK;
+}
+
+/* On the caller's thread, as a work is queued: what only this thread knows. gloo: an event on the
+   caller's current stream of the CUDA tensors' device, which the staging copies wait for; so the
+   copies see every kernel the caller queued before the call, as NCCL's stream ordering does. */
+static dlua_status_t work_prepare(dlua_pg_t *pg, dlua_work_t *w) {
+  DLUA_TRY(work_find_device(w));
+  if (pg->be) return pg->be->prepare(pg->be_ctx, w);
+  if (w->cuda_dev < 0) return DLUA_OK;
+  w->pinned = 1;
+  if (w->kind == K_SEND || w->kind == K_RECV) return DLUA_OK;  // staged on the caller's thread
+  DLUA_TRY(dlua_cuda_event_create(&w->ready, w->cuda_dev, 0));
+  return dlua_cuda_event_record(w->ready, NULL);
 }
 
 static dlua_status_t check_op(const char *op, dlua_reduce_t rop, dlua_dtype_t dt) {
@@ -1044,6 +1174,8 @@ static dlua_work_t *work_new(dlua_pg_t *pg, int kind, const char *site) {
   }
   w->pg = pg;
   w->kind = kind;
+  w->nlist = pg->size;
+  w->cuda_dev = -1;
   snprintf(w->site, sizeof w->site, "%s", site ? site : "");
   return w;
 }
@@ -1055,7 +1187,7 @@ static void describe(dlua_work_t *w, const dlua_tensor_t *t) {
 
 /* Takes handles on the caller's tensors so that they live until the work completes. */
 static dlua_status_t hold_list(dlua_work_t *w, dlua_tensor_t ***dst, dlua_tensor_t *const *src) {
-  int n = w->pg->size;
+  int n = w->nlist;
   *dst = calloc((size_t)n, sizeof(dlua_tensor_t *));
   if (!*dst) return DLUA_ERR(DLUA_ERR_OOM, "%s: out of memory", kind_names[w->kind]);
   for (int r = 0; r < n; r++)
@@ -1065,6 +1197,11 @@ static dlua_status_t hold_list(dlua_work_t *w, dlua_tensor_t ***dst, dlua_tensor
 
 /* Queues w (synchronously waits for it when work is NULL). Takes w in every case. */
 static dlua_status_t submit(dlua_pg_t *pg, dlua_work_t *w, dlua_work_t **work) {
+  dlua_status_t ps = work_prepare(pg, w);
+  if (ps != DLUA_OK) {
+    work_destroy(w);
+    return ps;
+  }
   pthread_mutex_lock(&pg->mu);
   if (pg->broken) {
     char m[sizeof pg->broken_msg];
@@ -1105,6 +1242,32 @@ dlua_status_t dlua_pg_all_reduce(dlua_pg_t *pg, dlua_tensor_t *t, dlua_reduce_t 
   w->op = op;
   describe(w, t);
   if (!(w->t = dlua_tensor_alias(t))) {
+    work_destroy(w);
+    return DLUA_ERR_OOM;
+  }
+  return submit(pg, w, work);
+}
+
+dlua_status_t dlua_pg_all_reduce_many(dlua_pg_t *pg, dlua_tensor_t *const *ts, int n, dlua_reduce_t op, const char *site,
+                                      dlua_work_t **work) {
+  PG_PROLOGUE("all_reduce_many");
+  if (n < 0 || (n > 0 && !ts))
+    return DLUA_ERR(DLUA_ERR_ARG, "all_reduce_many: %d tensors at %p", n, (const void *)ts);
+  int64_t total = 0;
+  for (int i = 0; i < n; i++) {
+    char what[32];
+    snprintf(what, sizeof what, "tensors[%d]", i);
+    DLUA_TRY(check_tensor(pg, "all_reduce_many", what, ts[i]));
+    DLUA_TRY(check_op("all_reduce_many", op, ts[i]->dtype));
+    total += dlua_tensor_numel(ts[i]);
+  }
+  dlua_work_t *w = work_new(pg, K_ALL_REDUCE_MANY, site);
+  if (!w) return DLUA_ERR_OOM;
+  w->op = op;
+  w->nlist = n;
+  snprintf(w->desc, sizeof w->desc, "%d tensor%s, %" PRId64 " elements%s%s", n, n == 1 ? "" : "s", total,
+           n ? " of " : "", n ? dlua_dtype_name(ts[0]->dtype) : "");
+  if (n > 0 && hold_list(w, &w->ins, ts) != DLUA_OK) {
     work_destroy(w);
     return DLUA_ERR_OOM;
   }
@@ -1240,6 +1403,13 @@ static dlua_status_t p2p(dlua_pg_t *pg, int kind, const dlua_tensor_t *t, int pe
     work_destroy(w);
     return DLUA_ERR_OOM;
   }
+  // Another backend (NCCL) orders send/recv on its stream with the collectives: queued like them.
+  if (pg->be) return submit(pg, w, work);
+  if (work_prepare(pg, w) != DLUA_OK) {
+    dlua_status_t s = dlua_last_status();
+    work_destroy(w);
+    return s;
+  }
   pthread_mutex_lock(&pg->mu);
   int broken = pg->broken;
   char bm[sizeof pg->broken_msg];
@@ -1252,12 +1422,14 @@ static dlua_status_t p2p(dlua_pg_t *pg, int kind, const dlua_tensor_t *t, int pe
   }
   size_t bytes = tbytes(t);
   void *ptr = dlua_tensor_ptr(t);
-  if (bytes && !dlua_tensor_is_contiguous(t)) {
-    if (!(w->stage = malloc(bytes))) {
+  if (bytes && !in_place(t)) {
+    if (!(w->stage = st_alloc(w, bytes))) {
       work_destroy(w);
       return DLUA_ERR(DLUA_ERR_OOM, "%s: out of memory staging %zu bytes", op, bytes);
     }
-    if (kind == K_SEND && copy_to_flat(t, w->stage) != DLUA_OK) {
+    // A CUDA tensor is read here, after the caller's stream has produced it.
+    dlua_cuda_stream_t *cs = t->device != DLUA_CPU ? dlua_cuda_current_stream(t->device) : NULL;
+    if (kind == K_SEND && copy_to_flat(t, w->stage, cs) != DLUA_OK) {
       work_destroy(w);
       return dlua_last_status();
     }
@@ -1294,7 +1466,8 @@ static dlua_status_t p2p(dlua_pg_t *pg, int kind, const dlua_tensor_t *t, int pe
         // the transfer is posted and cannot be withdrawn: wait for it here instead
         char err[1024];
         dlua_gloo_result_t gr = dlua_gloo_p2p_wait(w->p2p, pg->timeout_ms, err, sizeof err);
-        if (gr == DLUA_GLOO_OK && kind == K_RECV && w->stage) copy_from_flat(w->t, w->stage);
+        if (gr == DLUA_GLOO_OK && kind == K_RECV && w->stage)
+          copy_from_flat(w->t, w->stage, w->cuda_dev >= 0 ? dlua_cuda_current_stream(w->cuda_dev) : NULL);
         work_destroy(w);
         return gr == DLUA_GLOO_OK ? DLUA_OK : DLUA_ERR(DLUA_ERR_BACKEND, "%s: %s", op, err);
       }
@@ -1325,4 +1498,9 @@ dlua_status_t dlua_pg_send(dlua_pg_t *pg, const dlua_tensor_t *t, int dst, int t
 dlua_status_t dlua_pg_recv(dlua_pg_t *pg, dlua_tensor_t *t, int src, int tag, const char *site, dlua_work_t **work) {
   PG_PROLOGUE("recv");
   return p2p(pg, K_RECV, t, src, tag, site, work);
+}
+
+const char *dlua_pg_backend(const dlua_pg_t *pg) { return !pg ? "" : pg->be ? pg->be->name : "gloo"; }
+const char *dlua_pg_kind_name(int kind) {
+  return kind >= 0 && kind < (int)(sizeof kind_names / sizeof kind_names[0]) ? kind_names[kind] : "?";
 }

@@ -7,6 +7,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/tensor.h"
+#include "cuda/kernels.h" /* plain C: the launch descriptor; only CUDA builds call into it */
 
 /* ---- element conversions ------------------------------------------------------------------- */
 
@@ -263,9 +264,58 @@ static void copy_strided(dlua_tensor_t *dst, const void *src_ptr, dlua_dtype_t s
     iter2_run(&it, dlua_tensor_ptr(dst), src_ptr, converter(src_dtype, dst->dtype));
 }
 
+/* The same on a CUDA device, for dst (its device) and src there: one launch of the copy kernel over the
+   merged layout. `bits`: fill with the dtype bits in *src_ptr instead (src_strides all 0, src_dtype = dst's). */
+static dlua_status_t cuda_copy_strided(const char *op, dlua_tensor_t *dst, const void *src_ptr, dlua_dtype_t src_dtype,
+                                       const int64_t *src_strides, int bits) {
+#ifdef DLUA_HAVE_CUDA
+  int64_t dstep[DLUA_MAX_DIMS], sstep[DLUA_MAX_DIMS];
+  int64_t des = (int64_t)dlua_dtype_size(dst->dtype), ses = (int64_t)dlua_dtype_size(src_dtype);
+  for (int d = 0; d < dst->ndim; d++) {
+    dstep[d] = dst->strides[d] * des;
+    sstep[d] = src_strides[d] * ses;
+  }
+  iter2_t it;
+  iter2_build(&it, dst->ndim, dst->sizes, dstep, sstep);
+  dlua_cuda_ew_t e;
+  memset(&e, 0, sizeof e);
+  e.family = bits ? DLUA_CUDA_EW_FILL : DLUA_CUDA_EW_COPY;
+  e.dtype = (int)dst->dtype;
+  e.src_dtype = (int)src_dtype;
+  e.elsize = (int)des;
+  e.nops = bits ? 1 : 2;
+  e.ndim = it.ndim;
+  e.numel = dlua_tensor_numel(dst);
+  for (int d = 0; d < it.ndim; d++) {
+    e.sizes[d] = it.sizes[d];
+    e.strides[0][d] = it.dstep[d];
+    e.strides[1][d] = it.sstep[d];
+  }
+  e.base[0] = dlua_tensor_ptr(dst);
+  if (bits) memcpy(&e.i[0], src_ptr, (size_t)des);  // little-endian: the low bytes are the element
+  else e.base[1] = (char *)src_ptr;
+  e.device = dst->device;
+  return dlua_cuda_ew_run(op, &e);
+#else
+  return dlua_require_cpu(op, dst);
+#endif
+}
+
+/* copy_ between devices: src moves to dst's device first (a contiguous copy), then the one-device
+   copy applies broadcasting and dtype conversion there. */
+static dlua_status_t copy_across(dlua_tensor_t *dst, const dlua_tensor_t *src) {
+  dlua_tensor_t *moved = NULL;
+  DLUA_TRY(dlua_tensor_to_device(&moved, src, dst->device));
+  dlua_status_t s = dlua_tensor_copy_(dst, moved);
+  dlua_tensor_free(moved);
+  return s;
+}
+
 dlua_status_t dlua_tensor_copy_(dlua_tensor_t *dst, const dlua_tensor_t *src) {
-  DLUA_TRY(dlua_require_cpu("copy_", dst));
-  DLUA_TRY(dlua_require_cpu("copy_", src));
+  if (!dst || !dst->storage || !src || !src->storage)
+    return DLUA_ERR(DLUA_ERR_ARG, "copy_: the tensor is NULL (freed, or never created)");
+  if (dst->device != src->device) return copy_across(dst, src);
+  const int on_cuda = dst->device != DLUA_CPU;
   char b1[200], b2[200];
   // src aligns to dst's trailing dims; extra leading src dims are allowed only with size 1.
   int64_t sstrides[DLUA_MAX_DIMS];
@@ -294,7 +344,8 @@ dlua_status_t dlua_tensor_copy_(dlua_tensor_t *dst, const dlua_tensor_t *src) {
 
   // Fast path: same dtype, same shape, both contiguous.
   int same_shape = dst->ndim == src->ndim && !memcmp(dst->sizes, src->sizes, (size_t)dst->ndim * sizeof(int64_t));
-  if (same_shape && dst->dtype == src->dtype && dlua_tensor_is_contiguous(dst) && dlua_tensor_is_contiguous(src)) {
+  if (!on_cuda && same_shape && dst->dtype == src->dtype && dlua_tensor_is_contiguous(dst) &&
+      dlua_tensor_is_contiguous(src)) {
     char *d = dlua_tensor_ptr(dst);
     const char *s = dlua_tensor_ptr(src);
     if (d == s) return DLUA_OK;
@@ -330,6 +381,7 @@ dlua_status_t dlua_tensor_copy_(dlua_tensor_t *dst, const dlua_tensor_t *src) {
       return s;
     }
   }
+  if (on_cuda) return cuda_copy_strided("copy_", dst, dlua_tensor_ptr(src), src->dtype, sstrides, 0);
   copy_strided(dst, dlua_tensor_ptr(src), src->dtype, sstrides);
   return DLUA_OK;
 bad_shape:
@@ -340,9 +392,9 @@ bad_shape:
 dlua_status_t dlua_tensor_to_dtype(dlua_tensor_t **out, const dlua_tensor_t *t, dlua_dtype_t dtype) {
   if (!out) return DLUA_ERR(DLUA_ERR_ARG, "to_dtype: out is NULL");
   *out = NULL;
-  DLUA_TRY(dlua_require_cpu("to_dtype", t));
+  if (!t || !t->storage) return DLUA_ERR(DLUA_ERR_ARG, "to_dtype: the tensor is NULL (freed, or never created)");
   if ((int)dtype < 0 || dtype >= DLUA_DTYPE_COUNT) return DLUA_ERR(DLUA_ERR_ARG, "to_dtype: invalid dtype %d", (int)dtype);
-  DLUA_TRY(dlua_tensor_empty(out, t->ndim, t->sizes, dtype, DLUA_CPU));
+  DLUA_TRY(dlua_tensor_empty(out, t->ndim, t->sizes, dtype, t->device));
   dlua_status_t s = dlua_tensor_copy_(*out, t);
   if (s != DLUA_OK) {
     dlua_tensor_free(*out);
@@ -367,7 +419,7 @@ dlua_status_t dlua_tensor_from_data(dlua_tensor_t **out, int ndim, const int64_t
 }
 
 dlua_status_t dlua_tensor_to_data(const dlua_tensor_t *t, void *dst, size_t dst_bytes) {
-  DLUA_TRY(dlua_require_cpu("to_data", t));
+  if (!t || !t->storage) return DLUA_ERR(DLUA_ERR_ARG, "to_data: the tensor is NULL (freed, or never created)");
   size_t need = (size_t)dlua_tensor_numel(t) * dlua_dtype_size(t->dtype);
   if (dst_bytes != need) {
     char b[200];
@@ -376,6 +428,17 @@ dlua_status_t dlua_tensor_to_data(const dlua_tensor_t *t, void *dst, size_t dst_
   }
   if (need == 0) return DLUA_OK;
   if (!dst) return DLUA_ERR(DLUA_ERR_ARG, "to_data: destination is NULL");
+  if (t->device != DLUA_CPU) {
+    // Contiguous on the device, then one copy on its current stream (ordered after the kernels that wrote t).
+    dlua_tensor_t *c = NULL;
+    DLUA_TRY(dlua_tensor_contiguous(&c, t));
+    dlua_cuda_stream_t *st = dlua_cuda_current_stream(t->device);
+    dlua_status_t s = st ? dlua_cuda_memcpy(dst, dlua_tensor_ptr(c), need, 1, 1, st)
+                         : DLUA_ERR(DLUA_ERR_BACKEND, "to_data: no stream for cuda:%d", t->device);
+    if (s == DLUA_OK) s = dlua_cuda_stream_synchronize(st);
+    dlua_tensor_free(c);
+    return s;
+  }
   if (dlua_tensor_is_contiguous(t)) {
     memcpy(dst, dlua_tensor_ptr(t), need);
     return DLUA_OK;
@@ -388,8 +451,14 @@ dlua_status_t dlua_tensor_to_data(const dlua_tensor_t *t, void *dst, size_t dst_
 }
 
 dlua_status_t dlua_tensor_fill_(dlua_tensor_t *t, double value) {
-  DLUA_TRY(dlua_require_cpu("fill_", t));
   int64_t zero[DLUA_MAX_DIMS] = {0};
+  if (t && t->storage && t->device != DLUA_CPU) {
+    if (dlua_tensor_numel(t) == 0) return DLUA_OK;
+    uint64_t bits = 0;  // the value in t's dtype, converted here exactly as the CPU path converts it
+    dlua_convert(&bits, t->dtype, &value, DLUA_DTYPE_F64, 1);
+    return cuda_copy_strided("fill_", t, &bits, t->dtype, zero, 1);
+  }
+  DLUA_TRY(dlua_require_cpu("fill_", t));
   // Through the f64 -> dtype converter, so a fill rounds exactly as a copy from f64 would.
   copy_strided(t, &value, DLUA_DTYPE_F64, zero);
   return DLUA_OK;

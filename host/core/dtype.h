@@ -5,21 +5,36 @@
 #include <string.h>
 #include "core/api.h"
 
-static inline uint32_t dlua_f32_bits(float f) {
+/* nvcc compiles these for the device too (host/cuda kernels), so both sides round alike. */
+#ifdef __CUDACC__
+#define DLUA_DT_HD __host__ __device__
+#else
+#define DLUA_DT_HD
+#endif
+
+static inline DLUA_DT_HD uint32_t dlua_f32_bits(float f) {
+#ifdef __CUDA_ARCH__
+  return __float_as_uint(f);
+#else
   uint32_t u;
   memcpy(&u, &f, sizeof u);
   return u;
+#endif
 }
 
-static inline float dlua_bits_f32(uint32_t u) {
+static inline DLUA_DT_HD float dlua_bits_f32(uint32_t u) {
+#ifdef __CUDA_ARCH__
+  return __uint_as_float(u);
+#else
   float f;
   memcpy(&f, &u, sizeof f);
   return f;
+#endif
 }
 
 /* Round to nearest, ties to even, in integer arithmetic so the result does not depend on
    the FPU's rounding mode or on flush-to-zero settings. */
-static inline uint16_t dlua_f32_to_f16_inl(float f) {
+static inline DLUA_DT_HD uint16_t dlua_f32_to_f16_inl(float f) {
   uint32_t x = dlua_f32_bits(f);
   uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
   x &= 0x7fffffffu;
@@ -46,7 +61,7 @@ static inline uint16_t dlua_f32_to_f16_inl(float f) {
   return (uint16_t)(sign | q);  // q == 0x400 is the smallest normal: still the right bits
 }
 
-static inline float dlua_f16_to_f32_inl(uint16_t h) {
+static inline DLUA_DT_HD float dlua_f16_to_f32_inl(uint16_t h) {
   uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
   uint32_t e = (h >> 10) & 0x1fu;
   uint32_t m = h & 0x3ffu;
@@ -65,14 +80,14 @@ static inline float dlua_f16_to_f32_inl(uint16_t h) {
   return dlua_bits_f32(sign | ((e + 112u) << 23) | (m << 13));
 }
 
-static inline uint16_t dlua_f32_to_bf16_inl(float f) {
+static inline DLUA_DT_HD uint16_t dlua_f32_to_bf16_inl(float f) {
   uint32_t x = dlua_f32_bits(f);
   if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40u);  // quiet NaN
   x += 0x7fffu + ((x >> 16) & 1u);  // ties to even; overflow carries into Inf as it should
   return (uint16_t)(x >> 16);
 }
 
-static inline float dlua_bf16_to_f32_inl(uint16_t h) {
+static inline DLUA_DT_HD float dlua_bf16_to_f32_inl(uint16_t h) {
   uint32_t x = (uint32_t)h << 16;
   if ((x & 0x7fffffffu) > 0x7f800000u) x |= 0x400000u;  // signalling NaN comes back quiet
   return dlua_bits_f32(x);

@@ -209,6 +209,14 @@ dlua_status_t dlua_tensor_empty(dlua_tensor_t **out, int ndim, const int64_t *si
 
 dlua_status_t dlua_tensor_zeros(dlua_tensor_t **out, int ndim, const int64_t *sizes, dlua_dtype_t dtype, int device) {
   DLUA_TRY(tensor_new("zeros", out, ndim, sizes, dtype, device));
+  if (device != DLUA_CPU) {  // device memory: a fill kernel, never a host memset
+    dlua_status_t s = dlua_tensor_fill_(*out, 0.0);
+    if (s != DLUA_OK) {
+      dlua_tensor_free(*out);
+      *out = NULL;
+    }
+    return s;
+  }
   char *p = (*out)->storage->data;
   size_t n = (*out)->storage->nbytes;
   // Large buffers are zeroed by every thread, so pages are touched near the threads that use them.
@@ -320,22 +328,47 @@ const char *dlua_tensor_describe(const dlua_tensor_t *t, char *buf, size_t len) 
 dlua_status_t dlua_require_cpu(const char *op, const dlua_tensor_t *t) {
   if (!t || !t->storage) return DLUA_ERR(DLUA_ERR_ARG, "%s: the tensor is NULL (freed, or never created)", op);
   if (t->device != DLUA_CPU) {
+    // Ops reach CUDA one by one (docs/cuda.md lists which): the rest say so instead of misbehaving.
     char b[200];
-    return DLUA_ERR(DLUA_ERR_ARG, "%s: expected a CPU tensor, got %s", op, dlua_tensor_describe(t, b, sizeof b));
+    return DLUA_ERR(DLUA_ERR_ARG, "%s: not implemented on cuda:%d yet (got %s)", op, t->device,
+                    dlua_tensor_describe(t, b, sizeof b));
+  }
+  return DLUA_OK;
+}
+
+dlua_status_t dlua_require_device(const char *op, const dlua_tensor_t *t, int device) {
+  if (!t || !t->storage) return DLUA_ERR(DLUA_ERR_ARG, "%s: the tensor is NULL (freed, or never created)", op);
+  if (t->device != device) {
+    char b[200];
+    if (device == DLUA_CPU) return dlua_require_cpu(op, t);
+    return DLUA_ERR(DLUA_ERR_ARG, "%s: expected tensors on one device, got %s where cuda:%d was expected", op,
+                    dlua_tensor_describe(t, b, sizeof b), device);
   }
   return DLUA_OK;
 }
 
 dlua_status_t dlua_prepare_out(const char *op, dlua_tensor_t **out, int ndim, const int64_t *sizes, dlua_dtype_t dtype,
                                int *allocated) {
+  return dlua_prepare_out_on(op, out, ndim, sizes, dtype, DLUA_CPU, allocated);
+}
+
+dlua_status_t dlua_prepare_out_on(const char *op, dlua_tensor_t **out, int ndim, const int64_t *sizes,
+                                  dlua_dtype_t dtype, int device, int *allocated) {
   if (allocated) *allocated = 0;
   if (!out) return DLUA_ERR(DLUA_ERR_ARG, "%s: out is NULL", op);
   if (!*out) {
-    DLUA_TRY(tensor_new(op, out, ndim, sizes, dtype, DLUA_CPU));
+    DLUA_TRY(tensor_new(op, out, ndim, sizes, dtype, device));
     if (allocated) *allocated = 1;
     return DLUA_OK;
   }
-  DLUA_TRY(dlua_require_cpu(op, *out));
+  if (*out && (*out)->storage && (*out)->device != device) {
+    char b[200], dn[24];
+    if (device == DLUA_CPU) snprintf(dn, sizeof dn, "cpu");
+    else snprintf(dn, sizeof dn, "cuda:%d", device);
+    return DLUA_ERR(DLUA_ERR_ARG, "%s: output %s is not on the inputs' device (%s)", op,
+                    dlua_tensor_describe(*out, b, sizeof b), dn);
+  }
+  DLUA_TRY(dlua_require_device(op, *out, device));
   const dlua_tensor_t *o = *out;
   int same = o->ndim == ndim;
   for (int d = 0; same && d < ndim; d++) same = o->sizes[d] == sizes[d];
@@ -715,7 +748,6 @@ dlua_status_t dlua_tensor_contiguous(dlua_tensor_t **out, const dlua_tensor_t *t
 
 dlua_status_t dlua_tensor_clone(dlua_tensor_t **out, const dlua_tensor_t *t) {
   VIEW_PROLOGUE("clone", out, t);
-  DLUA_TRY(dlua_require_cpu("clone", t));
   DLUA_TRY(tensor_new("clone", out, t->ndim, t->sizes, t->dtype, t->device));
   dlua_status_t s = dlua_tensor_copy_(*out, t);
   if (s != DLUA_OK) {

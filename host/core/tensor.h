@@ -42,11 +42,17 @@ dlua_status_t dlua_broadcast_shapes(const char *op, int na, const int64_t *sa, i
 const char *dlua_shape_str(int ndim, const int64_t *sizes, char *buf, size_t len);
 /* Contiguous row-major strides for sizes. */
 void dlua_contiguous_strides(int ndim, const int64_t *sizes, int64_t *strides);
-/* Errors unless t is a live CPU tensor: names the op (CUDA arrives in its own files). */
+/* Errors unless t is a live CPU tensor: names the op; a CUDA tensor gets "<op>: not implemented on
+   cuda:N yet" (ops reach CUDA one by one, docs/cuda.md). */
 dlua_status_t dlua_require_cpu(const char *op, const dlua_tensor_t *t);
+/* Errors unless t is a live tensor on `device` (DLUA_CPU or a CUDA ordinal), naming both devices. */
+dlua_status_t dlua_require_device(const char *op, const dlua_tensor_t *t, int device);
 
 /* Resolves the `out` convention: if *out is NULL allocates (ndim, sizes, dtype) on the
    CPU; otherwise checks that *out has exactly that shape (any dtype: the caller casts). */
 dlua_status_t dlua_prepare_out(const char *op, dlua_tensor_t **out, int ndim, const int64_t *sizes, dlua_dtype_t dtype, int *allocated);
+/* The same on `device`: allocates there, or checks that *out lives there. */
+dlua_status_t dlua_prepare_out_on(const char *op, dlua_tensor_t **out, int ndim, const int64_t *sizes, dlua_dtype_t dtype,
+                                  int device, int *allocated);
 
 #endif

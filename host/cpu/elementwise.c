@@ -10,6 +10,7 @@
 #include "core/error.h"
 #include "core/tensor.h"
 #include "cpu/elementwise_ops.h"
+#include "cuda/kernels.h" /* plain C: the launch descriptor; only CUDA builds call into it */
 
 /* ---- op tables derived from the X-macro lists ----------------------------------------------- */
 
@@ -405,7 +406,11 @@ static dlua_status_t check_input(const char *op, const dlua_tensor_t *t, const d
     return DLUA_ERR(DLUA_ERR_ARG, "%s: expected tensors on one device, got %s and %s", op,
                     dlua_tensor_describe(first, b1, sizeof b1), dlua_tensor_describe(t, b2, sizeof b2));
   }
+#ifdef DLUA_HAVE_CUDA
+  return DLUA_OK;  // every op of this file runs on CUDA too (ew_exec)
+#else
   return dlua_require_cpu(op, t);
+#endif
 }
 
 static void byte_extent(const dlua_tensor_t *t, uintptr_t *lo, uintptr_t *hi) {
@@ -451,16 +456,54 @@ static dlua_status_t check_writable(const char *op, const dlua_tensor_t *t) {
   return DLUA_OK;
 }
 
+/* What the CUDA side needs besides the iterator: the kernel family (DLUA_CUDA_EW_*), the op's position in
+   its X-macro list, the compute storage dtype, and for the bit movers the element size. */
+typedef struct {
+  int family, op, dtype, elsize;
+} ew_cuda_t;
+
+/* Hands the iterator's merged layout to the CUDA kernels (host/cuda/elementwise*.cu). */
+static dlua_status_t ew_cuda_launch(const char *op, const ew_iter_t *it, const ew_cuda_t *cu, const ew_params_t *pp,
+                                    int device) {
+#ifdef DLUA_HAVE_CUDA
+  dlua_cuda_ew_t e;
+  memset(&e, 0, sizeof e);
+  e.family = cu->family;
+  e.op = cu->op;
+  e.dtype = cu->dtype;
+  e.src_dtype = cu->dtype;
+  e.elsize = cu->elsize;
+  e.nops = it->nops;
+  e.ndim = it->ndim;
+  e.numel = it->numel;
+  for (int d = 0; d < it->ndim; d++) {
+    e.sizes[d] = it->sizes[d];
+    for (int k = 0; k < it->nops; k++) e.strides[k][d] = it->bstrides[k][d];
+  }
+  for (int k = 0; k < it->nops; k++) e.base[k] = it->base[k];
+  e.d[0] = pp->d[0];
+  e.d[1] = pp->d[1];
+  e.i[0] = pp->i[0];
+  e.i[1] = pp->i[1];
+  e.mode = pp->mode;
+  e.device = device;
+  return dlua_cuda_ew_run(op, &e);
+#else
+  return DLUA_ERR(DLUA_ERR_ARG, "%s: not implemented on cuda:%d (built without CUDA)", op, device);
+#endif
+}
+
 /* Runs `kernel` over (*out, ins...) at shape (nd, shape). The kernel computes in dtype `rdt` for
    its output and reads inputs of dtype in_dt[i] (-1: as they are). Resolves the `out`
    convention: allocates *out, or writes through a temporary when *out has another dtype, and
    copies inputs that differ in dtype or that partially overlap the output. */
 static dlua_status_t ew_exec(const char *op, dlua_tensor_t **out, dlua_dtype_t rdt, int nd, const int64_t *shape,
                              int nin, const dlua_tensor_t *const *ins, const int *in_dt, ew_kernel_t kernel,
-                             const ew_params_t *pp) {
+                             const ew_cuda_t *cu, const ew_params_t *pp) {
   if (!kernel) return DLUA_ERR(DLUA_ERR_INTERNAL, "%s: no CPU kernel for %s", op, dlua_dtype_name(rdt));
+  const int device = ins[0]->device;  // check_input made every operand agree
   int allocated = 0;
-  DLUA_TRY(dlua_prepare_out(op, out, nd, shape, rdt, &allocated));
+  DLUA_TRY(dlua_prepare_out_on(op, out, nd, shape, rdt, device, &allocated));
   dlua_status_t s = DLUA_OK;
   dlua_tensor_t *tmp_out = NULL, *tmp_in[EW_MAX_OPS] = {NULL};
   const dlua_tensor_t *ops[EW_MAX_OPS];
@@ -468,7 +511,7 @@ static dlua_status_t ew_exec(const char *op, dlua_tensor_t **out, dlua_dtype_t r
   if (!allocated) {
     s = check_writable(op, dst);
     if (s == DLUA_OK && dst->dtype != rdt) {
-      s = dlua_tensor_empty(&tmp_out, nd, shape, rdt, DLUA_CPU);
+      s = dlua_tensor_empty(&tmp_out, nd, shape, rdt, device);
       dst = tmp_out;
     }
   }
@@ -486,8 +529,9 @@ static dlua_status_t ew_exec(const char *op, dlua_tensor_t **out, dlua_dtype_t r
     ops[0] = dst;
     ew_iter_t it;
     ew_iter_init(&it, nin + 1, ops);
-    ew_launch(&it, kernel, pp);
-    if (tmp_out) s = dlua_tensor_copy_(*out, tmp_out);
+    if (device == DLUA_CPU) ew_launch(&it, kernel, pp);
+    else s = ew_cuda_launch(op, &it, cu, pp, device);
+    if (s == DLUA_OK && tmp_out) s = dlua_tensor_copy_(*out, tmp_out);
   }
   dlua_tensor_free(tmp_out);
   for (int i = 0; i < nin; i++) dlua_tensor_free(tmp_in[i]);
@@ -505,7 +549,9 @@ static dlua_status_t check_no_zero(const char *op, const dlua_tensor_t *b) {
   dlua_tensor_t *z = NULL, *any = NULL;
   DLUA_TRY(dlua_tensor_binary_scalar(&z, b, 0, DLUA_BINARY_EQ, 0));
   dlua_status_t s = dlua_tensor_reduce(&any, NULL, z, DLUA_REDUCE_ANY, 0, NULL, 0, 0, 0);
-  int has_zero = s == DLUA_OK && *(const uint8_t *)dlua_tensor_ptr(any);
+  uint8_t flag = 0;  // read through to_data: `any` lives on b's device
+  if (s == DLUA_OK) s = dlua_tensor_to_data(any, &flag, 1);
+  int has_zero = s == DLUA_OK && flag;
   dlua_tensor_free(z);
   dlua_tensor_free(any);
   if (s != DLUA_OK) return s;
@@ -532,8 +578,9 @@ dlua_status_t dlua_tensor_unary(dlua_tensor_t **out, const dlua_tensor_t *a, dlu
     return DLUA_ERR(DLUA_ERR_ARG, "neg: negating a bool tensor is not supported; use logical_not");
   ew_params_t pp = {{0, 0}, {0, 0}, 0};
   int in_dt = (int)ct;
+  const ew_cuda_t cu = {DLUA_CUDA_EW_UNARY, (int)op, (int)ct, 0};
   return ew_exec(name, out, kind == EW_KIND_PRED ? DLUA_DTYPE_BOOL : ct, a->ndim, a->sizes, 1, &a, &in_dt,
-                 unary_kernels[op][ct], &pp);
+                 unary_kernels[op][ct], &cu, &pp);
 }
 
 dlua_status_t dlua_tensor_binary(dlua_tensor_t **out, const dlua_tensor_t *a, const dlua_tensor_t *b,
@@ -562,8 +609,9 @@ dlua_status_t dlua_tensor_binary(dlua_tensor_t **out, const dlua_tensor_t *a, co
   params_set(&pp, 0, alpha);
   const dlua_tensor_t *ins[2] = {a, b};
   int in_dt[2] = {(int)ct, (int)ct};
+  const ew_cuda_t cu = {DLUA_CUDA_EW_BINARY, (int)op, (int)ct, 0};
   return ew_exec(name, out, kind == EW_KIND_PRED ? DLUA_DTYPE_BOOL : ct, nd, shape, 2, ins, in_dt,
-                 binary_kernels[op][ct], &pp);
+                 binary_kernels[op][ct], &cu, &pp);
 }
 
 dlua_status_t dlua_tensor_binary_scalar(dlua_tensor_t **out, const dlua_tensor_t *a, double s, dlua_binary_op_t op,
@@ -595,8 +643,9 @@ dlua_status_t dlua_tensor_binary_scalar(dlua_tensor_t **out, const dlua_tensor_t
   params_set(&pp, 1, s);
   pp.mode = scalar_first ? 2 : 1;
   int in_dt = (int)ct;
+  const ew_cuda_t cu = {DLUA_CUDA_EW_BINARY, (int)op, (int)ct, 0};
   return ew_exec(name, out, kind == EW_KIND_PRED ? DLUA_DTYPE_BOOL : ct, a->ndim, a->sizes, 1, &a, &in_dt,
-                 binary_kernels[op][ct], &pp);
+                 binary_kernels[op][ct], &cu, &pp);
 }
 
 dlua_status_t dlua_tensor_clamp(dlua_tensor_t **out, const dlua_tensor_t *a, double low, double high) {
@@ -612,7 +661,8 @@ dlua_status_t dlua_tensor_clamp(dlua_tensor_t **out, const dlua_tensor_t *a, dou
   pp.i[0] = is_int_scalar(low) ? (int64_t)low : INT64_MIN;
   pp.i[1] = is_int_scalar(high) ? (int64_t)high : INT64_MAX;
   int in_dt = (int)ct;
-  return ew_exec("clamp", out, ct, a->ndim, a->sizes, 1, &a, &in_dt, unary_kernels[EWU_CLAMP][ct], &pp);
+  const ew_cuda_t cu = {DLUA_CUDA_EW_UNARY, EWU_CLAMP, (int)ct, 0};
+  return ew_exec("clamp", out, ct, a->ndim, a->sizes, 1, &a, &in_dt, unary_kernels[EWU_CLAMP][ct], &cu, &pp);
 }
 
 dlua_status_t dlua_tensor_where(dlua_tensor_t **out, const dlua_tensor_t *cond, const dlua_tensor_t *a,
@@ -631,7 +681,8 @@ dlua_status_t dlua_tensor_where(dlua_tensor_t **out, const dlua_tensor_t *cond, 
   int in_dt[3] = {-1, (int)rdt, (int)rdt};
   ew_params_t pp;
   memset(&pp, 0, sizeof pp);
-  return ew_exec("where", out, rdt, nd, shape, 3, ins, in_dt, where_kernel(dlua_dtype_size(rdt)), &pp);
+  const ew_cuda_t cu = {DLUA_CUDA_EW_WHERE, 0, (int)rdt, (int)dlua_dtype_size(rdt)};
+  return ew_exec("where", out, rdt, nd, shape, 3, ins, in_dt, where_kernel(dlua_dtype_size(rdt)), &cu, &pp);
 }
 
 /* Checks that `other` broadcasts to t's own shape (in-place ops cannot grow t). */
@@ -690,7 +741,8 @@ dlua_status_t dlua_tensor_masked_fill_(dlua_tensor_t *t, const dlua_tensor_t *ma
   }
   int in_dt = -1;
   dlua_tensor_t *dst = t;
-  return ew_exec(op, &dst, t->dtype, t->ndim, t->sizes, 1, &mask, &in_dt, mfill_kernel(es), &pp);
+  const ew_cuda_t cu = {DLUA_CUDA_EW_MFILL, 0, (int)t->dtype, (int)es};
+  return ew_exec(op, &dst, t->dtype, t->ndim, t->sizes, 1, &mask, &in_dt, mfill_kernel(es), &cu, &pp);
 }
 
 static dlua_status_t addc(const char *op, int top, dlua_tensor_t *t, const dlua_tensor_t *a, const dlua_tensor_t *b,
@@ -716,7 +768,8 @@ static dlua_status_t addc(const char *op, int top, dlua_tensor_t *t, const dlua_
   const dlua_tensor_t *ins[2] = {a, b};
   int in_dt[2] = {(int)ct, (int)ct};
   dlua_tensor_t *dst = t;
-  return ew_exec(op, &dst, ct, t->ndim, t->sizes, 2, ins, in_dt, ternary_kernels[top][ct], &pp);
+  const ew_cuda_t cu = {DLUA_CUDA_EW_TERNARY, top, (int)ct, 0};
+  return ew_exec(op, &dst, ct, t->ndim, t->sizes, 2, ins, in_dt, ternary_kernels[top][ct], &cu, &pp);
 }
 
 dlua_status_t dlua_tensor_addcmul_(dlua_tensor_t *t, const dlua_tensor_t *a, const dlua_tensor_t *b, double value) {
@@ -740,5 +793,6 @@ dlua_status_t dlua_tensor_lerp_(dlua_tensor_t *t, const dlua_tensor_t *end, doub
   const dlua_tensor_t *ins[2] = {t, end};
   int in_dt[2] = {(int)t->dtype, (int)t->dtype};
   dlua_tensor_t *dst = t;
-  return ew_exec(op, &dst, t->dtype, t->ndim, t->sizes, 2, ins, in_dt, binary_kernels[EWB_LERP][t->dtype], &pp);
+  const ew_cuda_t cu = {DLUA_CUDA_EW_BINARY, EWB_LERP, (int)t->dtype, 0};
+  return ew_exec(op, &dst, t->dtype, t->ndim, t->sizes, 2, ins, in_dt, binary_kernels[EWB_LERP][t->dtype], &cu, &pp);
 }

@@ -8,6 +8,7 @@
 #include "core/error.h"
 #include "core/tensor.h"
 #include "cpu/index.h"
+#include "cuda/kernels.h" /* plain C: only CUDA builds call into it */
 
 /* ---- deterministic matrix-vector products ----------------------------------------------------
    oneDNN's sgemm switches to a GEMV kernel that splits k across threads when m or n is 1, so
@@ -330,6 +331,137 @@ static void promote_1d(struct dlua_tensor *v, int as_row) {
   v->ndim = 2;
 }
 
+/* The CUDA driver, the same steps as product() below: products in the result dtype through cuBLASLt
+   (f16/bf16 accumulate in f32 there), operands in BLAS form (else contiguous copies), one strided-batched
+   call when the batch allows, else one call per matrix. */
+static dlua_status_t cuda_product(const char *op, dlua_tensor_t **out, const dlua_tensor_t *a, const dlua_tensor_t *b,
+                                  int a_as_row, int b_as_col, const dlua_tensor_t *c, double beta, double alpha) {
+  char b1[200], b2[200];
+  const dlua_tensor_t *other = b->device != a->device ? b : (c && c->device != a->device ? c : NULL);
+  if (other)
+    return DLUA_ERR(DLUA_ERR_ARG, "%s: expected tensors on one device, got %s and %s", op,
+                    dlua_tensor_describe(a, b1, sizeof b1), dlua_tensor_describe(other, b2, sizeof b2));
+#ifndef DLUA_HAVE_CUDA
+  (void)out, (void)a_as_row, (void)b_as_col, (void)beta, (void)alpha;
+  return dlua_require_cpu(op, a);
+#else
+  const int dev = a->device;
+  dlua_dtype_t rdt = dlua_dtype_promote(a->dtype, b->dtype);
+  if (c) rdt = dlua_dtype_promote(rdt, c->dtype);
+  if (rdt != DLUA_DTYPE_F32 && rdt != DLUA_DTYPE_F64 && rdt != DLUA_DTYPE_F16 && rdt != DLUA_DTYPE_BF16)
+    return DLUA_ERR(DLUA_ERR_ARG, "%s: not implemented on cuda:%d yet for %s tensors (got %s and %s)", op, dev,
+                    dlua_dtype_name(rdt), dlua_tensor_describe(a, b1, sizeof b1), dlua_tensor_describe(b, b2, sizeof b2));
+  struct dlua_tensor av = *a, bv = *b;
+  promote_1d(&av, a_as_row);
+  promote_1d(&bv, b_as_col ? 0 : 1);
+  mm_plan_t pl;
+  DLUA_TRY(make_plan(op, &av, &bv, a, b, &pl));
+  int64_t osizes[DLUA_MAX_DIMS];
+  int ond = 0;
+  for (int d = 0; d < pl.bnd; d++) osizes[ond++] = pl.bsz[d];
+  if (!(a->ndim == 1 && a_as_row)) osizes[ond++] = pl.m;
+  if (!(b->ndim == 1 && b_as_col)) osizes[ond++] = pl.n;
+  if (c) {
+    int64_t csizes[DLUA_MAX_DIMS];
+    int cnd = 0;
+    DLUA_TRY(dlua_broadcast_shapes(op, c->ndim, c->sizes, ond, osizes, &cnd, csizes));
+    if (cnd != ond || memcmp(csizes, osizes, sizeof(int64_t) * (size_t)ond) != 0) {
+      char b3[200];
+      return DLUA_ERR(DLUA_ERR_ARG, "%s: input %s does not broadcast to the product's shape %s", op,
+                      dlua_tensor_describe(c, b1, sizeof b1), dlua_shape_str(ond, osizes, b3, sizeof b3));
+    }
+  }
+
+  int allocated = 0;
+  DLUA_TRY(dlua_prepare_out_on(op, out, ond, osizes, rdt, dev, &allocated));
+  dlua_tensor_t *ta = NULL, *tb = NULL, *tc = NULL, *tmp = NULL, *dst = *out;
+  dlua_status_t s = DLUA_OK;
+  if (!allocated && (dst->dtype != rdt || !dlua_tensor_is_contiguous(dst))) {
+    s = dlua_tensor_empty(&tmp, ond, osizes, rdt, dev);
+    dst = tmp;
+  }
+  if (s == DLUA_OK) s = to_compute(a, rdt, &ta, &av);
+  if (s == DLUA_OK) s = to_compute(b, rdt, &tb, &bv);
+  if (s == DLUA_OK) {
+    promote_1d(&av, a_as_row);
+    promote_1d(&bv, b_as_col ? 0 : 1);
+    s = make_plan(op, &av, &bv, a, b, &pl);
+  }
+  int tra = 0, trb = 0;
+  int64_t lda = 0, ldb = 0;
+  if (s == DLUA_OK && !blas_form(pl.m, pl.k, pl.ars, pl.acs, &tra, &lda)) {
+    dlua_tensor_t *t2 = NULL;
+    s = dlua_tensor_contiguous(&t2, &av);
+    if (s == DLUA_OK) {
+      dlua_tensor_free(ta);
+      ta = t2;
+      av = *t2;
+    }
+  }
+  if (s == DLUA_OK && !blas_form(pl.k, pl.n, pl.brs, pl.bcs, &trb, &ldb)) {
+    dlua_tensor_t *t2 = NULL;
+    s = dlua_tensor_contiguous(&t2, &bv);
+    if (s == DLUA_OK) {
+      dlua_tensor_free(tb);
+      tb = t2;
+      bv = *t2;
+    }
+  }
+  if (s == DLUA_OK) s = make_plan(op, &av, &bv, a, b, &pl);
+  if (s == DLUA_OK) fold_batch(&pl, &av, &bv, DLUA_DTYPE_F32);  // F32: keep A in BLAS form
+  if (s == DLUA_OK && (!blas_form(pl.m, pl.k, pl.ars, pl.acs, &tra, &lda) || !blas_form(pl.k, pl.n, pl.brs, pl.bcs, &trb, &ldb)))
+    s = DLUA_ERR(DLUA_ERR_INTERNAL, "%s: operand layout not expressible for cuBLASLt", op);
+  double kbeta = 0.0;
+  if (s == DLUA_OK && c && beta != 0.0) {
+    int same = dst == *out && dlua_tensor_same_storage(dst, c) && c->offset == dst->offset && c->ndim == dst->ndim &&
+               memcmp(c->sizes, dst->sizes, sizeof(int64_t) * (size_t)c->ndim) == 0 &&
+               memcmp(c->strides, dst->strides, sizeof(int64_t) * (size_t)c->ndim) == 0 && c->dtype == dst->dtype;
+    if (!same) {
+      const dlua_tensor_t *src = c;
+      if (dlua_tensor_same_storage(dst, c)) {
+        s = dlua_tensor_clone(&tc, c);
+        src = tc;
+      }
+      if (s == DLUA_OK) s = dlua_tensor_copy_(dst, src);
+    }
+    kbeta = beta;
+  }
+  if (s == DLUA_OK) {
+    const int64_t nbatch = dlua_shape_numel(pl.bnd, pl.bsz), es = (int64_t)dlua_dtype_size(rdt);
+    const char *ap = dlua_tensor_ptr(&av), *bp = dlua_tensor_ptr(&bv);
+    char *cp = dlua_tensor_ptr(dst);
+    if (nbatch == 0 || pl.m == 0 || pl.n == 0) {
+      // nothing to compute
+    } else if (pl.k == 0) {  // an empty sum: C = beta * C
+      if (kbeta == 0.0) s = dlua_tensor_fill_(dst, 0.0);
+      else if (kbeta != 1.0) s = dlua_tensor_binary_scalar(&dst, dst, kbeta, DLUA_BINARY_MUL, 0);
+    } else if (pl.bnd == 0) {
+      s = dlua_cuda_gemm(op, (int)rdt, tra, trb, pl.m, pl.n, pl.k, alpha, ap, lda, 0, bp, ldb, 0, kbeta, cp, pl.n, 0, 1,
+                         dev);
+    } else if (pl.bnd == 1 && pl.ast[0] != 0 && pl.bst[0] != 0) {
+      s = dlua_cuda_gemm(op, (int)rdt, tra, trb, pl.m, pl.n, pl.k, alpha, ap, lda, pl.ast[0], bp, ldb, pl.bst[0], kbeta,
+                         cp, pl.n, pl.cst[0], nbatch, dev);
+    } else {
+      for (int64_t bi = 0; bi < nbatch && s == DLUA_OK; bi++)
+        s = dlua_cuda_gemm(op, (int)rdt, tra, trb, pl.m, pl.n, pl.k, alpha,
+                           ap + dlua_cpu_unravel(pl.bnd, pl.bsz, pl.ast, bi) * es, lda, 0,
+                           bp + dlua_cpu_unravel(pl.bnd, pl.bsz, pl.bst, bi) * es, ldb, 0, kbeta,
+                           cp + dlua_cpu_unravel(pl.bnd, pl.bsz, pl.cst, bi) * es, pl.n, 0, 1, dev);
+    }
+  }
+  if (s == DLUA_OK && tmp) s = dlua_tensor_copy_(*out, tmp);
+  dlua_tensor_free(ta);
+  dlua_tensor_free(tb);
+  dlua_tensor_free(tc);
+  dlua_tensor_free(tmp);
+  if (s != DLUA_OK && allocated) {
+    dlua_tensor_free(*out);
+    *out = NULL;
+  }
+  return s;
+#endif
+}
+
 /* The shared driver: out (out_nd, out_sizes) holds the batch of (m, n) products contiguously.
    c (may be NULL) is addmm's term, broadcast to out and scaled by beta. */
 static dlua_status_t product(const char *op, dlua_tensor_t **out, const dlua_tensor_t *a, const dlua_tensor_t *b,
@@ -337,9 +469,9 @@ static dlua_status_t product(const char *op, dlua_tensor_t **out, const dlua_ten
   char b1[200], b2[200];
   if (!out) return DLUA_ERR(DLUA_ERR_ARG, "%s: out is NULL", op);
   if (!a || !b) return DLUA_ERR(DLUA_ERR_ARG, "%s: operand is NULL", op);
-  DLUA_TRY(dlua_require_cpu(op, a));
-  DLUA_TRY(dlua_require_cpu(op, b));
-  if (c) DLUA_TRY(dlua_require_cpu(op, c));
+  if (!a->storage || !b->storage || (c && !c->storage)) DLUA_TRY(dlua_require_cpu(op, !a->storage ? a : !b->storage ? b : c));
+  if (a->device != DLUA_CPU || b->device != DLUA_CPU || (c && c->device != DLUA_CPU))
+    return cuda_product(op, out, a, b, a_as_row, b_as_col, c, beta, alpha);
   dlua_dtype_t rdt = dlua_dtype_promote(a->dtype, b->dtype);
   if (c) rdt = dlua_dtype_promote(rdt, c->dtype);
   if (rdt == DLUA_DTYPE_BOOL)

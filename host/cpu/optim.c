@@ -10,6 +10,8 @@
 #include "core/error.h"
 #include "core/tensor.h"
 #include "cpu/elementwise_ops.h"
+#include "cpu/optim_ops.h"
+#include "cuda/kernels.h" /* plain C: only CUDA builds call into it */
 
 /* Element-wise steps run in chunks of OPT_CHUNK elements (one thread each; a range smaller
    than that stays on the calling thread). LARS norms are summed per LARS_BLOCK elements and
@@ -18,10 +20,15 @@ enum { OPT_CHUNK = 16384, LARS_BLOCK = 8192 };
 
 /* ---- argument checks ------------------------------------------------------------------------------ */
 
-static dlua_status_t check_param(const char *op, const dlua_tensor_t *p) {
+/* cuda_ok: the step has a CUDA kernel (host/cuda/optim.cu); the others say they are not on CUDA yet. */
+static dlua_status_t check_param(const char *op, const dlua_tensor_t *p, int cuda_ok) {
   char b[200];
   if (!p || !p->storage) return DLUA_ERR(DLUA_ERR_ARG, "%s: param is NULL (freed, or never created)", op);
+#ifdef DLUA_HAVE_CUDA
+  if (!cuda_ok) DLUA_TRY(dlua_require_cpu(op, p));
+#else
   DLUA_TRY(dlua_require_cpu(op, p));
+#endif
   if (p->dtype != DLUA_DTYPE_F32 && p->dtype != DLUA_DTYPE_F64)
     return DLUA_ERR(DLUA_ERR_ARG, "%s: param must be float32 or float64, got %s", op, dlua_tensor_describe(p, b, sizeof b));
   if (!dlua_tensor_is_contiguous(p))
@@ -35,7 +42,7 @@ static dlua_status_t check_param(const char *op, const dlua_tensor_t *p) {
 static dlua_status_t check_buffer(const char *op, const char *what, const dlua_tensor_t *t, const dlua_tensor_t *p) {
   char b1[200], b2[200];
   if (!t || !t->storage) return DLUA_ERR(DLUA_ERR_ARG, "%s: %s is NULL (freed, or never created)", op, what);
-  DLUA_TRY(dlua_require_cpu(op, t));
+  DLUA_TRY(dlua_require_device(op, t, p->device));
   if (t->dtype != p->dtype || dlua_tensor_numel(t) != dlua_tensor_numel(p))
     return DLUA_ERR(DLUA_ERR_ARG, "%s: %s %s must have param's dtype and element count (param %s)", op, what,
                     dlua_tensor_describe(t, b1, sizeof b1), dlua_tensor_describe(p, b2, sizeof b2));
@@ -83,15 +90,7 @@ static dlua_status_t check_grad_scale(const char *op, double s) {
 
 /* ---- kernels ------------------------------------------------------------------------------------------ */
 
-/* Arguments of one step; the pointers already point at element `offset`. */
-typedef struct {
-  void *p;
-  const void *g;
-  void *s1, *s2, *s3; /* SGD/LARS: momentum; AdamW: exp_avg, exp_avg_sq, max_exp_avg_sq */
-  double lr, momentum, dampening, weight_decay, grad_scale, beta1, beta2, eps, bc1, bc2;
-  double trust; /* LARS: this parameter's ratio */
-  int nesterov, maximize, first, amsgrad;
-} step_args_t;
+typedef dlua_opt_args_t step_args_t; /* host/cpu/optim_ops.h */
 
 typedef void (*chunk_fn)(const step_args_t *a, int64_t lo, int64_t hi);
 
@@ -104,17 +103,8 @@ typedef void (*chunk_fn)(const step_args_t *a, int64_t lo, int64_t hi);
     const T gs = (T)a->grad_scale, wd = (T)a->weight_decay, mom = (T)a->momentum;                               \
     const T damp1 = (T)(1.0 - a->dampening), lr = (T)a->lr;                                                     \
     const int nesterov = a->nesterov, maximize = a->maximize, first = a->first;                                 \
-    for (int64_t i = lo; i < hi; i++) {                                                                         \
-      T d = g[i] * gs;                                                                                          \
-      if (maximize) d = -d;                                                                                     \
-      if (wd != 0) d = d + wd * p[i];           /* d_p.add(param, alpha=wd) */                                  \
-      if (mom != 0) {                                                                                           \
-        T b = first ? d : buf[i] * mom + damp1 * d; /* buf.mul_(momentum).add_(d_p, alpha=1-dampening) */      \
-        buf[i] = b;                                                                                             \
-        d = nesterov ? d + mom * b : b;                                                                         \
-      }                                                                                                         \
-      p[i] = p[i] - lr * d;                                                                                     \
-    }                                                                                                           \
+    for (int64_t i = lo; i < hi; i++)                                                                           \
+      dlua_opt_sgd_##S(p + i, g[i], buf ? buf + i : NULL, gs, wd, mom, damp1, lr, nesterov, maximize, first);   \
   }                                                                                                             \
                                                                                                                 \
   static DLUA_CPU_CLONES void adamw_##S(const step_args_t *a, int64_t lo, int64_t hi) {                         \
@@ -124,22 +114,9 @@ typedef void (*chunk_fn)(const step_args_t *a, int64_t lo, int64_t hi);
     const T b1 = (T)a->beta1, omb1 = (T)(1.0 - a->beta1), b2 = (T)a->beta2, omb2 = (T)(1.0 - a->beta2);         \
     const T neg_step = (T)(-(a->lr / a->bc1)), bc2_sqrt = (T)sqrt(a->bc2), eps = (T)a->eps;                     \
     const int maximize = a->maximize, amsgrad = a->amsgrad;                                                     \
-    for (int64_t i = lo; i < hi; i++) {                                                                         \
-      T gr = g[i] * gs;                                                                                         \
-      if (maximize) gr = -gr;                                                                                   \
-      T pw = p[i] * decay;                       /* param.mul_(1 - lr * weight_decay) */                        \
-      T mi = m[i] * b1 + omb1 * gr;              /* exp_avg.mul_(beta1).add_(grad, alpha=1-beta1) */            \
-      T vi = v[i] * b2 + omb2 * gr * gr;         /* exp_avg_sq.mul_(beta2).addcmul_(grad, grad, 1-beta2) */     \
-      m[i] = mi;                                                                                                \
-      v[i] = vi;                                                                                                \
-      if (amsgrad) {                             /* torch.maximum: NaN wins */                                  \
-        T mx = vmax[i];                                                                                         \
-        vi = (mx > vi || mx != mx) ? mx : vi;                                                                   \
-        vmax[i] = vi;                                                                                           \
-      }                                                                                                         \
-      T denom = SQRT(vi) / bc2_sqrt + eps;                                                                      \
-      p[i] = pw + neg_step * (mi / denom);       /* param.addcdiv_(exp_avg, denom, value=-step_size) */         \
-    }                                                                                                           \
+    for (int64_t i = lo; i < hi; i++)                                                                           \
+      dlua_opt_adamw_##S(p + i, g[i], m + i, v + i, vmax ? vmax + i : NULL, gs, decay, b1, omb1, b2, omb2,      \
+                         neg_step, bc2_sqrt, eps, maximize, amsgrad);                                          \
   }                                                                                                             \
                                                                                                                 \
   /* NVIDIA's LARC: grad += wd * p; grad *= trust; then SGD with momentum (no dampening). */                   \
@@ -189,6 +166,17 @@ static void run_chunks(chunk_fn fn, const step_args_t *a, int64_t length) {
   }
 }
 
+/* The same step on CUDA: one grid-stride kernel over the range (host/cuda/optim.cu). kind 0 SGD, 1 AdamW. */
+static dlua_status_t cuda_step(const char *op, int kind, const dlua_tensor_t *param, const step_args_t *a,
+                               int64_t length) {
+#ifdef DLUA_HAVE_CUDA
+  return dlua_cuda_optim_step(op, kind, (int)param->dtype, a, length, param->device);
+#else
+  (void)kind, (void)a, (void)length;
+  return dlua_require_cpu(op, param);
+#endif
+}
+
 static void *at(const dlua_tensor_t *t, int64_t offset) {
   return t ? dlua_tensor_ptr(t) + offset * (int64_t)dlua_dtype_size(t->dtype) : NULL;
 }
@@ -200,7 +188,7 @@ dlua_status_t dlua_optim_sgd_step(dlua_tensor_t *param, const dlua_tensor_t *gra
                                   double weight_decay, int nesterov, int maximize, int first_step,
                                   double grad_scale) {
   const char *op = "sgd_step";
-  DLUA_TRY(check_param(op, param));
+  DLUA_TRY(check_param(op, param, 1));
   DLUA_TRY(check_buffer(op, "grad", grad, param));
   DLUA_TRY(check_range(op, param, offset, length));
   DLUA_TRY(check_hyper(op, "lr", lr, 0, INFINITY, 0));
@@ -220,6 +208,7 @@ dlua_status_t dlua_optim_sgd_step(dlua_tensor_t *param, const dlua_tensor_t *gra
                    .lr = lr, .momentum = momentum, .dampening = dampening, .weight_decay = weight_decay,
                    .grad_scale = grad_scale, .nesterov = nesterov != 0, .maximize = maximize != 0,
                    .first = first_step != 0};
+  if (param->device != DLUA_CPU) return cuda_step(op, 0, param, &a, length);
   run_chunks(param->dtype == DLUA_DTYPE_F64 ? sgd_d : sgd_f, &a, length);
   return DLUA_OK;
 }
@@ -231,7 +220,7 @@ dlua_status_t dlua_optim_adamw_step(dlua_tensor_t *param, const dlua_tensor_t *g
                                     int64_t length, double lr, double beta1, double beta2, double eps,
                                     double weight_decay, int64_t step, int amsgrad, int maximize, double grad_scale) {
   const char *op = "adamw_step";
-  DLUA_TRY(check_param(op, param));
+  DLUA_TRY(check_param(op, param, 1));
   DLUA_TRY(check_buffer(op, "grad", grad, param));
   DLUA_TRY(check_buffer(op, "exp_avg", exp_avg, param));
   DLUA_TRY(check_buffer(op, "exp_avg_sq", exp_avg_sq, param));
@@ -258,6 +247,7 @@ dlua_status_t dlua_optim_adamw_step(dlua_tensor_t *param, const dlua_tensor_t *g
                    .beta1 = beta1, .beta2 = beta2, .eps = eps, .weight_decay = weight_decay,
                    .grad_scale = grad_scale, .amsgrad = amsgrad != 0, .maximize = maximize != 0,
                    .bc1 = 1.0 - pow(beta1, (double)step), .bc2 = 1.0 - pow(beta2, (double)step)};
+  if (param->device != DLUA_CPU) return cuda_step(op, 1, param, &a, length);
   run_chunks(param->dtype == DLUA_DTYPE_F64 ? adamw_d : adamw_f, &a, length);
   return DLUA_OK;
 }
@@ -279,7 +269,7 @@ dlua_status_t dlua_optim_lars_step(dlua_tensor_t *param, const dlua_tensor_t *gr
                                    const int32_t *exclude, double lr, double momentum, double weight_decay,
                                    double trust_coefficient, double eps, int first_step, double grad_scale) {
   const char *op = "lars_step";
-  DLUA_TRY(check_param(op, param));
+  DLUA_TRY(check_param(op, param, 0));
   DLUA_TRY(check_buffer(op, "grad", grad, param));
   DLUA_TRY(check_hyper(op, "lr", lr, 0, INFINITY, 0));
   DLUA_TRY(check_hyper(op, "momentum", momentum, 0, INFINITY, 0));
@@ -404,7 +394,9 @@ dlua_status_t dlua_optim_unscale(dlua_tensor_t *grad, int64_t offset, int64_t le
   char b[200];
   if (nonfinite) *nonfinite = 0;
   if (!grad || !grad->storage) return DLUA_ERR(DLUA_ERR_ARG, "%s: grad is NULL (freed, or never created)", op);
+#ifndef DLUA_HAVE_CUDA
   DLUA_TRY(dlua_require_cpu(op, grad));
+#endif
   if (!dlua_dtype_is_floating(grad->dtype))
     return DLUA_ERR(DLUA_ERR_ARG, "%s: grad must be a floating-point tensor, got %s", op,
                     dlua_tensor_describe(grad, b, sizeof b));
@@ -415,6 +407,9 @@ dlua_status_t dlua_optim_unscale(dlua_tensor_t *grad, int64_t offset, int64_t le
   if (!isfinite(inv_scale)) return DLUA_ERR(DLUA_ERR_ARG, "%s: inv_scale must be finite, got %g", op, inv_scale);
   char *base = dlua_tensor_ptr(grad) + offset * (int64_t)dlua_dtype_size(grad->dtype);
   dlua_dtype_t dt = grad->dtype;
+#ifdef DLUA_HAVE_CUDA
+  if (grad->device != DLUA_CPU) return dlua_cuda_unscale(op, (int)dt, base, length, inv_scale, nonfinite, grad->device);
+#endif
   int64_t nc = (length + OPT_CHUNK - 1) / OPT_CHUNK, bad = 0;
   // An integer count: the sum is the same in any order, so a plain reduction is deterministic.
 #pragma omp parallel for schedule(static) reduction(+ : bad) if (nc > 1)

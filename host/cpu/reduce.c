@@ -10,6 +10,7 @@
 #include "core/error.h"
 #include "core/tensor.h"
 #include "cpu/elementwise_ops.h"
+#include "cuda/kernels.h" /* plain C: only CUDA builds call into it */
 
 /* Reduced elements are folded in blocks of RED_BLOCK (positions in the reduced index space,
    fixed by the shape alone) and block results are combined in block order, so a result is the
@@ -573,12 +574,102 @@ static dlua_status_t deliver(const char *op, dlua_tensor_t **dst, int nd, const 
   return s;
 }
 
+#ifdef DLUA_HAVE_CUDA
+/* One result of a CUDA reduction into *dst (the `out` convention): written in place when the tensor is
+   new or already contiguous with the result's dtype, else through a temporary copied over at the end. */
+typedef struct {
+  dlua_tensor_t **dst, *tmp;
+  int allocated;
+} cuda_target_t;
+
+static dlua_status_t cuda_target_open(const char *op, cuda_target_t *tg, dlua_tensor_t **dst, int nd,
+                                      const int64_t *shape, dlua_dtype_t dt, int device, void **ptr) {
+  tg->dst = dst;
+  tg->tmp = NULL;
+  tg->allocated = 0;
+  DLUA_TRY(dlua_prepare_out_on(op, dst, nd, shape, dt, device, &tg->allocated));
+  dlua_tensor_t *t = *dst;
+  if (!tg->allocated && (t->dtype != dt || !dlua_tensor_is_contiguous(t))) {
+    DLUA_TRY(dlua_tensor_empty(&tg->tmp, nd, shape, dt, device));
+    t = tg->tmp;
+  }
+  *ptr = dlua_tensor_ptr(t);
+  return DLUA_OK;
+}
+
+static dlua_status_t cuda_target_close(cuda_target_t *tg, dlua_status_t s) {
+  if (!tg->dst) return s;
+  if (s == DLUA_OK && tg->tmp) s = dlua_tensor_copy_(*tg->dst, tg->tmp);
+  dlua_tensor_free(tg->tmp);
+  if (s != DLUA_OK && tg->allocated) {
+    dlua_tensor_free(*tg->dst);
+    *tg->dst = NULL;
+  }
+  return s;
+}
+#endif
+
+/* The CUDA path: kept dims first and reduced dims last in a permuted view, made contiguous (the copy
+   kernel; a no-op when already so), is (outer, n) for host/cuda/reduce.cu. */
+static dlua_status_t cuda_reduce(const char *name, dlua_reduce_op_t op, dlua_tensor_t **out, dlua_tensor_t **indices,
+                                 const dlua_tensor_t *a, const int *reduced, int nd, const int64_t *shape,
+                                 dlua_dtype_t rdt, int64_t index_base) {
+  char desc[200];
+  int kind;
+  switch (op) {
+    case DLUA_REDUCE_SUM: kind = 0; break;
+    case DLUA_REDUCE_MEAN: kind = 1; break;
+    case DLUA_REDUCE_MAX: kind = 2; break;
+    case DLUA_REDUCE_MIN: kind = 3; break;
+    case DLUA_REDUCE_ARGMAX: kind = 4; break;
+    case DLUA_REDUCE_ARGMIN: kind = 5; break;
+    case DLUA_REDUCE_ANY: kind = 6; break;
+    case DLUA_REDUCE_ALL: kind = 7; break;
+    default:
+      return DLUA_ERR(DLUA_ERR_ARG, "%s: not implemented on cuda:%d yet (got %s)", name, a->device,
+                      dlua_tensor_describe(a, desc, sizeof desc));
+  }
+#ifdef DLUA_HAVE_CUDA
+  dlua_tensor_t v = *a;  // a view header on the stack: same storage, permuted dims
+  int k = 0;
+  int64_t outer = 1, n = 1;
+  for (int pass = 0; pass < 2; pass++)
+    for (int d = 0; d < a->ndim; d++) {
+      if (reduced[d] != pass) continue;
+      v.sizes[k] = a->sizes[d];
+      v.strides[k] = a->strides[d];
+      if (pass) n *= a->sizes[d];
+      else outer *= a->sizes[d];
+      k++;
+    }
+  dlua_tensor_t *c = NULL;
+  DLUA_TRY(dlua_tensor_contiguous(&c, &v));
+  const int is_arg = kind == 4 || kind == 5;
+  const int with_idx = is_arg || (indices && (kind == 2 || kind == 3));
+  cuda_target_t t1 = {NULL, NULL, 0}, t2 = {NULL, NULL, 0};
+  void *p1 = NULL, *p2 = NULL;
+  dlua_status_t s = cuda_target_open(name, &t1, out, nd, shape, is_arg ? DLUA_DTYPE_I64 : rdt, a->device, &p1);
+  if (s == DLUA_OK && with_idx && !is_arg)
+    s = cuda_target_open(name, &t2, indices, nd, shape, DLUA_DTYPE_I64, a->device, &p2);
+  if (s == DLUA_OK)
+    s = dlua_cuda_reduce(name, kind, (int)a->dtype, (int)rdt, dlua_tensor_ptr(c), is_arg ? NULL : p1,
+                         (int64_t *)(is_arg ? p1 : p2), outer, n, index_base, a->device);
+  s = cuda_target_close(&t2, s);
+  s = cuda_target_close(&t1, s);
+  dlua_tensor_free(c);
+  return s;
+#else
+  (void)out, (void)indices, (void)reduced, (void)nd, (void)shape, (void)rdt, (void)index_base, (void)kind;
+  return dlua_require_cpu(name, a);
+#endif
+}
+
 dlua_status_t dlua_tensor_reduce(dlua_tensor_t **out, dlua_tensor_t **indices, const dlua_tensor_t *a,
                                  dlua_reduce_op_t op, int ndims, const int *dims, int keepdim, double p,
                                  int64_t index_base) {
   if ((int)op < 0 || op >= DLUA_REDUCE_COUNT) return DLUA_ERR(DLUA_ERR_ARG, "reduce: unknown op %d", (int)op);
   const char *name = red_names[op];
-  DLUA_TRY(dlua_require_cpu(name, a));
+  if (!a || !a->storage) return DLUA_ERR(DLUA_ERR_ARG, "%s: the tensor is NULL (freed, or never created)", name);
   if (!out) return DLUA_ERR(DLUA_ERR_ARG, "%s: out is NULL", name);
   char desc[200];
   const dlua_dtype_t dt = a->dtype;
@@ -637,6 +728,7 @@ dlua_status_t dlua_tensor_reduce(dlua_tensor_t **out, dlua_tensor_t **indices, c
   if (no_identity && pl.R == 0 && pl.O > 0)
     return DLUA_ERR(DLUA_ERR_ARG, "%s: cannot reduce %s over dims with no elements (the op has no identity)", name,
                     dlua_tensor_describe(a, desc, sizeof desc));
+  if (a->device != DLUA_CPU) return cuda_reduce(name, op, out, indices, a, reduced, nd, shape, rdt, index_base);
 
   int f;
   switch (op) {

@@ -10,6 +10,8 @@
 #include "core/api.h"
 #include "core/error.h"
 #include "cuda/caching_alloc.h"
+#include "cuda/stream_handle.h"
+#include "cuda/kernels.h"
 
 enum { MAX_DEVICES = DLUA_ALLOC_MAX_DEVICES };
 
@@ -262,6 +264,9 @@ static cudaStream_t stream_of(dlua_cuda_stream_t *s, int device) {
   return s ? s->s : 0;
 }
 
+/* For the kernels (host/cuda/kernels.h): they queue on the device's current stream. */
+void *dlua_cuda_raw_stream(int device) { return (void *)stream_of(NULL, device); }
+
 dlua_status_t dlua_cuda_stream_synchronize(dlua_cuda_stream_t *s) {
   int device = s ? s->device : -1;
   DLUA_TRY(need_device("Stream:synchronize", &device));
@@ -505,3 +510,7 @@ dlua_status_t dlua_cuda_memcpy(void *dst, const void *src, size_t bytes, int kin
   if (e != cudaSuccess) return cuda_fail("cuda memcpy", e, device);
   return DLUA_OK;
 }
+
+/* ---- for other CUDA-aware C files (cuda/stream_handle.h) ------------------------------------------ */
+
+void *dlua_cuda_stream_handle(dlua_cuda_stream_t *s, int device) { return (void *)stream_of(s, device); }

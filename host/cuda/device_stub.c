@@ -70,3 +70,6 @@ dlua_status_t dlua_cuda_host_free(void *ptr) { return ptr ? none("pinned free") 
 dlua_status_t dlua_cuda_memcpy(void *dst, const void *src, size_t bytes, int kind, int async, dlua_cuda_stream_t *stream) {
   return none("cuda memcpy");
 }
+static int allow_tf32;  // kept so the setting reads back even without CUDA
+void dlua_cuda_set_allow_tf32(int allow) { allow_tf32 = allow ? 1 : 0; }
+int dlua_cuda_get_allow_tf32(void) { return allow_tf32; }

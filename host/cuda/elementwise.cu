@@ -1,155 +1,286 @@
-/* Element-wise CUDA kernels built from the CPU's single-source bodies (host/cpu/elementwise_ops.h):
-   grid-stride loops, 16-byte vector loads when aligned, a scalar tail. Contiguous float32 for now. */
-#include <cuda_runtime_api.h>
-#include <stdint.h>
-#include <type_traits>
-#include "cpu/elementwise_ops.h"
-extern "C" {  // the runtime's headers are C (no guards of their own)
-#include "core/error.h"
-#include "cuda/elementwise.h"
-}
+/* CUDA element-wise launches: the entry point dlua_cuda_ew_run, and the kernels of the small families (ternary,
+   where, masked fill, fill, dtype-converting copy). Unary and binary live in their own files. */
+#include "cuda/ew_common.cuh"
 
-namespace {
+namespace dlua_cu {
 
-// One functor per op, so each kernel instance inlines its body.
-#define DLUA_CU_UNARY_FUNCTOR(ENUM, name, kind)                                          \
-  struct U_##ENUM {                                                                      \
-    __device__ __forceinline__ auto operator()(float x, float p1, float p2) const {      \
-      return dlua_ew_##name##_f(x, p1, p2);                                              \
-    }                                                                                    \
-  };
-DLUA_EW_UNARY_OPS(DLUA_CU_UNARY_FUNCTOR)
-#define DLUA_CU_BINARY_FUNCTOR(ENUM, name, kind)                                         \
-  struct B_##ENUM {                                                                      \
-    __device__ __forceinline__ auto operator()(float a, float b, float al) const {       \
-      return dlua_ew_##name##_f(a, b, al);                                               \
-    }                                                                                    \
-  };
-DLUA_EW_BINARY_OPS(DLUA_CU_BINARY_FUNCTOR)
-
-// Positions in the op lists, as the CPU numbers them.
-#define DLUA_CU_ENUM_U(ENUM, name, kind) CU_U_##ENUM,
-#define DLUA_CU_ENUM_B(ENUM, name, kind) CU_B_##ENUM,
-enum { DLUA_EW_UNARY_OPS(DLUA_CU_ENUM_U) CU_U_COUNT };
-enum { DLUA_EW_BINARY_OPS(DLUA_CU_ENUM_B) CU_B_COUNT };
-
-// Predicates (bodies returning int) store bool bytes; the rest store float.
-template <typename R> using out_t = typename std::conditional<std::is_same<R, int>::value, uint8_t, float>::type;
-
-template <typename T> struct alignas(4 * sizeof(T)) vec4 { T v[4]; };
-
-// O is explicit (not deduced through out_t): nvcc's launch stubs cannot name alias templates.
-template <typename F, typename O, bool VEC>
-__global__ void unary_kernel(O *__restrict__ y, const float *__restrict__ x, int64_t n, float p1, float p2) {
-  F f;
-  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
-  const int64_t tid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  int64_t done = 0;
-  if (VEC) {
-    const int64_t n4 = n / 4;
-    for (int64_t g = tid; g < n4; g += stride) {
-      float4 in = reinterpret_cast<const float4 *>(x)[g];
-      vec4<O> out;
-      out.v[0] = (O)f(in.x, p1, p2);
-      out.v[1] = (O)f(in.y, p1, p2);
-      out.v[2] = (O)f(in.z, p1, p2);
-      out.v[3] = (O)f(in.w, p1, p2);
-      reinterpret_cast<vec4<O> *>(y)[g] = out;
-    }
-    done = n4 * 4;
-  }
-  for (int64_t i = done + tid; i < n; i += stride) y[i] = (O)f(x[i], p1, p2);  // the tail (or all)
-}
-
-template <typename F, typename O, bool VEC>
-__global__ void binary_kernel(O *__restrict__ y, const float *__restrict__ a, const float *__restrict__ b, int64_t n,
-                              float al) {
-  F f;
-  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
-  const int64_t tid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  int64_t done = 0;
-  if (VEC) {
-    const int64_t n4 = n / 4;
-    for (int64_t g = tid; g < n4; g += stride) {
-      float4 u = reinterpret_cast<const float4 *>(a)[g];
-      float4 w = reinterpret_cast<const float4 *>(b)[g];
-      vec4<O> out;
-      out.v[0] = (O)f(u.x, w.x, al);
-      out.v[1] = (O)f(u.y, w.y, al);
-      out.v[2] = (O)f(u.z, w.z, al);
-      out.v[3] = (O)f(u.w, w.w, al);
-      reinterpret_cast<vec4<O> *>(y)[g] = out;
-    }
-    done = n4 * 4;
-  }
-  for (int64_t i = done + tid; i < n; i += stride) y[i] = (O)f(a[i], b[i], al);
-}
-
-constexpr int kThreads = 256;
-
-// Enough blocks to fill the GPU a few times over; the grid-stride loop covers the rest.
 unsigned grid_for(int64_t work) {
-  static int sms = 0;
-  if (!sms) {
-    int dev = 0, v = 0;
-    cudaGetDevice(&dev);
-    sms = cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess && v > 0 ? v : 132;
-  }
+  enum { MAXDEV = 64 };
+  static int sms[MAXDEV];  // racy first fill writes the same value: benign
+  int dev = 0, v = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= MAXDEV) dev = 0;
+  if (!sms[dev]) sms[dev] = cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess && v > 0 ? v : 132;
   int64_t blocks = (work + kThreads - 1) / kThreads;
-  int64_t cap = (int64_t)sms * 8;
+  const int64_t cap = (int64_t)sms[dev] * 8;
   if (blocks > cap) blocks = cap;
   return (unsigned)(blocks < 1 ? 1 : blocks);
 }
 
-bool aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
-
 dlua_status_t launched(const char *op) {
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess)
-    return DLUA_ERR(DLUA_ERR_BACKEND, "%s: kernel launch failed: %s (CUDA error %d)", op, cudaGetErrorString(e), (int)e);
+    return DLUA_ERR(DLUA_ERR_BACKEND, "%s: CUDA kernel launch failed: %s (CUDA error %d)", op, cudaGetErrorString(e), (int)e);
   return DLUA_OK;
 }
 
-template <typename F>
-dlua_status_t run_unary(const char *name, void *y, const float *x, int64_t n, float p1, float p2, cudaStream_t s) {
-  using O = out_t<decltype(F()(0.f, 0.f, 0.f))>;
-  bool vec = aligned16(x) && ((uintptr_t)y % (4 * sizeof(O))) == 0 && n >= 4;
-  if (vec) unary_kernel<F, O, true><<<grid_for(n / 4), kThreads, 0, s>>>((O *)y, x, n, p1, p2);
-  else unary_kernel<F, O, false><<<grid_for(n), kThreads, 0, s>>>((O *)y, x, n, p1, p2);
-  return launched(name);
+namespace {
+
+/* ---- ternary: x = f(x, a, b, v) -------------------------------------------------------------------- */
+
+struct T_ADDCMUL {
+  __device__ __forceinline__ float operator()(float x, float a, float b, float v) const { return dlua_ew_addcmul_f(x, a, b, v); }
+  __device__ __forceinline__ double operator()(double x, double a, double b, double v) const { return dlua_ew_addcmul_d(x, a, b, v); }
+  __device__ __forceinline__ int64_t operator()(int64_t x, int64_t a, int64_t b, int64_t v) const { return dlua_ew_addcmul_i(x, a, b, v); }
+};
+struct T_ADDCDIV {
+  __device__ __forceinline__ float operator()(float x, float a, float b, float v) const { return dlua_ew_addcdiv_f(x, a, b, v); }
+  __device__ __forceinline__ double operator()(double x, double a, double b, double v) const { return dlua_ew_addcdiv_d(x, a, b, v); }
+};
+#define TENUM(ENUM, name, kind) TOP_##ENUM,
+enum { DLUA_EW_TERNARY_OPS(TENUM) TOP_COUNT };
+
+template <typename F, int DT> __global__ void k_ternary(Ix ix, int64_t n, typename Tr<DT>::C v, int contig) {
+  typedef typename Tr<DT>::S S;
+  F f;
+  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+    S *x;
+    const S *a, *b;
+    if (contig) {
+      x = (S *)ix.base[0] + i;
+      a = (const S *)ix.base[1] + i;
+      b = (const S *)ix.base[2] + i;
+    } else {
+      char *p[3];
+      locate<3>(ix, i, p);
+      x = (S *)p[0];
+      a = (const S *)p[1];
+      b = (const S *)p[2];
+    }
+    *x = Tr<DT>::st(f(Tr<DT>::ld(*x), Tr<DT>::ld(*a), Tr<DT>::ld(*b), v));
+  }
 }
 
-template <typename F>
-dlua_status_t run_binary(const char *name, void *y, const float *a, const float *b, int64_t n, float al, cudaStream_t s) {
-  using O = out_t<decltype(F()(0.f, 0.f, 0.f))>;
-  bool vec = aligned16(a) && aligned16(b) && ((uintptr_t)y % (4 * sizeof(O))) == 0 && n >= 4;
-  if (vec) binary_kernel<F, O, true><<<grid_for(n / 4), kThreads, 0, s>>>((O *)y, a, b, n, al);
-  else binary_kernel<F, O, false><<<grid_for(n), kThreads, 0, s>>>((O *)y, a, b, n, al);
-  return launched(name);
+template <typename F, int DT> dlua_status_t launch_ternary(const char *op, const Ew &e, cudaStream_t s) {
+  typedef typename Tr<DT>::S S;
+  const int es[3] = {(int)sizeof(S), (int)sizeof(S), (int)sizeof(S)};
+  k_ternary<F, DT><<<grid_for(e.numel), kThreads, 0, s>>>(make_ix(e), e.numel, param<typename Tr<DT>::C>(e, 0),
+                                                          contiguous(e, 3, es) ? 1 : 0);
+  return launched(op);
+}
+
+template <typename F, bool FLOAT_ONLY> dlua_status_t ternary_by_dtype(const char *op, const Ew &e, cudaStream_t s) {
+  switch (e.dtype) {
+    case DLUA_DTYPE_F32: return launch_ternary<F, DLUA_DTYPE_F32>(op, e, s);
+    case DLUA_DTYPE_F64: return launch_ternary<F, DLUA_DTYPE_F64>(op, e, s);
+    case DLUA_DTYPE_F16: return launch_ternary<F, DLUA_DTYPE_F16>(op, e, s);
+    case DLUA_DTYPE_BF16: return launch_ternary<F, DLUA_DTYPE_BF16>(op, e, s);
+    default: break;
+  }
+  if constexpr (!FLOAT_ONLY) {
+    switch (e.dtype) {
+      case DLUA_DTYPE_I32: return launch_ternary<F, DLUA_DTYPE_I32>(op, e, s);
+      case DLUA_DTYPE_I64: return launch_ternary<F, DLUA_DTYPE_I64>(op, e, s);
+      case DLUA_DTYPE_U8: return launch_ternary<F, DLUA_DTYPE_U8>(op, e, s);
+      case DLUA_DTYPE_BOOL: return launch_ternary<F, DLUA_DTYPE_BOOL>(op, e, s);
+      default: break;
+    }
+  }
+  return DLUA_ERR(DLUA_ERR_INTERNAL, "%s: no CUDA kernel for dtype %d", op, e.dtype);
+}
+
+/* ---- bit movers: where, masked fill, fill --------------------------------------------------------- */
+
+template <typename U> __global__ void k_where(Ix ix, int64_t n) {
+  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+    char *p[4];
+    locate<4>(ix, i, p);
+    *(U *)p[0] = *(const uint8_t *)p[1] ? *(const U *)p[2] : *(const U *)p[3];
+  }
+}
+
+template <typename U> __global__ void k_mfill(Ix ix, int64_t n, U v) {
+  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+    char *p[2];
+    locate<2>(ix, i, p);
+    if (*(const uint8_t *)p[1]) *(U *)p[0] = v;
+  }
+}
+
+template <typename U> __global__ void k_fill(Ix ix, int64_t n, U v, int contig) {
+  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+    if (contig) {
+      ((U *)ix.base[0])[i] = v;
+    } else {
+      char *p[1];
+      locate<1>(ix, i, p);
+      *(U *)p[0] = v;
+    }
+  }
+}
+
+template <typename U> dlua_status_t launch_bits(const char *op, const Ew &e, cudaStream_t s) {
+  const Ix ix = make_ix(e);
+  const unsigned g = grid_for(e.numel);
+  const int es[1] = {(int)sizeof(U)};
+  if (e.family == DLUA_CUDA_EW_WHERE) k_where<U><<<g, kThreads, 0, s>>>(ix, e.numel);
+  else if (e.family == DLUA_CUDA_EW_MFILL) k_mfill<U><<<g, kThreads, 0, s>>>(ix, e.numel, (U)e.i[0]);
+  else k_fill<U><<<g, kThreads, 0, s>>>(ix, e.numel, (U)e.i[0], contiguous(e, 1, es) ? 1 : 0);
+  return launched(op);
+}
+
+/* ---- copy with dtype conversion: host/core/copy.c's rules ------------------------------------------ */
+
+// Float -> int truncates toward zero; out of range saturates to int64, NaN gives 0; narrower ints wrap.
+__device__ __forceinline__ int64_t to_i64(double v) {
+  if (v != v) return 0;
+  if (v >= 9223372036854775807.0) return INT64_MAX;
+  if (v <= -9223372036854775808.0) return INT64_MIN;
+  return (int64_t)v;
+}
+__device__ __forceinline__ int64_t to_i64(float v) { return to_i64((double)v); }
+__device__ __forceinline__ int64_t to_i64(int64_t v) { return v; }
+
+template <int DT> struct Cv;
+template <> struct Cv<DLUA_DTYPE_F32> {
+  typedef float S;
+  static __device__ __forceinline__ float ld(S x) { return x; }
+  template <typename V> static __device__ __forceinline__ S st(V v) { return (float)v; }
+};
+template <> struct Cv<DLUA_DTYPE_F64> {
+  typedef double S;
+  static __device__ __forceinline__ double ld(S x) { return x; }
+  template <typename V> static __device__ __forceinline__ S st(V v) { return (double)v; }
+};
+template <> struct Cv<DLUA_DTYPE_F16> {
+  typedef uint16_t S;
+  static __device__ __forceinline__ float ld(S x) { return dlua_f16_to_f32_inl(x); }
+  template <typename V> static __device__ __forceinline__ S st(V v) { return dlua_f32_to_f16_inl((float)v); }
+};
+template <> struct Cv<DLUA_DTYPE_BF16> {
+  typedef uint16_t S;
+  static __device__ __forceinline__ float ld(S x) { return dlua_bf16_to_f32_inl(x); }
+  template <typename V> static __device__ __forceinline__ S st(V v) { return dlua_f32_to_bf16_inl((float)v); }
+};
+template <> struct Cv<DLUA_DTYPE_I32> {
+  typedef int32_t S;
+  static __device__ __forceinline__ int64_t ld(S x) { return (int64_t)x; }
+  template <typename V> static __device__ __forceinline__ S st(V v) { return (int32_t)(uint32_t)(uint64_t)to_i64(v); }
+};
+template <> struct Cv<DLUA_DTYPE_I64> {
+  typedef int64_t S;
+  static __device__ __forceinline__ int64_t ld(S x) { return x; }
+  template <typename V> static __device__ __forceinline__ S st(V v) { return to_i64(v); }
+};
+template <> struct Cv<DLUA_DTYPE_U8> {
+  typedef uint8_t S;
+  static __device__ __forceinline__ int64_t ld(S x) { return (int64_t)x; }
+  template <typename V> static __device__ __forceinline__ S st(V v) { return (uint8_t)(uint64_t)to_i64(v); }
+};
+template <> struct Cv<DLUA_DTYPE_BOOL> {
+  typedef uint8_t S;
+  static __device__ __forceinline__ int64_t ld(S x) { return (int64_t)(x != 0); }
+  template <typename V> static __device__ __forceinline__ S st(V v) { return (uint8_t)(v != 0); }
+};
+
+template <int SD, int DD> __global__ void k_copy(Ix ix, int64_t n, int contig) {
+  typedef typename Cv<SD>::S SS;
+  typedef typename Cv<DD>::S DS;
+  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+    DS *d;
+    const SS *src;
+    if (contig) {
+      d = (DS *)ix.base[0] + i;
+      src = (const SS *)ix.base[1] + i;
+    } else {
+      char *p[2];
+      locate<2>(ix, i, p);
+      d = (DS *)p[0];
+      src = (const SS *)p[1];
+    }
+    // Same dtype moves bits (f16 -> f32 -> f16 would quiet signalling NaNs); bool normalises to 0/1.
+    if constexpr (SD == DD && SD != DLUA_DTYPE_BOOL) *d = *src;
+    else *d = Cv<DD>::st(Cv<SD>::ld(*src));
+  }
+}
+
+template <int SD, int DD> dlua_status_t launch_copy(const char *op, const Ew &e, cudaStream_t s) {
+  const int es[2] = {(int)sizeof(typename Cv<DD>::S), (int)sizeof(typename Cv<SD>::S)};
+  k_copy<SD, DD><<<grid_for(e.numel), kThreads, 0, s>>>(make_ix(e), e.numel, contiguous(e, 2, es) ? 1 : 0);
+  return launched(op);
+}
+
+template <int SD> dlua_status_t copy_to(const char *op, const Ew &e, cudaStream_t s) {
+  switch (e.dtype) {
+    case DLUA_DTYPE_F32: return launch_copy<SD, DLUA_DTYPE_F32>(op, e, s);
+    case DLUA_DTYPE_F64: return launch_copy<SD, DLUA_DTYPE_F64>(op, e, s);
+    case DLUA_DTYPE_F16: return launch_copy<SD, DLUA_DTYPE_F16>(op, e, s);
+    case DLUA_DTYPE_BF16: return launch_copy<SD, DLUA_DTYPE_BF16>(op, e, s);
+    case DLUA_DTYPE_I32: return launch_copy<SD, DLUA_DTYPE_I32>(op, e, s);
+    case DLUA_DTYPE_I64: return launch_copy<SD, DLUA_DTYPE_I64>(op, e, s);
+    case DLUA_DTYPE_U8: return launch_copy<SD, DLUA_DTYPE_U8>(op, e, s);
+    case DLUA_DTYPE_BOOL: return launch_copy<SD, DLUA_DTYPE_BOOL>(op, e, s);
+    default: return DLUA_ERR(DLUA_ERR_INTERNAL, "%s: invalid destination dtype %d", op, e.dtype);
+  }
+}
+
+dlua_status_t run_copy(const char *op, const Ew &e, cudaStream_t s) {
+  switch (e.src_dtype) {
+    case DLUA_DTYPE_F32: return copy_to<DLUA_DTYPE_F32>(op, e, s);
+    case DLUA_DTYPE_F64: return copy_to<DLUA_DTYPE_F64>(op, e, s);
+    case DLUA_DTYPE_F16: return copy_to<DLUA_DTYPE_F16>(op, e, s);
+    case DLUA_DTYPE_BF16: return copy_to<DLUA_DTYPE_BF16>(op, e, s);
+    case DLUA_DTYPE_I32: return copy_to<DLUA_DTYPE_I32>(op, e, s);
+    case DLUA_DTYPE_I64: return copy_to<DLUA_DTYPE_I64>(op, e, s);
+    case DLUA_DTYPE_U8: return copy_to<DLUA_DTYPE_U8>(op, e, s);
+    case DLUA_DTYPE_BOOL: return copy_to<DLUA_DTYPE_BOOL>(op, e, s);
+    default: return DLUA_ERR(DLUA_ERR_INTERNAL, "%s: invalid source dtype %d", op, e.src_dtype);
+  }
+}
+
+dlua_status_t dispatch(const char *op, const Ew &e, cudaStream_t s) {
+  switch (e.family) {
+    case DLUA_CUDA_EW_UNARY: return run_unary(op, e, s);
+    case DLUA_CUDA_EW_BINARY: return run_binary(op, e, s);
+    case DLUA_CUDA_EW_TERNARY:
+      if (e.op == TOP_ADDCMUL) return ternary_by_dtype<T_ADDCMUL, false>(op, e, s);
+      if (e.op == TOP_ADDCDIV) return ternary_by_dtype<T_ADDCDIV, true>(op, e, s);
+      return DLUA_ERR(DLUA_ERR_INTERNAL, "%s: unknown CUDA ternary op %d", op, e.op);
+    case DLUA_CUDA_EW_WHERE:
+    case DLUA_CUDA_EW_MFILL:
+    case DLUA_CUDA_EW_FILL:
+      switch (e.elsize) {
+        case 1: return launch_bits<uint8_t>(op, e, s);
+        case 2: return launch_bits<uint16_t>(op, e, s);
+        case 4: return launch_bits<uint32_t>(op, e, s);
+        case 8: return launch_bits<uint64_t>(op, e, s);
+        default: return DLUA_ERR(DLUA_ERR_INTERNAL, "%s: element size %d", op, e.elsize);
+      }
+    case DLUA_CUDA_EW_COPY: return run_copy(op, e, s);
+    default: return DLUA_ERR(DLUA_ERR_INTERNAL, "%s: unknown CUDA element-wise family %d", op, e.family);
+  }
 }
 
 }  // namespace
+}  // namespace dlua_cu
 
-extern "C" dlua_status_t dlua_cuda_ew_unary_f32(int op, void *y, const float *x, int64_t n, float p1, float p2, void *stream) {
-  if (n < 0) return DLUA_ERR(DLUA_ERR_ARG, "cuda unary: negative length %lld", (long long)n);
-  if (n == 0) return DLUA_OK;
-  cudaStream_t s = (cudaStream_t)stream;
-  switch (op) {
-#define DLUA_CU_CASE_U(ENUM, name, kind) \
-  case CU_U_##ENUM: return run_unary<U_##ENUM>(#name, y, x, n, p1, p2, s);
-    DLUA_EW_UNARY_OPS(DLUA_CU_CASE_U)
-    default: return DLUA_ERR(DLUA_ERR_ARG, "cuda unary: unknown op %d", op);
+extern "C" dlua_status_t dlua_cuda_ew_run(const char *op, const dlua_cuda_ew_t *e) {
+  if (!e || e->nops < 1 || e->nops > 4 || e->ndim < 1 || e->ndim > DLUA_MAX_DIMS || e->numel < 0)
+    return DLUA_ERR(DLUA_ERR_INTERNAL, "%s: malformed CUDA element-wise launch", op);
+  if (e->numel == 0) return DLUA_OK;
+  int prev = 0;
+  cudaError_t err = cudaGetDevice(&prev);
+  if (err == cudaSuccess && prev != e->device) err = cudaSetDevice(e->device);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return DLUA_ERR(DLUA_ERR_BACKEND, "%s: cannot select cuda:%d: %s (CUDA error %d)", op, e->device,
+                    cudaGetErrorString(err), (int)err);
   }
-}
-
-extern "C" dlua_status_t dlua_cuda_ew_binary_f32(int op, void *y, const float *a, const float *b, int64_t n, float alpha, void *stream) {
-  if (n < 0) return DLUA_ERR(DLUA_ERR_ARG, "cuda binary: negative length %lld", (long long)n);
-  if (n == 0) return DLUA_OK;
-  cudaStream_t s = (cudaStream_t)stream;
-  switch (op) {
-#define DLUA_CU_CASE_B(ENUM, name, kind) \
-  case CU_B_##ENUM: return run_binary<B_##ENUM>(#name, y, a, b, n, alpha, s);
-    DLUA_EW_BINARY_OPS(DLUA_CU_CASE_B)
-    default: return DLUA_ERR(DLUA_ERR_ARG, "cuda binary: unknown op %d", op);
-  }
+  dlua_status_t st = dlua_cu::dispatch(op, *e, (cudaStream_t)dlua_cuda_raw_stream(e->device));
+  if (prev != e->device) cudaSetDevice(prev);
+  return st;
 }

@@ -18,21 +18,25 @@ dlua_status_t dlua_tensor_to_device(dlua_tensor_t **out, const dlua_tensor_t *t,
                     dlua_cuda_device_count() ? "no such device" : "no CUDA device available (",
                     dlua_cuda_device_count() ? "" : dlua_cuda_unavailable_reason(), dlua_cuda_device_count() ? "" : ")");
   dlua_tensor_t *src = NULL;
-  if (t->device == DLUA_CPU) {
-    DLUA_TRY(dlua_tensor_contiguous(&src, t));
-  } else {
-    if (!dlua_tensor_is_contiguous(t))
-      return DLUA_ERR(DLUA_ERR_ARG, "to: %s is not contiguous (CUDA strided copies are not built yet)",
-                      dlua_tensor_describe(t, b, sizeof b));
-    src = dlua_tensor_alias(t);
-    if (!src) return DLUA_ERR_OOM;
-  }
+  // A strided source becomes contiguous on its own device first (CUDA: the copy kernel).
+  DLUA_TRY(dlua_tensor_contiguous(&src, t));
   dlua_status_t s = dlua_tensor_empty(out, t->ndim, t->sizes, t->dtype, device);
   if (s == DLUA_OK) {
     size_t bytes = (size_t)dlua_tensor_numel(t) * dlua_dtype_size(t->dtype);
     int kind = t->device == DLUA_CPU ? (device == DLUA_CPU ? -1 : 0) : (device == DLUA_CPU ? 1 : 2);
-    if (kind < 0) memcpy(dlua_tensor_ptr(*out), dlua_tensor_ptr(src), bytes);
-    else s = dlua_cuda_memcpy(dlua_tensor_ptr(*out), dlua_tensor_ptr(src), bytes, kind, 0, NULL);
+    if (kind < 0) {
+      memcpy(dlua_tensor_ptr(*out), dlua_tensor_ptr(src), bytes);
+    } else if (bytes > 0) {
+      // On the current stream of the CUDA side, so the copy follows the kernels that wrote the source
+      // (and precedes those that will read the destination); then wait, so the call is synchronous as
+      // PyTorch's default .to() is and the host buffer may be reused at once.
+      int dev = kind == 0 ? device : t->device;
+      if (kind == 2 && device != t->device) s = dlua_cuda_stream_synchronize(dlua_cuda_current_stream(device));
+      dlua_cuda_stream_t *st = dlua_cuda_current_stream(dev);
+      if (s == DLUA_OK && !st) s = DLUA_ERR(DLUA_ERR_BACKEND, "to: no stream for cuda:%d", dev);
+      if (s == DLUA_OK) s = dlua_cuda_memcpy(dlua_tensor_ptr(*out), dlua_tensor_ptr(src), bytes, kind, 1, st);
+      if (s == DLUA_OK) s = dlua_cuda_stream_synchronize(st);
+    }
   }
   dlua_tensor_free(src);
   if (s != DLUA_OK) {

@@ -279,7 +279,8 @@ dlua_status_t dlua_store_delete(dlua_store_t *store, const char *key, int *delet
 
 /* A group of ranks that run collectives together (docs/comm.md). gloo over TCP for CPU
    tensors; every group has one comm thread that runs its work in call order. Ranks are
-   0-based. The reduce ops are DLUA_PG_REDUCE_* (DLUA_REDUCE_* names the tensor reductions). */
+   0-based. The reduce ops are DLUA_PG_REDUCE_* (DLUA_REDUCE_* names the tensor reductions). CUDA
+   tensors: gloo stages them through pinned host memory; NCCL groups take them directly. */
 typedef struct dlua_pg dlua_pg_t;
 typedef struct dlua_work dlua_work_t;
 typedef enum { DLUA_PG_REDUCE_SUM = 0, DLUA_PG_REDUCE_AVG = 1, DLUA_PG_REDUCE_MAX = 2, DLUA_PG_REDUCE_MIN = 3,
@@ -288,6 +289,13 @@ typedef enum { DLUA_PG_REDUCE_SUM = 0, DLUA_PG_REDUCE_AVG = 1, DLUA_PG_REDUCE_MA
    the job token, under the key prefix `name` (unique per group: "pg0", "pg1"...). timeout_ms bounds the
    join and every collective. */
 dlua_status_t dlua_pg_gloo_new(const char *store_host, int store_port, const char *token, const char *name, int rank, int size, int64_t timeout_ms, dlua_pg_t **pg);
+/* Joins an NCCL group whose collectives take CUDA tensors on `device` (its GPU; each rank its own).
+   Rank 0's unique id travels through the store under "<name>/nccl/id"; the communicator is created
+   non-blocking, so a missing rank fails the join after timeout_ms. Works run on the group's own stream
+   after the caller's current stream, and complete when the GPU has finished them. Without CUDA, a
+   device or libnccl.so.2: DLUA_ERR_ARG naming why ("no CUDA device available (...)"). */
+dlua_status_t dlua_pg_nccl_new(const char *store_host, int store_port, const char *token, const char *name, int rank, int size, int device, int64_t timeout_ms, dlua_pg_t **pg);
+const char *dlua_pg_backend(const dlua_pg_t *pg); /* "gloo" or "nccl" */
 void dlua_pg_free(dlua_pg_t *pg);           /* waits for queued work (bounded by the timeout), then closes */
 int dlua_pg_rank(const dlua_pg_t *pg);
 int dlua_pg_size(const dlua_pg_t *pg);
@@ -297,10 +305,13 @@ dlua_status_t dlua_pg_set_debug(dlua_pg_t *pg, int on);
 /* Collectives. `site` names the caller ("train.lua:42", may be NULL) for error messages and the debug
    check. work == NULL: runs synchronously and returns its status. work != NULL: queued, returns at once
    with *work (wait/is_completed/free). All work of a group runs in call order on the group's comm thread,
-   so sync and async calls interleave correctly. Tensors: CPU, any dtype, any strides (non-contiguous
-   ones go through a contiguous staging copy, written back for outputs); a queued work keeps its tensors
+   so sync and async calls interleave correctly. Tensors: any dtype; CPU ones of any strides (non-contiguous
+   ones go through a contiguous staging copy, written back for outputs), CUDA ones contiguous (gloo: staged
+   in pinned memory, one device per call; NCCL: on the group's device only); a queued work keeps its tensors
    alive (hold your own handles, e.g. dlua_tensor_view of the same shape) until it completes. */
 dlua_status_t dlua_pg_all_reduce(dlua_pg_t *pg, dlua_tensor_t *t, dlua_reduce_t op, const char *site, dlua_work_t **work);
+/* One work that all-reduces n tensors in place (NCCL: one ncclGroupStart/End; gloo: one after the other). */
+dlua_status_t dlua_pg_all_reduce_many(dlua_pg_t *pg, dlua_tensor_t *const *ts, int n, dlua_reduce_t op, const char *site, dlua_work_t **work);
 dlua_status_t dlua_pg_broadcast(dlua_pg_t *pg, dlua_tensor_t *t, int src, const char *site, dlua_work_t **work);
 /* outs: size tensors; outs[r] receives rank r's t (their numels may differ between ranks: all_gather_v). */
 dlua_status_t dlua_pg_all_gather(dlua_pg_t *pg, dlua_tensor_t *const *outs, const dlua_tensor_t *t, const char *site, dlua_work_t **work);
@@ -726,3 +737,7 @@ dlua_status_t dlua_tensor_pin_memory(dlua_tensor_t **out, const dlua_tensor_t *t
 /* Copies bytes between host and device memory: kind 0 host->device, 1 device->host, 2 device->device.
    async 0 waits for the copy; 1 queues it on `stream` (NULL: current), for pinned host memory. */
 dlua_status_t dlua_cuda_memcpy(void *dst, const void *src, size_t bytes, int kind, int async, dlua_cuda_stream_t *stream);
+/* Whether f32 matmuls on CUDA may round their inputs to TF32 (faster, ~1e-3 relative error). Off by
+   default, as PyTorch's torch.backends.cuda.matmul.allow_tf32 since 1.12. */
+void dlua_cuda_set_allow_tf32(int allow);
+int dlua_cuda_get_allow_tf32(void);

@@ -95,7 +95,9 @@ end
 local function is_loopback(host) return host == '127.0.0.1' or host == 'localhost' or host == '::1' end
 
 -- dist.init{backend='auto'|'gloo'|'nccl', timeout=seconds}: joins the job this process
--- belongs to. timeout (default DLUA_DIST_TIMEOUT or 300 s) bounds every collective.
+-- belongs to. timeout (default DLUA_DIST_TIMEOUT or 300 s) bounds every collective. gloo runs
+-- CPU tensors (and CUDA ones, staged through pinned memory); nccl runs CUDA tensors on the GPU
+-- LOCAL_RANK % device_count; auto keeps both when every local rank has its own GPU, else gloo.
 function dist.init(opts)
   opts = opts or {}
   if type(opts) ~= 'table' then fail(2, 'dist.init: expected an options table, got %s', type(opts)) end
@@ -109,14 +111,23 @@ function dist.init(opts)
   if backend ~= 'auto' and backend ~= 'gloo' and backend ~= 'nccl' then
     fail(2, "dist.init: unknown backend '%s' (expected 'auto', 'gloo' or 'nccl')", tostring(backend))
   end
-  if backend == 'nccl' then
-    fail(2, 'dist.init: backend nccl: no CUDA device available (use gloo, or auto)')
+  -- NCCL needs the GPUs; auto uses them when there is one per local rank (else gloo stages CUDA tensors)
+  local ndev = backend ~= 'gloo' and dlua.cuda.device_count() or 0
+  if backend == 'nccl' and ndev == 0 then
+    fail(2, 'dist.init: backend nccl: no CUDA device available (%s); use gloo, or auto',
+         tostring(dlua.cuda.unavailable_reason()))
   end
   local timeout = opts.timeout or num('DLUA_DIST_TIMEOUT') or 300
   if type(timeout) ~= 'number' or timeout <= 0 then fail(2, 'dist.init: timeout must be a positive number of seconds') end
   local e = dist._environment()
+  local use_nccl = ndev > 0 and (backend == 'nccl' or e.local_world <= ndev)
+  if backend == 'nccl' and not use_nccl then
+    fail(2, "dist.init: backend nccl: %d ranks on this node share %d GPU%s; NCCL needs one per rank (backend='gloo' "
+         .. 'stages CUDA tensors through host memory)', e.local_world, ndev, ndev == 1 and '' or 's')
+  end
   local s = { rank = e.rank, world = e.world, local_rank = e.local_rank, local_world = e.local_world,
-              source = e.source, backend = 'gloo', timeout = timeout, groups = {}, next_group = 0 }
+              source = e.source, timeout = timeout, groups = {}, next_group = 0,
+              backend = backend == 'nccl' and 'nccl' or use_nccl and 'gloo+nccl' or 'gloo' }
   -- dlua's launcher owns the store; otherwise rank 0 serves it, as torch's TCPStore does
   if not os.getenv('DLUA_LAUNCHER') and e.rank == 0 then
     local bind = is_loopback(e.host) and '127.0.0.1' or '0.0.0.0'
@@ -125,13 +136,20 @@ function dist.init(opts)
   end
   s.host, s.port, s.token = e.host, e.port, e.token
   s.store = store_binding.connect(e.host, e.port, e.token, timeout)
-  s.world_group = binding.gloo(e.host, e.port, e.token, 'pg0', e.rank, e.world, timeout)
-  s.world_group.ranks = nil  -- every rank
+  if backend ~= 'nccl' then s.world_group = binding.gloo(e.host, e.port, e.token, 'pg0', e.rank, e.world, timeout) end
+  if use_nccl then  -- this rank's GPU: LOCAL_RANK modulo the GPUs, made current
+    s.device = e.local_rank % ndev
+    dlua.cuda.set_device(s.device)
+    s.world_nccl = binding.nccl(e.host, e.port, e.token, 'nccl0', e.rank, e.world, s.device, timeout)
+  end
   s.next_group = 1
   local debug_on = opts.debug
   if debug_on == nil then debug_on = os.getenv('DLUA_DIST_DEBUG') == '1' end
   s.debug = debug_on and true or false
-  if s.debug then s.world_group:set_debug(true) end
+  if s.debug then
+    if s.world_group then s.world_group:set_debug(true) end
+    if s.world_nccl then s.world_nccl:set_debug(true) end
+  end
   S = s
   return dist
 end
@@ -151,8 +169,12 @@ function dist.destroy()
   if S == nil then return end
   local s = S
   S = nil
-  for _, g in ipairs(s.groups) do if g.pg then g.pg:free() end end
-  s.world_group:free()
+  for _, g in ipairs(s.groups) do
+    if g.pg then g.pg:free() end
+    if g.nccl then g.nccl:free() end
+  end
+  if s.world_group then s.world_group:free() end
+  if s.world_nccl then s.world_nccl:free() end
   pcall(function()
     s.store:add('dlua/dist/left', 1)
     if s.server then
@@ -202,29 +224,40 @@ function dist.new_group(ranks, opts)
   end
   if g.group_rank ~= nil then
     local timeout = (opts and opts.timeout) or S.timeout
-    g.pg = binding.gloo(S.host, S.port, S.token, 'pg' .. id, g.group_rank, #list, timeout)
-    if S.debug then g.pg:set_debug(true) end
+    if S.world_group then g.pg = binding.gloo(S.host, S.port, S.token, 'pg' .. id, g.group_rank, #list, timeout) end
+    if S.world_nccl then
+      g.nccl = binding.nccl(S.host, S.port, S.token, 'nccl' .. id, g.group_rank, #list, S.device, timeout)
+    end
+    if S.debug then
+      if g.pg then g.pg:set_debug(true) end
+      if g.nccl then g.nccl:set_debug(true) end
+    end
   end
   S.groups[#S.groups + 1] = g
   return g
 end
 
-function Group:is_member() return self.pg ~= nil end
+function Group:is_member() return self.group_rank ~= nil end
 function Group:rank() return self.group_rank end  -- nil outside the group
 function Group:size() return #self.ranks end
 -- The world rank of the group's rank r.
 function Group:global_rank(r) return self.ranks[r + 1] end
 
--- The process group a collective runs on, and its size.
-local function pg_of(op, opts)
+-- The process group a collective on tensor t runs on (NCCL for CUDA tensors when it is live,
+-- else gloo), its size and this rank's place in it.
+local function pg_of(op, opts, t)
   need_init(op, 3)
   local g = opts and opts.group
-  if g == nil then return S.world_group, S.world, S.rank end
-  if getmetatable(g) ~= Group then fail(3, '%s: group must come from dist.new_group', op) end
-  if g.pg == nil then
-    fail(3, '%s: rank %d is not a member of this group (ranks %s)', op, S.rank, table.concat(g.ranks, ','))
+  local gloo, nccl, size, me = S.world_group, S.world_nccl, S.world, S.rank
+  if g ~= nil then
+    if getmetatable(g) ~= Group then fail(3, '%s: group must come from dist.new_group', op) end
+    if g.group_rank == nil then
+      fail(3, '%s: rank %d is not a member of this group (ranks %s)', op, S.rank, table.concat(g.ranks, ','))
+    end
+    gloo, nccl, size, me = g.pg, g.nccl, #g.ranks, g.group_rank
   end
-  return g.pg, #g.ranks, g.group_rank
+  if nccl ~= nil and (gloo == nil or (dlua.is_tensor(t) and t.is_cuda)) then return nccl, size, me end
+  return gloo, size, me
 end
 
 local function check_opts(op, opts, extra)
@@ -262,14 +295,24 @@ end
 function dist.all_reduce(t, op, opts)
   if type(op) == 'table' then op, opts = nil, op end
   opts = check_opts('all_reduce', opts)
-  local pg = pg_of('all_reduce', opts)
+  local pg = pg_of('all_reduce', opts, t)
   return pg:all_reduce(t, reduce_op('all_reduce', op), opts and opts.async)
+end
+
+-- One collective that reduces every tensor of the list in place (NCCL: one grouped call), as
+-- DDP does for its buckets. The group is chosen by the first tensor.
+function dist.all_reduce_many(list, op, opts)
+  if type(op) == 'table' then op, opts = nil, op end
+  opts = check_opts('all_reduce_many', opts)
+  if type(list) ~= 'table' then fail(2, 'all_reduce_many: expected a list of tensors, got %s', type(list)) end
+  local pg = pg_of('all_reduce_many', opts, list[1])
+  return pg:all_reduce_many(list, reduce_op('all_reduce_many', op), opts and opts.async)
 end
 
 -- In place: every rank's t becomes rank src's.
 function dist.broadcast(t, src, opts)
   opts = check_opts('broadcast', opts)
-  local pg, size = pg_of('broadcast', opts)
+  local pg, size = pg_of('broadcast', opts, t)
   return pg:broadcast(t, peer('broadcast', 'src', src or 0, size), opts and opts.async)
 end
 
@@ -277,18 +320,22 @@ end
 -- when every rank's t has as many elements, else flat tensors of each rank's size.
 function dist.all_gather(outs, t, opts)
   opts = check_opts('all_gather', opts)
-  local pg, size = pg_of('all_gather', opts)
+  local pg, size = pg_of('all_gather', opts, t)
   if outs == nil then
     if not dlua.is_tensor(t) then fail(2, 'all_gather: expected a tensor to gather, got %s', type(t)) end
-    local n = dlua.tensor({ t:numel() }, { dtype = 'int64' })
+    local dev = t.device  -- the sizes travel where t does (an NCCL group takes only CUDA tensors)
+    local n = dlua.tensor({ t:numel() }, { dtype = 'int64' }):to(dev)
     local ns = {}
-    for r = 1, size do ns[r] = dlua.empty({ 1 }, { dtype = 'int64' }) end
+    for r = 1, size do ns[r] = dlua.empty({ 1 }, { dtype = 'int64', device = dev }) end
     pg:all_gather(ns, n, false)
     local same = true
-    for r = 1, size do if ns[r]:item() ~= t:numel() then same = false end end
+    for r = 1, size do
+      ns[r] = ns[r]:to('cpu'):item()
+      if ns[r] ~= t:numel() then same = false end
+    end
     outs = {}
     for r = 1, size do
-      outs[r] = same and dlua.empty(t:size(), { dtype = t.dtype }) or dlua.empty({ ns[r]:item() }, { dtype = t.dtype })
+      outs[r] = dlua.empty(same and t:size() or { ns[r] }, { dtype = t.dtype, device = dev })
     end
   end
   return pg:all_gather(outs, t, opts and opts.async)
@@ -298,14 +345,14 @@ end
 function dist.reduce_scatter(out, ins, op, opts)
   if type(op) == 'table' then op, opts = nil, op end
   opts = check_opts('reduce_scatter', opts)
-  local pg = pg_of('reduce_scatter', opts)
+  local pg = pg_of('reduce_scatter', opts, out)
   return pg:reduce_scatter(out, ins, reduce_op('reduce_scatter', op), opts and opts.async)
 end
 
 -- ins[r + 1] goes to rank r; outs[r + 1] receives what rank r sent here.
 function dist.all_to_all(outs, ins, opts)
   opts = check_opts('all_to_all', opts)
-  local pg = pg_of('all_to_all', opts)
+  local pg = pg_of('all_to_all', opts, type(ins) == 'table' and ins[1] or nil)
   return pg:all_to_all(outs, ins, opts and opts.async)
 end
 
@@ -319,7 +366,7 @@ local tag_opt = { tag = true }
 
 function dist.send(t, dst, opts)
   opts = check_opts('send', opts, tag_opt)
-  local pg, size, me = pg_of('send', opts)
+  local pg, size, me = pg_of('send', opts, t)
   peer('send', 'dst', dst, size)
   if dst == me then fail(2, 'send: rank %d cannot send to itself', me) end
   return pg:send(t, dst, opts and opts.tag or 0, opts and opts.async)
@@ -327,7 +374,7 @@ end
 
 function dist.recv(t, src, opts)
   opts = check_opts('recv', opts, tag_opt)
-  local pg, size, me = pg_of('recv', opts)
+  local pg, size, me = pg_of('recv', opts, t)
   peer('recv', 'src', src, size)
   if src == me then fail(2, 'recv: rank %d cannot receive from itself', me) end
   return pg:recv(t, src, opts and opts.tag or 0, opts and opts.async)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks (DESIGN.md, tests/gpu): on a machine with an NVIDIA GPU and no network, builds dlua
-# if needed and runs every CUDA test, writing a report. Skeleton: the op-by-op CPU comparisons,
-# ResNet-50 steps and benchmarks join it with the kernels.
+# if needed and runs every CUDA test, writing a report: the allocator suite, the CUDA spec, every CUDA op
+# against the CPU (tests/gpu/ops.lua, with GEMM TFLOP/s and bandwidth). ResNet-50 steps join it with cuDNN.
 #   tests/gpu/run.sh [build-dir]      (report: $OUT/gpu-report.txt, or build-dir/gpu-report.txt)
 set -u
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -43,12 +43,19 @@ say "allocator suite (fake device) and CUDA spec (real device)"
 "$build/tests/test_caching_alloc" || status=1
 ( cd "$build" && "$build/dlua" "$root/tests/lua/busted.lua" "$root/tests/lua/dlua/cuda_spec.lua" ) || status=1
 
+say "every CUDA op against the CPU backend, then GEMM / bandwidth numbers (tests/gpu/ops.lua)"
+# The CPU references run on all cores; the comparisons print a table per op and each failure.
+( cd "$build" && timeout 240 "$build/dlua" "$root/tests/gpu/ops.lua" cuda ) || status=1
+
 say "memory statistics after the spec"
 "$build/dlua" -e '
   local cuda = dlua.cuda
   local a = dlua.empty(256, 1024, 1024, {dtype = "uint8", device = "cuda"})
   a:free()
   for k, v in pairs(cuda.memory_stats()) do print(string.format("%-16s %d", k, v)) end'
+
+say "process groups: NCCL, and gloo staging CUDA tensors (tests/gpu/nccl.sh)"
+"$root/tests/gpu/nccl.sh" "$build/dlua" || status=1
 
 say "done in $(( $(date +%s) - start )) s, status $status"
 exit $status

@@ -387,10 +387,16 @@ static int body_p2p(dlua_pg_t *pg, int rank, int size) {
   EXPECT_ERR(dlua_pg_send(pg, t, rank, 0, NULL, NULL), DLUA_ERR_ARG, "is this rank");
   EXPECT_ERR(dlua_pg_recv(pg, t, -1, 0, NULL, NULL), DLUA_ERR_ARG, "recv: src -1 is out of range");
   EXPECT_ERR(dlua_pg_all_reduce(NULL, t, DLUA_PG_REDUCE_SUM, NULL, NULL), DLUA_ERR_ARG, "all_reduce");
-  t->device = 0;  // pretend: CUDA tensors are refused until the staging path exists
+  // Pretend cuda:0 tensors: gloo stages them through the device layer, which (no GPU here) says so;
+  // strided ones are refused before that.
+  t->device = t->storage->device = 0;
+  if (dlua_cuda_device_count() == 0)
+    EXPECT_ERR(dlua_pg_all_reduce(pg, t, DLUA_PG_REDUCE_SUM, NULL, NULL), DLUA_ERR_ARG, "no CUDA device available");
+  t->strides[0] = 2;
   EXPECT_ERR(dlua_pg_all_reduce(pg, t, DLUA_PG_REDUCE_SUM, NULL, NULL), DLUA_ERR_ARG,
-             "gloo: cuda:0 tensors need the staging path, not built yet");
-  t->device = DLUA_CPU;
+             "gloo stages cuda:0 tensors through pinned host memory, and the tensor is not contiguous");
+  t->strides[0] = 1;
+  t->device = t->storage->device = DLUA_CPU;
   dlua_tensor_free(t);
   EXPECT_OK(dlua_pg_barrier(pg, "b.lua:2", NULL));
   return 0;

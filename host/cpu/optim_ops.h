@@ -1,0 +1,62 @@
+/* The per-element arithmetic of the fused optimizer steps, written once for the CPU loops (host/cpu/optim.c)
+   and the CUDA kernels (host/cuda/optim.cu). Each line mirrors one torch op of _single_tensor_sgd /
+   _single_tensor_adamw (torch 1.13); every scalar arrives already rounded to T, as PyTorch passes Python
+   floats to its T kernels. */
+#ifndef DLUA_CPU_OPTIM_OPS_H
+#define DLUA_CPU_OPTIM_OPS_H
+#include <math.h>
+#include <stdint.h>
+
+#ifdef __CUDACC__
+#define DLUA_OPT_HD __host__ __device__
+#else
+#define DLUA_OPT_HD
+#endif
+
+/* Arguments of one step over a range; the pointers already point at the range's first element. */
+typedef struct {
+  void *p;
+  const void *g;
+  void *s1, *s2, *s3; /* SGD/LARS: momentum; AdamW: exp_avg, exp_avg_sq, max_exp_avg_sq */
+  double lr, momentum, dampening, weight_decay, grad_scale, beta1, beta2, eps, bc1, bc2;
+  double trust; /* LARS: this parameter's ratio */
+  int nesterov, maximize, first, amsgrad;
+} dlua_opt_args_t;
+
+#define DLUA_OPT_STEPS(T, S, SQRT)                                                                              \
+  /* d = g * gs (negated when maximizing) + wd * p; momentum; p -= lr * d */                                   \
+  static inline DLUA_OPT_HD void dlua_opt_sgd_##S(T *p, T g, T *buf, T gs, T wd, T mom, T damp1, T lr,          \
+                                                  int nesterov, int maximize, int first) {                      \
+    T d = g * gs;                                                                                               \
+    if (maximize) d = -d;                                                                                       \
+    if (wd != 0) d = d + wd * *p;           /* d_p.add(param, alpha=wd) */                                      \
+    if (mom != 0) {                                                                                             \
+      T b = first ? d : *buf * mom + damp1 * d; /* buf.mul_(momentum).add_(d_p, alpha=1-dampening) */          \
+      *buf = b;                                                                                                 \
+      d = nesterov ? d + mom * b : b;                                                                           \
+    }                                                                                                           \
+    *p = *p - lr * d;                                                                                           \
+  }                                                                                                             \
+  static inline DLUA_OPT_HD void dlua_opt_adamw_##S(T *p, T g, T *m, T *v, T *vmax, T gs, T decay, T b1, T omb1, \
+                                                    T b2, T omb2, T neg_step, T bc2_sqrt, T eps, int maximize,  \
+                                                    int amsgrad) {                                              \
+    T gr = g * gs;                                                                                              \
+    if (maximize) gr = -gr;                                                                                     \
+    T pw = *p * decay;                       /* param.mul_(1 - lr * weight_decay) */                            \
+    T mi = *m * b1 + omb1 * gr;              /* exp_avg.mul_(beta1).add_(grad, alpha=1-beta1) */                \
+    T vi = *v * b2 + omb2 * gr * gr;         /* exp_avg_sq.mul_(beta2).addcmul_(grad, grad, 1-beta2) */         \
+    *m = mi;                                                                                                    \
+    *v = vi;                                                                                                    \
+    if (amsgrad) {                           /* torch.maximum: NaN wins */                                      \
+      T mx = *vmax;                                                                                             \
+      vi = (mx > vi || mx != mx) ? mx : vi;                                                                     \
+      *vmax = vi;                                                                                               \
+    }                                                                                                           \
+    T denom = SQRT(vi) / bc2_sqrt + eps;                                                                        \
+    *p = pw + neg_step * (mi / denom);       /* param.addcdiv_(exp_avg, denom, value=-step_size) */             \
+  }
+
+DLUA_OPT_STEPS(float, f, sqrtf)
+DLUA_OPT_STEPS(double, d, sqrt)
+
+#endif
