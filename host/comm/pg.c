@@ -1195,6 +1195,17 @@ static dlua_status_t hold_list(dlua_work_t *w, dlua_tensor_t ***dst, dlua_tensor
   return DLUA_OK;
 }
 
+/* A queued work goes back to an async caller (work != NULL), or is waited for and freed here. */
+static dlua_status_t hand_back_or_wait(dlua_work_t *w, dlua_work_t **work) {
+  if (work) {
+    *work = w;
+    return DLUA_OK;
+  }
+  dlua_status_t s = dlua_work_wait(w, -1);
+  dlua_work_free(w);
+  return s;
+}
+
 /* Queues w (synchronously waits for it when work is NULL). Takes w in every case. */
 static dlua_status_t submit(dlua_pg_t *pg, dlua_work_t *w, dlua_work_t **work) {
   dlua_status_t ps = work_prepare(pg, w);
@@ -1220,13 +1231,7 @@ static dlua_status_t submit(dlua_pg_t *pg, dlua_work_t *w, dlua_work_t **work) {
   pg->tail = w;
   pthread_cond_broadcast(&pg->cv_queue);
   pthread_mutex_unlock(&pg->mu);
-  if (work) {
-    *work = w;
-    return DLUA_OK;
-  }
-  dlua_status_t s = dlua_work_wait(w, -1);
-  dlua_work_free(w);
-  return s;
+  return hand_back_or_wait(w, work);
 }
 
 #define PG_PROLOGUE(opname)                                                          \
@@ -1481,13 +1486,7 @@ static dlua_status_t p2p(dlua_pg_t *pg, int kind, const dlua_tensor_t *t, int pe
     pthread_cond_broadcast(&pg->cv_queue);
   }
   pthread_mutex_unlock(&pg->mu);
-  if (work) {
-    *work = w;
-    return DLUA_OK;
-  }
-  dlua_status_t s = dlua_work_wait(w, -1);
-  dlua_work_free(w);
-  return s;
+  return hand_back_or_wait(w, work);
 }
 
 dlua_status_t dlua_pg_send(dlua_pg_t *pg, const dlua_tensor_t *t, int dst, int tag, const char *site, dlua_work_t **work) {
