@@ -69,25 +69,10 @@ template <typename F, int DT> dlua_status_t launch_ternary(const char *op, const
   return launched(op);
 }
 
-template <typename F, bool FLOAT_ONLY> dlua_status_t ternary_by_dtype(const char *op, const Ew &e, cudaStream_t s) {
-  switch (e.dtype) {
-    case DLUA_DTYPE_F32: return launch_ternary<F, DLUA_DTYPE_F32>(op, e, s);
-    case DLUA_DTYPE_F64: return launch_ternary<F, DLUA_DTYPE_F64>(op, e, s);
-    case DLUA_DTYPE_F16: return launch_ternary<F, DLUA_DTYPE_F16>(op, e, s);
-    case DLUA_DTYPE_BF16: return launch_ternary<F, DLUA_DTYPE_BF16>(op, e, s);
-    default: break;
-  }
-  if constexpr (!FLOAT_ONLY) {
-    switch (e.dtype) {
-      case DLUA_DTYPE_I32: return launch_ternary<F, DLUA_DTYPE_I32>(op, e, s);
-      case DLUA_DTYPE_I64: return launch_ternary<F, DLUA_DTYPE_I64>(op, e, s);
-      case DLUA_DTYPE_U8: return launch_ternary<F, DLUA_DTYPE_U8>(op, e, s);
-      case DLUA_DTYPE_BOOL: return launch_ternary<F, DLUA_DTYPE_BOOL>(op, e, s);
-      default: break;
-    }
-  }
-  return DLUA_ERR(DLUA_ERR_INTERNAL, "%s: no CUDA kernel for dtype %d", op, e.dtype);
-}
+template <typename F> struct LaunchTernary {
+  template <int DT> static dlua_status_t run(const char *op, const Ew &e, cudaStream_t s) { return launch_ternary<F, DT>(op, e, s); }
+};
+
 
 /* ---- bit movers: where, masked fill, fill --------------------------------------------------------- */
 
@@ -247,8 +232,8 @@ dlua_status_t dispatch(const char *op, const Ew &e, cudaStream_t s) {
     case DLUA_CUDA_EW_UNARY: return run_unary(op, e, s);
     case DLUA_CUDA_EW_BINARY: return run_binary(op, e, s);
     case DLUA_CUDA_EW_TERNARY:
-      if (e.op == TOP_ADDCMUL) return ternary_by_dtype<T_ADDCMUL, false>(op, e, s);
-      if (e.op == TOP_ADDCDIV) return ternary_by_dtype<T_ADDCDIV, true>(op, e, s);
+      if (e.op == TOP_ADDCMUL) return dispatch_dtype<LaunchTernary<T_ADDCMUL>, false>(op, e, s);
+      if (e.op == TOP_ADDCDIV) return dispatch_dtype<LaunchTernary<T_ADDCDIV>, true>(op, e, s);
       return DLUA_ERR(DLUA_ERR_INTERNAL, "%s: unknown CUDA ternary op %d", op, e.op);
     case DLUA_CUDA_EW_WHERE:
     case DLUA_CUDA_EW_MFILL:

@@ -86,33 +86,18 @@ template <typename F, int DT, bool PRED> dlua_status_t launch(const char *op, co
   return launched(op);
 }
 
-template <typename F, bool PRED, bool FLOAT_ONLY> dlua_status_t by_dtype(const char *op, const Ew &e, cudaStream_t s) {
-  switch (e.dtype) {
-    case DLUA_DTYPE_F32: return launch<F, DLUA_DTYPE_F32, PRED>(op, e, s);
-    case DLUA_DTYPE_F64: return launch<F, DLUA_DTYPE_F64, PRED>(op, e, s);
-    case DLUA_DTYPE_F16: return launch<F, DLUA_DTYPE_F16, PRED>(op, e, s);
-    case DLUA_DTYPE_BF16: return launch<F, DLUA_DTYPE_BF16, PRED>(op, e, s);
-    default: break;
-  }
-  if constexpr (!FLOAT_ONLY) {
-    switch (e.dtype) {
-      case DLUA_DTYPE_I32: return launch<F, DLUA_DTYPE_I32, PRED>(op, e, s);
-      case DLUA_DTYPE_I64: return launch<F, DLUA_DTYPE_I64, PRED>(op, e, s);
-      case DLUA_DTYPE_U8: return launch<F, DLUA_DTYPE_U8, PRED>(op, e, s);
-      case DLUA_DTYPE_BOOL: return launch<F, DLUA_DTYPE_BOOL, PRED>(op, e, s);
-      default: break;
-    }
-  }
-  return DLUA_ERR(DLUA_ERR_INTERNAL, "%s: no CUDA kernel for dtype %d", op, e.dtype);
-}
+template <typename F, bool PRED> struct Launch {
+  template <int DT> static dlua_status_t run(const char *op, const Ew &e, cudaStream_t s) { return launch<F, DT, PRED>(op, e, s); }
+};
+
 
 }  // namespace
 
 dlua_status_t run_unary(const char *op, const Ew &e, cudaStream_t s) {
   switch (e.op) {
-#define UCASE_ARITH(ENUM) return by_dtype<U_##ENUM, false, false>(op, e, s);
-#define UCASE_PRED(ENUM) return by_dtype<U_##ENUM, true, false>(op, e, s);
-#define UCASE_FLOAT(ENUM) return by_dtype<U_##ENUM, false, true>(op, e, s);
+#define UCASE_ARITH(ENUM) return dispatch_dtype<Launch<U_##ENUM, false>, false>(op, e, s);
+#define UCASE_PRED(ENUM) return dispatch_dtype<Launch<U_##ENUM, true>, false>(op, e, s);
+#define UCASE_FLOAT(ENUM) return dispatch_dtype<Launch<U_##ENUM, false>, true>(op, e, s);
 #define UCASE(ENUM, name, kind) \
   case UOP_##ENUM: UCASE_##kind(ENUM)
     DLUA_EW_UNARY_OPS(UCASE)

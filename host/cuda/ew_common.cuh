@@ -136,6 +136,28 @@ unsigned grid_for(int64_t work);
 /* Checks the launch just made; names the op. */
 dlua_status_t launched(const char *op);
 
+/* Calls L::template run<DT>(op, e, s) with e.dtype as a compile-time DT: the one dtype switch of
+   every element-wise family. FLOAT_ONLY leaves the integer and bool kernels out. */
+template <typename L, bool FLOAT_ONLY> dlua_status_t dispatch_dtype(const char *op, const Ew &e, cudaStream_t s) {
+  switch (e.dtype) {
+    case DLUA_DTYPE_F32: return L::template run<DLUA_DTYPE_F32>(op, e, s);
+    case DLUA_DTYPE_F64: return L::template run<DLUA_DTYPE_F64>(op, e, s);
+    case DLUA_DTYPE_F16: return L::template run<DLUA_DTYPE_F16>(op, e, s);
+    case DLUA_DTYPE_BF16: return L::template run<DLUA_DTYPE_BF16>(op, e, s);
+    default: break;
+  }
+  if constexpr (!FLOAT_ONLY) {
+    switch (e.dtype) {
+      case DLUA_DTYPE_I32: return L::template run<DLUA_DTYPE_I32>(op, e, s);
+      case DLUA_DTYPE_I64: return L::template run<DLUA_DTYPE_I64>(op, e, s);
+      case DLUA_DTYPE_U8: return L::template run<DLUA_DTYPE_U8>(op, e, s);
+      case DLUA_DTYPE_BOOL: return L::template run<DLUA_DTYPE_BOOL>(op, e, s);
+      default: break;
+    }
+  }
+  return DLUA_ERR(DLUA_ERR_INTERNAL, "%s: no CUDA kernel for dtype %d", op, e.dtype);
+}
+
 /* Per-family entry points (one .cu file each, for parallel compiles). */
 dlua_status_t run_unary(const char *op, const Ew &e, cudaStream_t s);
 dlua_status_t run_binary(const char *op, const Ew &e, cudaStream_t s);
