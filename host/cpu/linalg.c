@@ -197,6 +197,21 @@ static int blas_form(int64_t r, int64_t c, int64_t rs, int64_t cs, int *trans, i
   return 0;
 }
 
+/* Makes the (rows, cols) matrix view *v usable by BLAS (one unit stride): when it is not, *v
+   becomes a contiguous copy, held through *owned (which frees what it held before). */
+static dlua_status_t to_blas_form(dlua_tensor_t *v, dlua_tensor_t **owned, int64_t rows, int64_t cols, int64_t rs,
+                                  int64_t cs) {
+  int tr;
+  int64_t ld;
+  if (blas_form(rows, cols, rs, cs, &tr, &ld)) return DLUA_OK;
+  dlua_tensor_t *copy = NULL;
+  DLUA_TRY(dlua_tensor_contiguous(&copy, v));
+  dlua_tensor_free(*owned);
+  *owned = copy;
+  *v = *copy;
+  return DLUA_OK;
+}
+
 static dlua_status_t run_plan(const char *op, const mm_plan_t *pl, dlua_dtype_t ct, const char *ap, const char *bp,
                               char *cp, double alpha, double beta) {
   int64_t nbatch = dlua_shape_numel(pl->bnd, pl->bsz);
@@ -389,24 +404,8 @@ static dlua_status_t cuda_product(const char *op, dlua_tensor_t **out, const dlu
   }
   int tra = 0, trb = 0;
   int64_t lda = 0, ldb = 0;
-  if (s == DLUA_OK && !blas_form(pl.m, pl.k, pl.ars, pl.acs, &tra, &lda)) {
-    dlua_tensor_t *t2 = NULL;
-    s = dlua_tensor_contiguous(&t2, &av);
-    if (s == DLUA_OK) {
-      dlua_tensor_free(ta);
-      ta = t2;
-      av = *t2;
-    }
-  }
-  if (s == DLUA_OK && !blas_form(pl.k, pl.n, pl.brs, pl.bcs, &trb, &ldb)) {
-    dlua_tensor_t *t2 = NULL;
-    s = dlua_tensor_contiguous(&t2, &bv);
-    if (s == DLUA_OK) {
-      dlua_tensor_free(tb);
-      tb = t2;
-      bv = *t2;
-    }
-  }
+  if (s == DLUA_OK) s = to_blas_form(&av, &ta, pl.m, pl.k, pl.ars, pl.acs);
+  if (s == DLUA_OK) s = to_blas_form(&bv, &tb, pl.k, pl.n, pl.brs, pl.bcs);
   if (s == DLUA_OK) s = make_plan(op, &av, &bv, a, b, &pl);
   if (s == DLUA_OK) fold_batch(&pl, &av, &bv, DLUA_DTYPE_F32);  // F32: keep A in BLAS form
   if (s == DLUA_OK && (!blas_form(pl.m, pl.k, pl.ars, pl.acs, &tra, &lda) || !blas_form(pl.k, pl.n, pl.brs, pl.bcs, &trb, &ldb)))
@@ -521,26 +520,8 @@ static dlua_status_t product(const char *op, dlua_tensor_t **out, const dlua_ten
   }
   if (s == DLUA_OK && ct == DLUA_DTYPE_F32) {
     // sgemm needs each matrix with one unit stride; otherwise work on a contiguous copy.
-    int tr;
-    int64_t ld;
-    if (!blas_form(pl.m, pl.k, pl.ars, pl.acs, &tr, &ld)) {
-      dlua_tensor_t *t2 = NULL;
-      s = dlua_tensor_contiguous(&t2, &av);
-      if (s == DLUA_OK) {
-        dlua_tensor_free(ta);
-        ta = t2;
-        av = *t2;
-      }
-    }
-    if (s == DLUA_OK && !blas_form(pl.k, pl.n, pl.brs, pl.bcs, &tr, &ld)) {
-      dlua_tensor_t *t2 = NULL;
-      s = dlua_tensor_contiguous(&t2, &bv);
-      if (s == DLUA_OK) {
-        dlua_tensor_free(tb);
-        tb = t2;
-        bv = *t2;
-      }
-    }
+    s = to_blas_form(&av, &ta, pl.m, pl.k, pl.ars, pl.acs);
+    if (s == DLUA_OK) s = to_blas_form(&bv, &tb, pl.k, pl.n, pl.brs, pl.bcs);
     if (s == DLUA_OK) s = make_plan(op, &av, &bv, a, b, &pl);
   }
   if (s == DLUA_OK) fold_batch(&pl, &av, &bv, ct);
