@@ -16,7 +16,7 @@ local opt = optim.SGD(model, { lr = 0.05, momentum = 0.9, nesterov = true, weigh
 local crit = nn.CrossEntropyLoss()
 dlua.manual_seed(1 + rank)  -- each rank its own data
 local x = dlua.randn(batch, 1, 28, 28)
-x = x:permute(1, 3, 4, 2):contiguous():permute(1, 4, 2, 3)  -- channels-last input, as bench/fmnist_cpu
+x = x:contiguous('channels_last')  -- channels-last input, as bench/fmnist_cpu
 local y = dlua.randint(1, 11, batch)
 
 local function step()

@@ -11,7 +11,7 @@ local model = resnet.resnet20({ in_channels = 1, num_classes = 10 })
 local opt = optim.SGD(model, { lr = 0.05, momentum = 0.9, nesterov = true, weight_decay = 5e-4 })
 local crit = nn.CrossEntropyLoss()
 local x = dlua.randn(batch, 1, 28, 28)
-if fmt == 'nhwc' then x = x:permute(1, 3, 4, 2):contiguous():permute(1, 4, 2, 3) end
+if fmt == 'nhwc' then x = x:contiguous('channels_last') end
 local y = dlua.randint(1, 11, batch)
 
 local function step()

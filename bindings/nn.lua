@@ -190,6 +190,20 @@ function M.batch_norm_backward_apply(grad_out, x, output, gamma, save_mean, save
   return core.wrap(a), b ~= nil and core.wrap(b) or nil
 end
 
+-- Calls f(out1, ...) writing into a new gradient laid out like the forward input x when x is
+-- channels-last (the pooling kernels follow a given output's layout); otherwise as with_out.
+local function grad_like(op, x, grad_out, f, ...)
+  if not core.has_memory_format(op, handle(op, x), 'channels_last') then return with_out(op, f, ...) end
+  local s = core.sizes(handle(op, x))
+  local gx = require('bindings.tensor_create').empty(s[1], s[3], s[4], s[2],
+    { dtype = grad_out.dtype, device = grad_out.device }):permute(1, 4, 2, 3)
+  out1[0] = handle(op, gx)
+  local st = f(out1, ...)
+  out1[0] = nil
+  if st ~= 0 then core.check(st, op) end
+  return gx
+end
+
 local function sizes_of(op, x)
   local p = handle(op, x)
   local s = C.dlua_tensor_sizes(p)
@@ -209,7 +223,7 @@ function M.max_pool2d(x, c, want_indices)
 end
 
 function M.max_pool2d_backward(grad_out, indices, x)
-  return with_out('MaxPool2d.backward', C.dlua_nn_max_pool2d_backward, handle('MaxPool2d.backward', grad_out),
+  return grad_like('MaxPool2d.backward', x, grad_out, C.dlua_nn_max_pool2d_backward, handle('MaxPool2d.backward', grad_out),
     handle('MaxPool2d.backward', indices), sizes_of('MaxPool2d.backward', x))
 end
 
@@ -220,7 +234,7 @@ function M.avg_pool2d(x, c)
 end
 
 function M.avg_pool2d_backward(grad_out, x, c)
-  return with_out('AvgPool2d.backward', C.dlua_nn_avg_pool2d_backward, handle('AvgPool2d.backward', grad_out),
+  return grad_like('AvgPool2d.backward', x, grad_out, C.dlua_nn_avg_pool2d_backward, handle('AvgPool2d.backward', grad_out),
     sizes_of('AvgPool2d.backward', x), c[1], c[2], c[3], c[4], c[5], c[6], c[7] and 1 or 0, c[8] and 1 or 0, c[9] or 0)
 end
 
@@ -229,7 +243,7 @@ function M.adaptive_avg_pool2d(x, oh, ow)
 end
 
 function M.adaptive_avg_pool2d_backward(grad_out, x)
-  return with_out('AdaptiveAvgPool2d.backward', C.dlua_nn_adaptive_avg_pool2d_backward,
+  return grad_like('AdaptiveAvgPool2d.backward', x, grad_out, C.dlua_nn_adaptive_avg_pool2d_backward,
     handle('AdaptiveAvgPool2d.backward', grad_out), sizes_of('AdaptiveAvgPool2d.backward', x))
 end
 

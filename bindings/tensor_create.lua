@@ -651,7 +651,29 @@ function methods.stride(t, d)
   return r
 end
 
-function methods.is_contiguous(t) return C.dlua_tensor_is_contiguous(handle('is_contiguous', t)) ~= 0 end
+-- is_contiguous([memory_format]): 'contiguous' (default) or 'channels_last'. Channels-last
+-- means exactly the strides of (N, H, W, C) memory, size-1 dims included, so a one-channel
+-- image made channels-last is not taken for a row-major one by the layers.
+-- Whether tensor handle p has memory_format ('contiguous' or 'channels_last'); op names the caller.
+function core.has_memory_format(op, p, memory_format)
+  if memory_format == nil or memory_format == 'contiguous' then return C.dlua_tensor_is_contiguous(p) ~= 0 end
+  if memory_format ~= 'channels_last' then
+    raise(format("%s: memory_format must be 'contiguous' or 'channels_last', got %s", op, tostring(memory_format)))
+  end
+  if C.dlua_tensor_ndim(p) ~= 4 then
+    raise(format("%s: memory_format 'channels_last' needs a 4-D (N, C, H, W) tensor, got %s", op, core.describe(p)))
+  end
+  local sz, st = C.dlua_tensor_sizes(p), C.dlua_tensor_strides(p)
+  if sz[0] * sz[1] * sz[2] * sz[3] == 0 then return true end
+  local c, w = sz[1], sz[3]
+  return st[1] == 1 and st[3] == c and st[2] == w * c and st[0] == sz[2] * w * c
+end
+-- is_contiguous([memory_format]): 'contiguous' (default) or 'channels_last'. Channels-last
+-- means exactly the strides of (N, H, W, C) memory, size-1 dims included, so a one-channel
+-- image made channels-last is not taken for a row-major one by the layers.
+function methods.is_contiguous(t, memory_format)
+  return core.has_memory_format('is_contiguous', handle('is_contiguous', t), memory_format)
+end
 function methods.is_floating_point(t) return core.is_floating(core.dtype_of(handle('is_floating_point', t))) end
 function methods.element_size(t) return core.elem_sizes[core.dtype_of(handle('element_size', t))] end
 function methods.nbytes(t) return nbytes(handle('nbytes', t)) end

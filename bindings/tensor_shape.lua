@@ -121,10 +121,19 @@ function methods.flatten(t, s, e)
   return new('flatten', C.dlua_tensor_flatten, 3, t, core.dim('flatten', p, s or 1), core.dim('flatten', p, e or -1))
 end
 
-function methods.contiguous(t)
+-- contiguous([memory_format]): t itself when its memory already has that layout, else a copy
+-- that does. 'contiguous' (default) is row-major; 'channels_last' is (N, H, W, C) memory for a
+-- logically (N, C, H, W) tensor, as torch.channels_last.
+function methods.contiguous(t, memory_format)
   local p = handle('contiguous', t)
-  if C.dlua_tensor_is_contiguous(p) ~= 0 then return t end
-  return new('contiguous', C.dlua_tensor_contiguous, 1, t)
+  if memory_format == nil or memory_format == 'contiguous' then
+    if C.dlua_tensor_is_contiguous(p) ~= 0 then return t end
+    return new('contiguous', C.dlua_tensor_contiguous, 1, t)
+  end
+  if core.has_memory_format('contiguous', p, memory_format) then return t end
+  local s = core.sizes(p)
+  local y = create.empty(s[1], s[3], s[4], s[2], { dtype = t.dtype, device = t.device }):permute(1, 4, 2, 3)
+  return y:copy_(t)
 end
 
 function methods.clone(t)

@@ -92,7 +92,7 @@ end
 
 local mean, std = train.mean, train.std
 local function to_input(x)
-  if opt.channels_last then return x:permute(1, 3, 4, 2):contiguous():permute(1, 4, 2, 3) end
+  if opt.channels_last then return x:contiguous('channels_last') end
   return x
 end
 

@@ -50,7 +50,7 @@ local size = opt.image_size
 local train_batches, eval_batches, train_len, num_classes, data_name
 
 local function to_layout(x)  -- (N, C, H, W) values in NCHW or channels-last memory
-  if opt.channels_last then return x:permute(1, 3, 4, 2):contiguous():permute(1, 4, 2, 3) end
+  if opt.channels_last then return x:contiguous('channels_last') end
   return x:contiguous()
 end
 

@@ -433,7 +433,10 @@ static dlua_status_t bn_backward(const char *op, dlua_tensor_t **grad_input, dlu
   if (grad_input && grad_skip && *grad_input && *grad_input == *grad_skip)
     return DLUA_ERR(DLUA_ERR_ARG, "%s: grad_input and grad_skip must be different tensors", op);
 
-  int fmt = act_format(grad_output);
+  // Gradients take the forward input's layout (as in PyTorch), so a channels-last network's
+  // backward stays channels-last whatever layout the incoming gradient has.
+  int fmt = act_format(x);
+  if (fmt == ACT_OTHER) fmt = act_format(grad_output);
   if (fmt == ACT_OTHER) fmt = ACT_CONTIG;
   bn_geom_t g;
   geom_of(x, fmt, &g);

@@ -117,6 +117,16 @@ static int fmt_of(const dlua_tensor_t *t) {
   return f == ACT_OTHER ? ACT_CONTIG : f;
 }
 
+/* A backward's layout: that of the caller's grad_input when one is given in NCHW or
+   channels-last memory (the bindings pass one shaped like the forward input), else grad_output's. */
+static int grad_fmt(dlua_tensor_t *const *grad_input, const dlua_tensor_t *grad_output) {
+  if (grad_input && *grad_input && (*grad_input)->ndim == 4) {
+    int f = act_format(*grad_input);
+    if (f != ACT_OTHER) return f;
+  }
+  return fmt_of(grad_output);
+}
+
 /* ---- max pooling ---------------------------------------------------------------------------------- */
 
 dlua_status_t dlua_nn_max_pool2d_forward(dlua_tensor_t **out, dlua_tensor_t **indices, const dlua_tensor_t *x,
@@ -172,7 +182,7 @@ dlua_status_t dlua_nn_max_pool2d_backward(dlua_tensor_t **grad_input, const dlua
                     dlua_tensor_describe(grad_output, b1, sizeof b1), dlua_shape_str(4, x_sizes, b2, sizeof b2));
   pool_geom_t g = {.N = x_sizes[0], .C = x_sizes[1], .H = x_sizes[2], .W = x_sizes[3],
                    .OH = grad_output->sizes[2], .OW = grad_output->sizes[3]};
-  const int fmt = fmt_of(grad_output);
+  const int fmt = grad_fmt(grad_input, grad_output);
   g.cl = fmt == ACT_CL;
   const dlua_dtype_t ct = compute_dtype(grad_output->dtype);
   dlua_tensor_t *gs = NULL, *is = NULL;
@@ -253,7 +263,7 @@ static dlua_status_t avg_forward(const char *op, dlua_tensor_t **out, const dlua
 
 static dlua_status_t avg_backward(const char *op, dlua_tensor_t **grad_input, const dlua_tensor_t *gy,
                                   const int64_t *x_sizes, pool_geom_t *g, pool_win_t *w) {
-  const int fmt = fmt_of(gy);
+  const int fmt = grad_fmt(grad_input, gy);
   g->cl = fmt == ACT_CL;
   const dlua_dtype_t ct = compute_dtype(gy->dtype);
   dlua_tensor_t *gs = NULL;

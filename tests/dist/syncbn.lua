@@ -37,7 +37,7 @@ local function global_batch(s, dtype)
   local y = dlua.randint(1, 6, { B * world }, { generator = g, dtype = 'int64' })
   return x, y
 end
-local function channels_last(x) return x:permute(1, 3, 4, 2):contiguous():permute(1, 4, 2, 3) end
+local function channels_last(x) return x:contiguous('channels_last') end
 local function my_rows(t) return t:narrow(1, rank * B + 1, B) end
 
 local function max_rel(a, b)  -- max |a - b| / max(1, max |b|)

@@ -236,4 +236,36 @@ describe('a ResNet built from dlua.nn', function()
       end
     end
   end)
+
+  it('a channels-last input keeps every activation and every input gradient channels-last, same numbers', function()
+    dlua.manual_seed(5)
+    local m = resnet.resnet20({ in_channels = 1, num_classes = 3 }):to('float64')
+    local crit = nn.CrossEntropyLoss()
+    local x = dlua.randn(4, 1, 8, 8, { dtype = 'float64' })
+    local y = dlua.tensor({ 1, 2, 3, 1 }, { dtype = 'int64' })
+    local function run(input)
+      m:zero_grad()
+      local out = m:forward(input)
+      crit:forward(out, y)
+      local gx = m:backward(input, crit:backward(out, y))
+      local grads = {}
+      for _, e in ipairs(m:named_parameters()) do grads[e.name] = e.grad:clone() end
+      return out:clone(), gx, grads
+    end
+    local out1, gx1, g1 = run(x)
+    local xc = x:contiguous('channels_last')
+    local out2, gx2, g2 = run(xc)
+    assert.is_true(gx2:is_contiguous('channels_last'))
+    m:walk(function(name, mod)
+      for _, f in ipairs({ 'output', 'grad_input' }) do
+        local t = rawget(mod, f)
+        if t and t:dim() == 4 and t:size(2) > 1 and t:size(3) > 1 then
+          assert.is_true(t:is_contiguous('channels_last'), name .. '.' .. f .. ' is not channels-last')
+        end
+      end
+    end)
+    assert.is_true((out1 - out2):abs():max():item() < 1e-12)
+    assert.is_true((gx1 - gx2):abs():max():item() < 1e-12)
+    for k, g in pairs(g1) do assert.is_true((g - g2[k]):abs():max():item() < 1e-12, k) end
+  end)
 end)

@@ -6,7 +6,7 @@ local K = require 'bindings.nn'
 local resnet = require 'models.resnet'
 
 local function max_diff(a, b) return (a:double() - b:double()):abs():max():item() end
-local function channels_last(x) return x:permute(1, 3, 4, 2):contiguous():permute(1, 4, 2, 3) end
+local function channels_last(x) return x:contiguous('channels_last') end
 
 describe('SyncBatchNorm', function()
   it('is BatchNorm2d with sync = true, by option or by class', function()

@@ -162,6 +162,26 @@ describe('expand, squeeze, unsqueeze, flatten', function()
     k[1][1] = 99
     assert.equals(0, t[1][1])
   end)
+
+  it("contiguous('channels_last') lays (N, C, H, W) out as (N, H, W, C) memory, one channel included", function()
+    local x = seq(2, 3, 2, 2)
+    assert.is_false(x:is_contiguous('channels_last'))
+    local y = x:contiguous('channels_last')
+    assert.same({ 12, 1, 6, 3 }, y:stride())
+    assert.is_true(y:is_contiguous('channels_last'))
+    H.close(x:totable(), y, 0)
+    assert.is_true(y:contiguous('channels_last') == y)
+    assert.is_true(y:contiguous('contiguous'):is_contiguous())
+    -- one channel: row-major strides are not taken for channels-last (the layers would read NCHW)
+    local g = seq(2, 1, 3, 3)
+    assert.is_true(g:is_contiguous())
+    assert.is_false(g:is_contiguous('channels_last'))
+    assert.same({ 9, 1, 3, 1 }, g:contiguous('channels_last'):stride())
+    H.raises(function() seq(2, 3):contiguous("channels_last") end,
+      "contiguous: memory_format 'channels_last' needs a 4-D (N, C, H, W) tensor, got (2, 3)", true)
+    H.raises(function() x:is_contiguous("nhwc") end,
+      "is_contiguous: memory_format must be 'contiguous' or 'channels_last', got nhwc", true)
+  end)
 end)
 
 describe('indexing with t[i] and t[{...}]', function()
