@@ -11,7 +11,7 @@ dlua.set_num_threads(tonumber(os.getenv('OMP_NUM_THREADS') or '1'))
 dist.init()
 local rank, world = dist.rank(), dist.world_size()
 dlua.manual_seed(0)
-local model = dist.DDP(resnet.resnet20({ in_channels = 1, num_classes = 10 }))
+local model = dist.DDP(resnet.resnet20({ in_channels = 1, num_classes = 10 }):input_grad(false))
 local opt = optim.SGD(model, { lr = 0.05, momentum = 0.9, nesterov = true, weight_decay = 5e-4 })
 local crit = nn.CrossEntropyLoss()
 dlua.manual_seed(1 + rank)  -- each rank its own data

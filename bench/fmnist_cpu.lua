@@ -7,7 +7,7 @@ local resnet = require 'models.resnet'
 local threads, steps, batch, fmt = tonumber(arg[1]), tonumber(arg[2]), tonumber(arg[3]), arg[4]
 dlua.set_num_threads(threads)
 dlua.manual_seed(0)
-local model = resnet.resnet20({ in_channels = 1, num_classes = 10 })
+local model = resnet.resnet20({ in_channels = 1, num_classes = 10 }):input_grad(false) -- as torch: data needs no grad
 local opt = optim.SGD(model, { lr = 0.05, momentum = 0.9, nesterov = true, weight_decay = 5e-4 })
 local crit = nn.CrossEntropyLoss()
 local x = dlua.randn(batch, 1, 28, 28)

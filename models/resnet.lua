@@ -140,7 +140,12 @@ local function chain_backward(self, _, grad)
   self.grad_input = grad
   return grad
 end
-ResNet.forward, ResNet.backward = chain_forward, chain_backward
+local function chain_input_grad(self, flag)
+  self.needs_input_grad = flag ~= false
+  chain(self)[1]:input_grad(flag)
+  return self
+end
+ResNet.forward, ResNet.backward, ResNet.input_grad = chain_forward, chain_backward, chain_input_grad
 
 function M.resnet18(opts) return ResNet(BasicBlock, { 2, 2, 2, 2 }, opts) end
 function M.resnet34(opts) return ResNet(BasicBlock, { 3, 4, 6, 3 }, opts) end
@@ -172,7 +177,7 @@ function CifarResNet:__init(n, opts)
   self:add_module('fc', nn.Linear(64, opts.num_classes or 10))
   self.order = { 'conv1', 'bn1', 'layer1', 'layer2', 'layer3', 'avgpool', 'flatten', 'fc' }
 end
-CifarResNet.forward, CifarResNet.backward = chain_forward, chain_backward
+CifarResNet.forward, CifarResNet.backward, CifarResNet.input_grad = chain_forward, chain_backward, chain_input_grad
 function CifarResNet:extra_repr() return 'depth ' .. self.depth end
 
 function M.resnet20(opts) return CifarResNet(3, opts) end

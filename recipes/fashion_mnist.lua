@@ -51,7 +51,7 @@ if opt.limit > 0 and opt.limit < train:size() then train = train:narrow(1, opt.l
 
 local build = resnet[opt.model]
 if not build then error(('unknown --model %s (resnet20, resnet32, resnet56, small_cnn)'):format(opt.model), 0) end
-local net = build({ in_channels = 1, num_classes = 10 })
+local net = build({ in_channels = 1, num_classes = 10 }):input_grad(false) -- the images need no gradient
 local model = distributed and dist.DDP(net) or net
 local criterion = nn.CrossEntropyLoss({ label_smoothing = opt.label_smoothing })
 local sgd = optim.SGD(model, {

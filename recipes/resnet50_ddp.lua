@@ -119,7 +119,7 @@ end
 
 local build = resnet[opt.model]
 if not build then error(('unknown --model %s'):format(opt.model), 0) end
-local net = build({ in_channels = 3, num_classes = num_classes, zero_init_residual = true })
+local net = build({ in_channels = 3, num_classes = num_classes, zero_init_residual = true }):input_grad(false)
 if opt.sync_bn then nn.SyncBatchNorm.convert(net) end
 local model = dist.DDP(net, { accumulate = opt.accumulate, bucket_mb = opt.bucket_mb })
 local criterion = nn.CrossEntropyLoss()

@@ -10,6 +10,7 @@
 #include "core/error.h"
 #include "core/tensor.h"
 #include "cpu/act_layout.h"
+#include "cpu/clones.h"
 
 /* Below this many elements a pass runs on one thread: waking the pool costs more. */
 enum { BN_PAR_MIN = 32768 };
@@ -40,6 +41,9 @@ static void bn_combine(const double *ps, const double *pq, int64_t rows, int64_t
 #define BN_CAT2(a, b) a##b
 #define BN_CAT(a, b) BN_CAT2(a, b)
 #define FN(name) BN_CAT(name, BN_SFX)
+
+/* The block kernels pass 64-byte vectors between always-inline helpers, never across a call. */
+#pragma GCC diagnostic ignored "-Wpsabi"
 
 #define T float
 #define UT uint32_t

@@ -6,6 +6,220 @@
    branch-free loop the vectoriser takes. Every value is loaded unconditionally for the same
    reason: a load under a condition keeps a loop scalar. */
 
+/* d where y > 0, else +0, by masking the bits: a select here leaves GCC's if-conversion
+   unable to vectorise the float reductions below. */
+static inline __attribute__((always_inline)) T FN(relu_mask)(T y, T d) {
+  UT bits;
+  memcpy(&bits, &d, sizeof bits);
+  bits &= (UT)0 - (UT)(y > 0);
+  memcpy(&d, &bits, sizeof d);
+  return d;
+}
+
+#define BN_BWD_DISPATCH(call, mask, gx, gs) \
+  do {                                      \
+    if (mask) {                             \
+      if (gx && gs) call(1, 1, 1);          \
+      else if (gx) call(1, 1, 0);           \
+      else call(1, 0, 1);                   \
+    } else {                                \
+      if (gx && gs) call(0, 1, 1);          \
+      else if (gx) call(0, 1, 0);           \
+      else call(0, 0, 1);                   \
+    }                                       \
+  } while (0)
+
+/* ---- channels-last blocks ------------------------------------------------------------------------- */
+
+/* Channels-last passes run over blocks of rows (one row = the C channels of one position). A
+   block function takes VW channels at a time, keeps their parameters and sums in vector
+   registers across the block's rows, and leaves the C % VW last channels to a plain loop. The
+   functions are compiled per ISA (DLUA_CPU_CLONES) and called from the OpenMP loops, whose
+   outlined bodies would only get baseline x86-64. Each lane is one channel and sees its rows in
+   order, so every ISA computes the same sums. */
+#define VW ((int)(64 / sizeof(T)))
+typedef T FN(vT) __attribute__((vector_size(64)));
+typedef UT FN(vU) __attribute__((vector_size(64)));
+typedef double FN(vD) __attribute__((vector_size(64 / sizeof(T) * sizeof(double))));
+
+static inline __attribute__((always_inline)) FN(vT) FN(vload)(const T *p) {
+  FN(vT) v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+static inline __attribute__((always_inline)) void FN(vstore)(T *p, FN(vT) v) { memcpy(p, &v, sizeof v); }
+/* v where keep is all ones, else +0. */
+static inline __attribute__((always_inline)) FN(vT) FN(vkeep)(FN(vT) v, FN(vU) keep) {
+  return (FN(vT))((FN(vU))v & keep);
+}
+
+/* Sums of (x - shift) and its square per channel over n rows, in double. Rows go in groups of
+   about 8 KiB, and each VW-channel chunk of a group is summed in registers, so the chunks of a
+   wide row re-read L1 rather than memory. */
+#define BN_GROUP(C) ((C) >= 1024 ? 2 : 2048 / (C) + 1)
+static DLUA_CPU_CLONES void FN(stats_rows)(int64_t C, int64_t n, const T *x, const double *shift, double *bs,
+                                           double *bq) {
+  const int64_t cv = C - C % VW, G = BN_GROUP(C);
+  for (int64_t c = 0; c < C; c++) bs[c] = bq[c] = 0;
+  for (int64_t g0 = 0; g0 < n; g0 += G) {
+    const int64_t g1 = g0 + G < n ? g0 + G : n;
+    for (int64_t c = 0; c < cv; c += VW) {
+      FN(vD) k, s0, q0, s1 = {0}, q1 = {0};
+      memcpy(&k, shift + c, sizeof k);
+      memcpy(&s0, bs + c, sizeof s0);
+      memcpy(&q0, bq + c, sizeof q0);
+      int64_t r = g0;
+      for (; r + 2 <= g1; r += 2) { /* two chains hide the add latency */
+        FN(vD) d0 = __builtin_convertvector(FN(vload)(x + r * C + c), FN(vD)) - k;
+        FN(vD) d1 = __builtin_convertvector(FN(vload)(x + (r + 1) * C + c), FN(vD)) - k;
+        s0 += d0;
+        q0 += d0 * d0;
+        s1 += d1;
+        q1 += d1 * d1;
+      }
+      if (r < g1) {
+        FN(vD) d0 = __builtin_convertvector(FN(vload)(x + r * C + c), FN(vD)) - k;
+        s0 += d0;
+        q0 += d0 * d0;
+      }
+      s0 += s1;
+      q0 += q1;
+      memcpy(bs + c, &s0, sizeof s0);
+      memcpy(bq + c, &q0, sizeof q0);
+    }
+  }
+  for (int64_t c = cv; c < C; c++) {
+    double s = 0, q = 0;
+    for (int64_t r = 0; r < n; r++) {
+      double d = (double)x[r * C + c] - shift[c];
+      s += d;
+      q += d * d;
+    }
+    bs[c] = s;
+    bq[c] = q;
+  }
+}
+
+/* y = act((x - m) * a + b (+ skip)) over n rows; y may be x. */
+static inline __attribute__((always_inline)) void FN(apply_rows_k)(int64_t C, int64_t n, const T *x, const T *sk, T *y,
+                                                                   const T *m, const T *a, const T *b, int has_skip,
+                                                                   int relu) {
+  const FN(vT) zero = {0};
+  const int64_t cv = C - C % VW;
+  for (int64_t r = 0; r < n; r++)
+    for (int64_t c = 0; c < cv; c += VW) {
+      FN(vT) v = (FN(vload)(x + r * C + c) - FN(vload)(m + c)) * FN(vload)(a + c) + FN(vload)(b + c);
+      if (has_skip) v += FN(vload)(sk + r * C + c);
+      if (relu) v = FN(vkeep)(v, ~(FN(vU))(v < zero));
+      FN(vstore)(y + r * C + c, v);
+    }
+  for (int64_t c = cv; c < C; c++)
+    for (int64_t r = 0; r < n; r++) {
+      T v = (x[r * C + c] - m[c]) * a[c] + b[c];
+      if (has_skip) v += sk[r * C + c];
+      if (relu) v = v < 0 ? (T)0 : v;
+      y[r * C + c] = v;
+    }
+}
+
+static DLUA_CPU_CLONES void FN(apply_rows)(int64_t C, int64_t n, const T *x, const T *sk, T *y, const T *m,
+                                           const T *a, const T *b, int relu) {
+  if (sk) {
+    if (relu) FN(apply_rows_k)(C, n, x, sk, y, m, a, b, 1, 1);
+    else FN(apply_rows_k)(C, n, x, sk, y, m, a, b, 1, 0);
+  } else {
+    if (relu) FN(apply_rows_k)(C, n, x, sk, y, m, a, b, 0, 1);
+    else FN(apply_rows_k)(C, n, x, sk, y, m, a, b, 0, 0);
+  }
+}
+
+/* Sums of d and d * (x - m) per channel over n rows, in double; d = dy, masked by y > 0 when y.
+   Grouped like stats_rows. */
+static inline __attribute__((always_inline)) void FN(reduce_rows_k)(int64_t C, int64_t n, const T *x, const T *dy,
+                                                                    const T *y, const T *m, double *bs, double *bq,
+                                                                    int mask) {
+  const int64_t cv = C - C % VW, G = BN_GROUP(C);
+  const FN(vT) zero = {0};
+  for (int64_t c = 0; c < C; c++) bs[c] = bq[c] = 0;
+  for (int64_t g0 = 0; g0 < n; g0 += G) {
+    const int64_t g1 = g0 + G < n ? g0 + G : n;
+    for (int64_t c = 0; c < cv; c += VW) {
+      const FN(vT) vm = FN(vload)(m + c);
+      FN(vD) s0, q0, s1 = {0}, q1 = {0};
+      memcpy(&s0, bs + c, sizeof s0);
+      memcpy(&q0, bq + c, sizeof q0);
+      int64_t r = g0;
+#define BN_TERM(row, s, q)                                                           \
+  do {                                                                               \
+    FN(vT) d = FN(vload)(dy + (row) * C + c);                                        \
+    if (mask) d = FN(vkeep)(d, (FN(vU))(FN(vload)(y + (row) * C + c) > zero));       \
+    s += __builtin_convertvector(d, FN(vD));                                         \
+    q += __builtin_convertvector(d * (FN(vload)(x + (row) * C + c) - vm), FN(vD));   \
+  } while (0)
+      for (; r + 2 <= g1; r += 2) {
+        BN_TERM(r, s0, q0);
+        BN_TERM(r + 1, s1, q1);
+      }
+      if (r < g1) BN_TERM(r, s0, q0);
+#undef BN_TERM
+      s0 += s1;
+      q0 += q1;
+      memcpy(bs + c, &s0, sizeof s0);
+      memcpy(bq + c, &q0, sizeof q0);
+    }
+  }
+  for (int64_t c = cv; c < C; c++) {
+    double s = 0, q = 0;
+    for (int64_t r = 0; r < n; r++) {
+      T d = dy[r * C + c];
+      if (mask) d = FN(relu_mask)(y[r * C + c], d);
+      s += d;
+      q += d * (x[r * C + c] - m[c]);
+    }
+    bs[c] = s;
+    bq[c] = q;
+  }
+}
+
+static DLUA_CPU_CLONES void FN(reduce_rows)(int64_t C, int64_t n, const T *x, const T *dy, const T *y, const T *m,
+                                            double *bs, double *bq) {
+  if (y) FN(reduce_rows_k)(C, n, x, dy, y, m, bs, bq, 1);
+  else FN(reduce_rows_k)(C, n, x, dy, y, m, bs, bq, 0);
+}
+
+/* dx = d * A + (x - m) * B + D and ds = d over n rows (d = dy, masked by y > 0 when mask). */
+static inline __attribute__((always_inline)) void FN(bwd_rows_k)(int64_t C, int64_t n, const T *x, const T *dy,
+                                                                 const T *y, T *dx, T *ds, const T *m, const T *A,
+                                                                 const T *B, const T *D, int mask, int want_dx,
+                                                                 int want_ds) {
+  const FN(vT) zero = {0};
+  const int64_t cv = C - C % VW;
+  for (int64_t r = 0; r < n; r++)
+    for (int64_t c = 0; c < cv; c += VW) {
+      FN(vT) d = FN(vload)(dy + r * C + c);
+      if (mask) d = FN(vkeep)(d, (FN(vU))(FN(vload)(y + r * C + c) > zero));
+      FN(vT) v = d * FN(vload)(A + c) + (FN(vload)(x + r * C + c) - FN(vload)(m + c)) * FN(vload)(B + c) +
+                 FN(vload)(D + c);
+      if (want_ds) FN(vstore)(ds + r * C + c, d);
+      if (want_dx) FN(vstore)(dx + r * C + c, v);
+    }
+  for (int64_t c = cv; c < C; c++)
+    for (int64_t r = 0; r < n; r++) {
+      T d = dy[r * C + c];
+      if (mask) d = FN(relu_mask)(y[r * C + c], d);
+      T v = d * A[c] + (x[r * C + c] - m[c]) * B[c] + D[c];
+      if (want_ds) ds[r * C + c] = d;
+      if (want_dx) dx[r * C + c] = v;
+    }
+}
+
+static DLUA_CPU_CLONES void FN(bwd_rows)(int64_t C, int64_t n, const T *x, const T *dy, const T *y, T *dx, T *ds,
+                                         const T *m, const T *A, const T *B, const T *D) {
+#define BN_CALL(mk, wx, ws) FN(bwd_rows_k)(C, n, x, dy, y, dx, ds, m, A, B, D, mk, wx, ws)
+  BN_BWD_DISPATCH(BN_CALL, y, dx, ds);
+#undef BN_CALL
+}
+
 /* ---- statistics ---------------------------------------------------------------------------------- */
 
 /* Per-channel sums of (x - shift) and (x - shift)^2 in double. Shifting by a sample of the
@@ -39,18 +253,8 @@ static void FN(bn_stats)(const bn_geom_t *g, const T *x, const double *shift, do
   double *ps = scratch, *pq = scratch + nb * C;
 #pragma omp parallel for schedule(static) if (M * C > BN_PAR_MIN)
   for (int64_t b = 0; b < nb; b++) {
-    double *bs = ps + b * C, *bq = pq + b * C;
-    for (int64_t c = 0; c < C; c++) bs[c] = bq[c] = 0;
     const int64_t r1 = b * R + R < M ? b * R + R : M;
-    for (int64_t r = b * R; r < r1; r++) {
-      const T *xr = x + r * C;
-#pragma omp simd
-      for (int64_t c = 0; c < C; c++) {
-        double d = (double)xr[c] - shift[c];
-        bs[c] += d;
-        bq[c] += d * d;
-      }
-    }
+    FN(stats_rows)(C, r1 - b * R, x + b * R * C, shift, ps + b * C, pq + b * C);
   }
   bn_combine(ps, pq, nb, C, sum, sumsq);
 }
@@ -69,17 +273,6 @@ static inline __attribute__((always_inline)) void FN(apply_run)(int64_t n, const
   }
 }
 
-/* One row of C channels. */
-static inline __attribute__((always_inline)) void FN(apply_row)(int64_t C, const T *x, const T *s, T *y, const T *m,
-                                                                const T *a, const T *b, int has_skip, int relu) {
-#pragma omp simd
-  for (int64_t c = 0; c < C; c++) {
-    T v = (x[c] - m[c]) * a[c] + b[c];
-    if (has_skip) v += s[c];
-    if (relu) v = v < 0 ? (T)0 : v;
-    y[c] = v;
-  }
-}
 
 #define BN_APPLY_DISPATCH(call, skip, relu) \
   do {                                      \
@@ -113,27 +306,12 @@ static void FN(bn_apply)(const bn_geom_t *g, const T *x, const T *skip, T *y, co
 #pragma omp parallel for schedule(static) if (M * C > BN_PAR_MIN)
   for (int64_t b = 0; b < nb; b++) {
     const int64_t r1 = b * R + R < M ? b * R + R : M;
-    for (int64_t r = b * R; r < r1; r++) {
-      const T *xr = x + r * C, *sr = skip ? skip + r * C : NULL;
-      T *yr = y + r * C;
-#define BN_CALL(k, rl) FN(apply_row)(C, xr, sr, yr, mean, a, beta, k, rl)
-      BN_APPLY_DISPATCH(BN_CALL, sr, relu);
-#undef BN_CALL
-    }
+    const int64_t o = b * R * C;
+    FN(apply_rows)(C, r1 - b * R, x + o, skip ? skip + o : NULL, y + o, mean, a, beta, relu);
   }
 }
 
 /* ---- backward ------------------------------------------------------------------------------------- */
-
-/* d where y > 0, else +0, by masking the bits: a select here leaves GCC's if-conversion
-   unable to vectorise the float reductions below. */
-static inline __attribute__((always_inline)) T FN(relu_mask)(T y, T d) {
-  UT bits;
-  memcpy(&bits, &d, sizeof bits);
-  bits &= (UT)0 - (UT)(y > 0);
-  memcpy(&d, &bits, sizeof d);
-  return d;
-}
 
 /* Sums of d and d * (x - m) over a run of one channel, d = dy masked by y > 0 when mask. */
 static inline __attribute__((always_inline)) void FN(reduce_run)(int64_t n, const T *x, const T *dy, const T *y, T m,
@@ -152,16 +330,6 @@ static inline __attribute__((always_inline)) void FN(reduce_run)(int64_t n, cons
   *q_out = q;
 }
 
-static inline __attribute__((always_inline)) void FN(reduce_row)(int64_t C, const T *x, const T *dy, const T *y,
-                                                                 const T *m, double *bs, double *bq, int mask) {
-#pragma omp simd
-  for (int64_t c = 0; c < C; c++) {
-    T d = dy[c];
-    if (mask) d = FN(relu_mask)(y[c], d);
-    bs[c] += d;
-    bq[c] += d * (x[c] - m[c]);
-  }
-}
 
 /* Per-channel sum(d) and sum(d * (x - mean)) in double, d = masked dy; blocked like bn_stats. */
 static void FN(bn_bwd_reduce)(const bn_geom_t *g, const T *x, const T *dy, const T *y, const T *mean,
@@ -183,14 +351,8 @@ static void FN(bn_bwd_reduce)(const bn_geom_t *g, const T *x, const T *dy, const
   double *ps = scratch, *pq = scratch + nb * C;
 #pragma omp parallel for schedule(static) if (M * C > BN_PAR_MIN)
   for (int64_t b = 0; b < nb; b++) {
-    double *bs = ps + b * C, *bq = pq + b * C;
-    for (int64_t c = 0; c < C; c++) bs[c] = bq[c] = 0;
-    const int64_t r1 = b * R + R < M ? b * R + R : M;
-    for (int64_t r = b * R; r < r1; r++) {
-      const T *xr = x + r * C, *dr = dy + r * C, *yr = y ? y + r * C : NULL;
-      if (yr) FN(reduce_row)(C, xr, dr, yr, mean, bs, bq, 1);
-      else FN(reduce_row)(C, xr, dr, yr, mean, bs, bq, 0);
-    }
+    const int64_t r1 = b * R + R < M ? b * R + R : M, o = b * R * C;
+    FN(reduce_rows)(C, r1 - b * R, x + o, dy + o, y ? y + o : NULL, mean, ps + b * C, pq + b * C);
   }
   bn_combine(ps, pq, nb, C, sdy, sdx);
 }
@@ -210,31 +372,7 @@ static inline __attribute__((always_inline)) void FN(bwd_run)(int64_t n, const T
   }
 }
 
-static inline __attribute__((always_inline)) void FN(bwd_row)(int64_t C, const T *x, const T *dy, const T *y, T *dx,
-                                                              T *ds, const T *m, const T *A, const T *B, const T *D,
-                                                              int mask, int want_dx, int want_ds) {
-#pragma omp simd
-  for (int64_t c = 0; c < C; c++) {
-    T d = dy[c];
-    if (mask) d = FN(relu_mask)(y[c], d);
-    T v = d * A[c] + (x[c] - m[c]) * B[c] + D[c];
-    if (want_ds) ds[c] = d;
-    if (want_dx) dx[c] = v;
-  }
-}
 
-#define BN_BWD_DISPATCH(call, mask, gx, gs) \
-  do {                                      \
-    if (mask) {                             \
-      if (gx && gs) call(1, 1, 1);          \
-      else if (gx) call(1, 1, 0);           \
-      else call(1, 0, 1);                   \
-    } else {                                \
-      if (gx && gs) call(0, 1, 1);          \
-      else if (gx) call(0, 1, 0);           \
-      else call(0, 0, 1);                   \
-    }                                       \
-  } while (0)
 
 /* dx = d * A + (x - mean) * B + D and dskip = d, d = masked dy; one of dx, dskip may be NULL. */
 static void FN(bn_bwd_apply)(const bn_geom_t *g, const T *x, const T *dy, const T *y, T *dx, T *dskip,
@@ -257,15 +395,13 @@ static void FN(bn_bwd_apply)(const bn_geom_t *g, const T *x, const T *dy, const 
 #pragma omp parallel for schedule(static) if (M * C > BN_PAR_MIN)
   for (int64_t b = 0; b < nb; b++) {
     const int64_t r1 = b * R + R < M ? b * R + R : M;
-    for (int64_t r = b * R; r < r1; r++) {
-      const T *xr = x + r * C, *dr = dy + r * C, *yr = y ? y + r * C : NULL;
-      T *gr = dx ? dx + r * C : NULL, *sr = dskip ? dskip + r * C : NULL;
-#define BN_CALL(mk, wx, ws) FN(bwd_row)(C, xr, dr, yr, gr, sr, mean, A, B, D, mk, wx, ws)
-      BN_BWD_DISPATCH(BN_CALL, yr, gr, sr);
-#undef BN_CALL
-    }
+    const int64_t o = b * R * C;
+    FN(bwd_rows)(C, r1 - b * R, x + o, dy + o, y ? y + o : NULL, dx ? dx + o : NULL, dskip ? dskip + o : NULL, mean, A,
+                 B, D);
   }
 }
 
 #undef BN_APPLY_DISPATCH
 #undef BN_BWD_DISPATCH
+#undef VW
+#undef BN_GROUP

@@ -11,14 +11,7 @@
 #define DLUA_HD
 #endif
 
-/* CPU loops over hot dtypes are compiled for AVX-512, AVX2 and baseline x86-64 and picked at
-   load time: the build targets baseline x86-64, and wider loads keep streaming loops at memory
-   speed. */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__CUDACC__)
-#define DLUA_CPU_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define DLUA_CPU_CLONES
-#endif
+#include "cpu/clones.h"
 
 /* Compute types: f (float: f32, f16, bf16 compute in it), d (double: f64), i (int64_t: every
    integer dtype and bool; the iterator truncates into narrower storage, which wraps like

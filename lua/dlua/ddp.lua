@@ -345,6 +345,12 @@ end
 
 -- Runs fn() with gradient synchronisation off: its backwards accumulate locally, and the
 -- next backward outside no_sync reduces the sum (PyTorch's no_sync).
+-- The wrapped model's input needs no gradient (see Module:input_grad). Returns self.
+function DDP:input_grad(flag)
+  self.module:input_grad(flag)
+  return self
+end
+
 function DDP:no_sync(fn)
   local prev = self._no_sync
   self._no_sync = true

@@ -43,6 +43,12 @@ function Sequential:forward(x)
   return x
 end
 
+function Sequential:input_grad(flag)
+  self.needs_input_grad = flag ~= false
+  if self._children[1] then self._children[1].module:input_grad(flag) end
+  return self
+end
+
 function Sequential:backward(x, grad)
   for i = #self._children, 1, -1 do
     grad = self._children[i].module:backward(self._inputs[i], grad)
@@ -68,6 +74,13 @@ function Residual:forward(x)
   local s = self.has_shortcut and self.shortcut:forward(x) or x
   self.output = y + s
   return self.output
+end
+
+function Residual:input_grad(flag)
+  self.needs_input_grad = flag ~= false
+  self.block:input_grad(flag)
+  if self.has_shortcut then self.shortcut:input_grad(flag) end
+  return self
 end
 
 function Residual:backward(x, grad)
@@ -169,7 +182,7 @@ function Linear:backward(x, grad)
   -- grad (N, out), x (N, in): parameter gradients accumulate in place (one GEMM each).
   dlua.addmm(self.grad_weight, grad:t(), x, { out = self.grad_weight })
   if self.bias then self.grad_bias:add_(grad:sum(1)) end
-  self.grad_input = dlua.mm(grad, self.weight)
+  self.grad_input = self.needs_input_grad ~= false and dlua.mm(grad, self.weight) or nil
   return self.grad_input
 end
 
@@ -227,7 +240,7 @@ end
 
 function Conv2d:backward(x, grad)
   K.conv2d_backward_weights(self.grad_weight, self.grad_bias, x, grad, self.c)
-  self.grad_input = K.conv2d_backward_data(grad, self.weight, x, self.c)
+  self.grad_input = self.needs_input_grad ~= false and K.conv2d_backward_data(grad, self.weight, x, self.c) or nil
   return self.grad_input
 end
 

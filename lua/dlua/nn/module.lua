@@ -267,6 +267,15 @@ function Module:input_error(x, expected, level)
     tostring(x:size()), x.dtype), (level or 2) + 1)
 end
 
+-- input_grad(false): the gradient with respect to this module's input is not wanted (PyTorch's
+-- default for data, which does not require grad), so backward may skip computing it and
+-- return nil. Containers pass it to the children that see their input; Conv2d and Linear
+-- then skip their backward-data product. Returns self.
+function Module:input_grad(flag)
+  self.needs_input_grad = flag ~= false
+  return self
+end
+
 function Module:forward() error(self.__name .. ': forward is not implemented', 2) end
 function Module:backward() error(self.__name .. ': backward is not implemented', 2) end
 Module.__call = function(m, ...) return m:forward(...) end

@@ -237,6 +237,37 @@ describe('a ResNet built from dlua.nn', function()
     end
   end)
 
+  it('input_grad(false) skips the first layer\'s input gradient and leaves the parameter gradients as they were', function()
+    dlua.manual_seed(6)
+    local m = resnet.resnet20({ in_channels = 1, num_classes = 3 })
+    local crit = nn.CrossEntropyLoss()
+    local x = dlua.randn(4, 1, 8, 8)
+    local y = dlua.tensor({ 1, 2, 3, 1 }, { dtype = 'int64' })
+    local function grads()
+      m:zero_grad()
+      local out = m:forward(x)
+      crit:forward(out, y)
+      local gx = m:backward(x, crit:backward(out, y))
+      local r = {}
+      for _, e in ipairs(m:named_parameters()) do r[e.name] = e.grad:clone() end
+      return gx, r
+    end
+    local gx1, g1 = grads()
+    assert.is_not_nil(gx1)
+    assert.equals(m, m:input_grad(false))
+    local gx2, g2 = grads()
+    assert.is_nil(gx2)
+    for k, g in pairs(g1) do assert.equals(0, (g - g2[k]):abs():max():item(), k) end
+    m:input_grad(true)
+    assert.is_not_nil((grads()))
+    -- a Sequential passes it to its first child only
+    local seq = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)):input_grad(false)
+    local xs = dlua.randn(5, 3)
+    seq:forward(xs)
+    assert.is_nil(seq:backward(xs, dlua.ones(5, 2)))
+    assert.is_true(seq:get(3).needs_input_grad ~= false)
+  end)
+
   it('a channels-last input keeps every activation and every input gradient channels-last, same numbers', function()
     dlua.manual_seed(5)
     local m = resnet.resnet20({ in_channels = 1, num_classes = 3 }):to('float64')
