@@ -499,6 +499,16 @@ static dlua_status_t entry_build(const char *op, const conv_key_t *k, conv_entry
              "memory descriptor");
   DNNL_CHECK(dnnl_memory_desc_init_by_tag(&y_any, 4, yd, dnnl_f32, nhwc ? dnnl_nhwc : dnnl_format_tag_any),
              "memory descriptor");
+  // With 16 channels, NHWC memory is byte for byte oneDNN's nChw16c (aBcd16b). Naming it so when
+  // input and output both have 16 channels gets the blocked direct kernel instead of the NHWC
+  // brgconv one: forward 3.5 instead of 4.6 ms for ResNet-20's 16x28x28 convolutions at batch
+  // 128 on AVX-512, backward unchanged. (Mixed formats fall to oneDNN's reference kernels.)
+  if (k->src_fmt == FMT_NHWC && k->dst_fmt == FMT_NHWC && xs[1] == 16 && ys[1] == 16) {
+    DNNL_CHECK(dnnl_memory_desc_init_by_tag(&x_any, 4, xd, dnnl_f32, dnnl_aBcd16b), "memory descriptor");
+    DNNL_CHECK(dnnl_memory_desc_init_by_tag(&y_any, 4, yd, dnnl_f32, dnnl_aBcd16b), "memory descriptor");
+    x_user = x_any;
+    y_user = y_any;
+  }
 
   dnnl_dims_t strides = {g->sh, g->sw}, dil = {g->dh - 1, g->dw - 1}, pad = {g->ph, g->pw};
   // Symmetric padding: with the output size rounded down, oneDNN's consistency check
