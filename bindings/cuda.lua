@@ -235,6 +235,16 @@ function M.resolve_device(spec)
   return 'cuda:' .. ordinal('resolve_device', spec)
 end
 
+-- record_stream(t, s): work queued on stream s uses CUDA tensor t (made on another stream), so its
+-- memory is not reused before that work ends (PyTorch's t.record_stream(s)). t must start at its
+-- allocation (a tensor fresh from to()/empty(), not a view into another).
+function M.record_stream(t, s)
+  local p = core.handle('record_stream', t)
+  local dev = C.dlua_tensor_device(p)
+  if dev < 0 then error('record_stream: expected a CUDA tensor, got one on the CPU', 2) end
+  check(C.dlua_cuda_record_stream(dev, C.dlua_tensor_data(p), stream_handle('record_stream', s)), 'record_stream')
+end
+
 M.is_stream = function(x) return ffi.istype(Stream, x) end
 M.is_event = function(x) return ffi.istype(Event, x) end
 

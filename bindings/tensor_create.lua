@@ -556,8 +556,8 @@ local function to_dtype(op, t, code)
 end
 M.to_dtype = to_dtype
 
--- to(dtype) / to(device) / to(other tensor) / to{dtype=, device=, copy=}: returns t itself
--- when nothing changes (as PyTorch), unless copy = true.
+-- to(dtype) / to(device) / to(other tensor) / to{dtype=, device=, copy=, non_blocking=}: returns
+-- t itself when nothing changes (as PyTorch), unless copy = true.
 function methods.to(t, what, opts)
   local p = handle('to', t)
   local dtype, device, copy
@@ -571,7 +571,7 @@ function methods.to(t, what, opts)
   elseif what ~= nil then
     raise('to: expected a dtype, a device, a tensor or an options table, got ' .. type(what))
   end
-  local o = core.options('to', opts, { dtype = true, device = true, copy = true })
+  local o = core.options('to', opts, { dtype = true, device = true, copy = true, non_blocking = true })
   if o.dtype ~= nil then dtype = core.dtype('to', o.dtype) end
   if o.device ~= nil then device = core.device('to', o.device) end
   copy = o.copy
@@ -579,7 +579,9 @@ function methods.to(t, what, opts)
   if device ~= nil and device ~= C.dlua_tensor_device(p) then
     -- convert where the conversion runs today (the CPU), then move
     if C.dlua_tensor_device(p) == CPU then t = to_dtype('to', t, dtype) end
-    local moved = new('to', C.dlua_tensor_to_device, 2, t, device)
+    -- non_blocking: a CPU -> GPU copy is only queued on the current stream (keep t unchanged
+    -- until it has run, e.g. by an Event); other moves wait as usual.
+    local moved = new('to', o.non_blocking and C.dlua_tensor_to_device_async or C.dlua_tensor_to_device, 2, t, device)
     return to_dtype('to', moved, dtype)
   end
   if copy then return new('to', C.dlua_tensor_to_dtype, 2, t, dtype) end

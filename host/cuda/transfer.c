@@ -7,7 +7,8 @@
 #include "core/error.h"
 #include "core/tensor.h"
 
-dlua_status_t dlua_tensor_to_device(dlua_tensor_t **out, const dlua_tensor_t *t, int device) {
+/* wait 0: a host-to-device copy is only queued on the current stream (non_blocking). */
+static dlua_status_t to_device(dlua_tensor_t **out, const dlua_tensor_t *t, int device, int wait) {
   if (!out) return DLUA_ERR(DLUA_ERR_ARG, "to: out is NULL");
   *out = NULL;
   if (!t || !t->storage) return DLUA_ERR(DLUA_ERR_ARG, "to: the tensor is NULL (freed, or never created)");
@@ -35,7 +36,7 @@ dlua_status_t dlua_tensor_to_device(dlua_tensor_t **out, const dlua_tensor_t *t,
       dlua_cuda_stream_t *st = dlua_cuda_current_stream(dev);
       if (s == DLUA_OK && !st) s = DLUA_ERR(DLUA_ERR_BACKEND, "to: no stream for cuda:%d", dev);
       if (s == DLUA_OK) s = dlua_cuda_memcpy(dlua_tensor_ptr(*out), dlua_tensor_ptr(src), bytes, kind, 1, st);
-      if (s == DLUA_OK) s = dlua_cuda_stream_synchronize(st);
+      if (s == DLUA_OK && (wait || kind != 0 || src->storage != t->storage)) s = dlua_cuda_stream_synchronize(st);
     }
   }
   dlua_tensor_free(src);
@@ -44,6 +45,14 @@ dlua_status_t dlua_tensor_to_device(dlua_tensor_t **out, const dlua_tensor_t *t,
     *out = NULL;
   }
   return s;
+}
+
+dlua_status_t dlua_tensor_to_device(dlua_tensor_t **out, const dlua_tensor_t *t, int device) {
+  return to_device(out, t, device, 1);
+}
+
+dlua_status_t dlua_tensor_to_device_async(dlua_tensor_t **out, const dlua_tensor_t *t, int device) {
+  return to_device(out, t, device, 0);
 }
 
 static void pinned_free(void *ctx, void *data) {

@@ -42,14 +42,30 @@ typedef struct {
   void **free;
   int nfree, cap;
   int64_t allocated; /* buffers in existence */
+  int pinned;        /* page-locked buffers (pin_memory with a GPU present) */
 } pool_t;
+
+static void *pool_alloc(pool_t *p) {
+  if (!p->pinned) return dlua_cpu_alloc(p->bytes);
+  void *b = NULL;
+  if (dlua_cuda_host_alloc(&b, p->bytes) != DLUA_OK) return NULL;
+  return b;
+}
+
+static void pool_free_buf(pool_t *p, void *b) {
+  if (!p->pinned) {
+    dlua_cpu_free(b, p->bytes);
+  } else if (dlua_cuda_host_free(b) != DLUA_OK) {
+    dlua_clear_error();
+  }
+}
 
 static void pool_release(pool_t *p) {
   pthread_mutex_lock(&p->mu);
   int last = --p->refs == 0;
   pthread_mutex_unlock(&p->mu);
   if (!last) return;
-  for (int i = 0; i < p->nfree; i++) dlua_cpu_free(p->free[i], p->bytes);
+  for (int i = 0; i < p->nfree; i++) pool_free_buf(p, p->free[i]);
   free(p->free);
   pthread_mutex_destroy(&p->mu);
   free(p);
@@ -58,7 +74,7 @@ static void pool_release(pool_t *p) {
 /* Called with p->mu held. */
 static void *pool_take_locked(pool_t *p) {
   if (p->nfree) return p->free[--p->nfree];
-  void *b = dlua_cpu_alloc(p->bytes);
+  void *b = pool_alloc(p);
   if (b) p->allocated++;
   return b;
 }
@@ -73,7 +89,7 @@ static void pool_put(pool_t *p, void *b) {
     p->allocated--;
   }
   pthread_mutex_unlock(&p->mu);
-  if (b) dlua_cpu_free(b, p->bytes);
+  if (b) pool_free_buf(p, b);
 }
 
 /* The storage deleter of a batch tensor. */
@@ -532,6 +548,8 @@ dlua_status_t dlua_loader_new(dlua_loader_t **out, const dlua_loader_config_t *c
     pthread_mutex_init(&l->pool->mu, NULL);
     l->pool->refs = 1;
     l->pool->bytes = l->sample_bytes * (size_t)l->batch;
+    // Page-locked buffers let the GPU copy run asynchronously; without a GPU there is nothing to pin.
+    l->pool->pinned = l->pin && dlua_cuda_device_count() > 0;
     l->pool->cap = l->nslots + 2;
     l->pool->free = calloc((size_t)l->pool->cap, sizeof(void *));
     if (!l->pool->free) s = DLUA_ERR(DLUA_ERR_OOM, "%s: out of memory", OP);

@@ -732,6 +732,10 @@ dlua_status_t dlua_cuda_host_alloc(void **ptr, size_t bytes);
 dlua_status_t dlua_cuda_host_free(void *ptr);
 /* A contiguous copy of t on `device` (DLUA_CPU or a CUDA ordinal): t:cuda(), t:cpu(), t:to('cuda:1'). */
 dlua_status_t dlua_tensor_to_device(dlua_tensor_t **out, const dlua_tensor_t *t, int device);
+/* As dlua_tensor_to_device, but a copy from a contiguous CPU tensor to a GPU is only queued on the
+   current stream (PyTorch's non_blocking=True): t's memory must stay as it is until that stream has
+   run the copy (record an event and wait for it), and is best pinned. Other moves wait as usual. */
+dlua_status_t dlua_tensor_to_device_async(dlua_tensor_t **out, const dlua_tensor_t *t, int device);
 /* A copy of CPU tensor t in page-locked memory (t:pin_memory()). */
 dlua_status_t dlua_tensor_pin_memory(dlua_tensor_t **out, const dlua_tensor_t *t);
 /* Copies bytes between host and device memory: kind 0 host->device, 1 device->host, 2 device->device.

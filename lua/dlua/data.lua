@@ -602,7 +602,63 @@ local states = setmetatable({}, { __mode = 'k' })
 
 local loader_options = { dataset = true, batch = true, batch_size = true, shuffle = true, sampler = true,
   workers = true, num_workers = true, drop_last = true, pin_memory = true, prefetch = true, seed = true,
-  dct_scaling = true, quiet = true }
+  dct_scaling = true, quiet = true, device = true, normalize = true }
+
+-- The channel dimension of a batch: the last one after ToTensor{layout = 'nhwc'}, else 2.
+local function channel_dim(tf)
+  local list = getmetatable(tf) == Compose and tf.transforms or { tf }
+  for _, t in ipairs(list) do
+    if t.kind == 'ToTensor' then return t.layout == 'nhwc' and -1 or 2 end
+  end
+  return 2
+end
+
+-- normalize = {mean =, std =} (numbers or per-channel lists): applied where the batch lands,
+-- after the copy, so uint8 batches (ToTensor{dtype = 'uint8'}) cross to the GPU at a quarter of
+-- the bytes. uint8 values are scaled by 1/255 first, as ToTensor does.
+local function check_normalize(v, tf)
+  if v == nil then return nil end
+  if type(v) ~= 'table' then fail(3, 'DataLoader: normalize must be {mean =, std =}, got %s', describe_value(v)) end
+  local mean = type(v.mean) == 'number' and { v.mean } or v.mean
+  local std = type(v.std) == 'number' and { v.std } or v.std
+  if type(mean) ~= 'table' or type(std) ~= 'table' or #mean == 0 or #mean ~= #std then
+    fail(3, 'DataLoader: normalize needs mean and std, numbers or lists of one length, got %s and %s',
+      describe_value(v.mean), describe_value(v.std))
+  end
+  for k = 1, #std do
+    if type(mean[k]) ~= 'number' or type(std[k]) ~= 'number' or std[k] == 0 then
+      fail(3, 'DataLoader: normalize entry %d needs a number mean and a non-zero std, got %s and %s', k,
+        describe_value(mean[k]), describe_value(std[k]))
+    end
+  end
+  return { mean = mean, std = std, dim = tf and channel_dim(tf) or 2, cache = {} }
+end
+
+-- x as float32, (x [/ 255] - mean) / std per channel, on x's device: one multiply and one add
+-- with (C)-shaped factors made once per device and dtype.
+local function normalize_batch(nm, x)
+  local u8 = x.dtype == 'uint8'
+  local d = nm.dim < 0 and x:dim() + 1 + nm.dim or nm.dim
+  local C = x:size(d)
+  if #nm.mean ~= 1 and #nm.mean ~= C then
+    fail(3, 'DataLoader: normalize has %d channels, the batch %s has %d in dimension %d', #nm.mean,
+      table.concat(x:size(), 'x'), C, d)
+  end
+  local key = x.device .. (u8 and '/u8' or '/f')
+  local f = nm.cache[key]
+  if not f then
+    local a, b, shape = {}, {}, {}
+    for k = 1, #nm.mean do
+      a[k] = (u8 and 1 / 255 or 1) / nm.std[k]
+      b[k] = -nm.mean[k] / nm.std[k]
+    end
+    for k = 1, x:dim() do shape[k] = (k == d) and #a or 1 end
+    f = { dlua.tensor(a):view(shape):to(x.device), dlua.tensor(b):view(shape):to(x.device) }
+    nm.cache[key] = f
+  end
+  local y = x.dtype == 'float32' and x * f[1] or x:float():mul_(f[1])
+  return y:add_(f[2])
+end
 
 local function state_of(self, op)
   local st = states[self]
@@ -613,7 +669,8 @@ end
 
 -- DataLoader{dataset =, batch = 1, shuffle = false, sampler =, workers = 0, drop_last =
 -- false, pin_memory = false, prefetch = 2 * max(workers, 1), seed = 0, dct_scaling = true,
--- quiet = false}. dataset: an ImageFolder, a Synthetic, or an in-memory dataset (tables with
+-- quiet = false, device = 'cpu', normalize = nil}. device 'cuda[:n]' (or 'auto') delivers the
+-- batches there: the next batch's copy runs on a copy stream while the current one trains. dataset: an ImageFolder, a Synthetic, or an in-memory dataset (tables with
 -- x and y, e.g. FashionMNIST{}; its `transform` field, if any, applies to uint8 images).
 -- Iterate with `for i, x, y in loader:batches() do ... end`.
 function data.DataLoader(opts)
@@ -652,13 +709,20 @@ function data.DataLoader(opts)
   if sampler ~= nil and sampler.n ~= nil and sampler.n ~= n then
     fail(2, 'DataLoader: the sampler covers %d samples, the dataset holds %d', sampler.n, n)
   end
+  local device = 'cpu'
+  if o.device ~= nil then
+    local okd, dv = pcall(require('dlua.cuda').resolve_device, o.device)
+    if not okd then fail(2, 'DataLoader: device %s: %s', describe_value(o.device), (tostring(dv):gsub('^.-: ', ''))) end
+    device = dv
+  end
+  local norm = check_normalize(o.normalize, tf)
   local ok, handle = pcall(binding.loader_new, cfg)
   if not ok then reraise(2, handle) end
   local sample, dtype = binding.loader_sample(handle)
   local st = { handle = handle, dataset = ds, n = n, batch = batch, workers = workers, prefetch = prefetch,
     shuffle = o.shuffle and true or false, sampler = sampler, drop_last = o.drop_last and true or false,
     seed = o.seed or 0, epoch = nil, explicit = false, gen = 0, sample_shape = sample, dtype = dtype,
-    pin_memory = o.pin_memory and true or false, cfg = cfg }
+    pin_memory = o.pin_memory and true or false, cfg = cfg, device = device, norm = norm }
   local proxy = newproxy(true)
   local mt = getmetatable(proxy)
   mt.__index = function(_, k)
@@ -743,13 +807,51 @@ function DataLoader.batches(self)
   getmetatable(guard).__gc = function()
     if st.gen == gen and st.handle then binding.loader_stop(st.handle) end
   end
+  local norm = st.norm
+  if st.device == 'cpu' then
+    return function()
+      local _ = guard
+      if st.gen ~= gen or not st.handle then return nil end
+      local ok2, x, y, b = pcall(binding.loader_next, handle)
+      if not ok2 then reraise(2, x) end
+      if x == nil then return nil end
+      if norm then x = normalize_batch(norm, x) end
+      return b, x, y
+    end
+  end
+  -- On a GPU: batch i + 1 is copied on st.stream (allocated there) while batch i trains. The
+  -- compute stream waits for the copy's event, the batch's memory is marked as used by the
+  -- compute stream (record_stream), and the host batch is kept until its copy has run.
+  local cuda = require 'dlua.cuda'
+  local dev = st.device
+  local ord = tonumber(dev:match('%d+$'))
+  st.stream = st.stream or cuda.Stream(ord)
+  local function issue()
+    if st.gen ~= gen or not st.handle then return nil end
+    local ok2, hx, hy, b = pcall(binding.loader_next, handle)
+    if not ok2 then reraise(3, hx) end
+    if hx == nil then return nil end
+    local x, y = cuda.with_stream(st.stream, function()
+      return hx:to(dev, { non_blocking = true }), hy:to(dev, { non_blocking = true })
+    end)
+    local ev = cuda.Event { device = ord }
+    ev:record(st.stream)
+    return { hx = hx, hy = hy, x = x, y = y, ev = ev, b = b }
+  end
+  local nxt, cur = issue(), nil
   return function()
     local _ = guard
-    if st.gen ~= gen or not st.handle then return nil end
-    local ok2, x, y, b = pcall(binding.loader_next, handle)
-    if not ok2 then reraise(2, x) end
-    if x == nil then return nil end
-    return b, x, y
+    local c = nxt
+    if c == nil or st.gen ~= gen then return nil end
+    nxt = issue()
+    local compute = cuda.current_stream(ord)
+    c.ev:wait(compute)
+    cuda.record_stream(c.x, compute)
+    cuda.record_stream(c.y, compute)
+    if cur then cur.ev:synchronize() end -- the previous host batch may go back to the loader now
+    cur = c
+    local x = norm and normalize_batch(norm, c.x) or c.x
+    return c.b, x, c.y
   end
 end
 

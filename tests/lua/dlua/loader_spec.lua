@@ -312,6 +312,53 @@ describe('DataLoader', function()
   end)
 end)
 
+describe('DataLoader device and normalize', function()
+  it('normalize on uint8 batches equals Normalize in the workers, NCHW and NHWC', function()
+    local x = dlua.randint(0, 256, 6, 3, 5, 4):byte()
+    local tds = data.TensorDataset(x, dlua.arange(1, 7, { dtype = 'int64' }))
+    local mean, std = { 0.485, 0.456, 0.406 }, { 0.229, 0.224, 0.225 }
+    for _, layout in ipairs({ 'nchw', 'nhwc' }) do
+      tds.transform = data.Compose { data.ToTensor { layout = layout }, data.Normalize(mean, std) }
+      local ref
+      for _, bx in data.DataLoader { dataset = tds, batch = 6 }:batches() do ref = bx end
+      tds.transform = data.ToTensor { layout = layout, dtype = 'uint8' }
+      local got, raw
+      local l = data.DataLoader { dataset = tds, batch = 6, workers = 2, normalize = { mean = mean, std = std } }
+      for _, bx in l:batches() do got = bx end
+      for _, bx in data.DataLoader { dataset = tds, batch = 6 }:batches() do raw = bx end
+      assert.equals('uint8', raw.dtype)
+      assert.equals('float32', got.dtype)
+      assert.same(ref:size(), got:size())
+      assert.is_true((got - ref):abs():max():item() < 1e-5, layout)
+      -- by hand: one element of channel 2
+      local c = layout == 'nchw' and { 4, 2, 3, 1 } or { 4, 3, 1, 2 }
+      assert.near((raw[c] / 255 - mean[2]) / std[2], got[c], 1e-5)
+    end
+  end)
+
+  it('rejects a bad normalize or device by name', function()
+    local tds = data.TensorDataset(dlua.zeros(4, 3, 2, 2):byte(), dlua.arange(1, 5, { dtype = 'int64' }))
+    local function err(opts)
+      opts.dataset, opts.batch = tds, 2
+      local ok, e = pcall(data.DataLoader, opts)
+      assert.is_false(ok)
+      return tostring(e)
+    end
+    assert.matches('normalize needs mean and std', err { normalize = { mean = { 1, 2 }, std = { 1 } } }, 1, true)
+    assert.matches('normalize entry 1 needs a number mean and a non-zero std', err { normalize = { mean = 0, std = 0 } }, 1, true)
+    assert.matches("DataLoader: device 'cuda:0'", err { device = 'cuda:0' }, 1, true)
+    local l = data.DataLoader { dataset = tds, batch = 2, normalize = { mean = { 1, 2 }, std = { 1, 1 } } }
+    local ok, e = pcall(function() for _ in l:batches() do end end)
+    assert.is_false(ok)
+    assert.matches('normalize has 2 channels, the batch 2x3x2x2 has 3 in dimension 2', tostring(e), 1, true)
+    -- 'auto' without a GPU stays on the CPU
+    if not require('dlua.cuda').is_available() then
+      local la = data.DataLoader { dataset = tds, batch = 2, device = 'auto' }
+      for _, bx in la:batches() do assert.equals('cpu', bx.device) end
+    end
+  end)
+end)
+
 describe('DistributedSampler', function()
   -- torch's sizes: num_samples = ceil(n / R), or ceil((n - R) / R) with drop_last and n % R ~= 0.
   local function torch_num_samples(n, R, drop)
