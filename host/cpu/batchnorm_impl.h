@@ -29,6 +29,17 @@ static inline __attribute__((always_inline)) T FN(relu_mask)(T y, T d) {
     }                                       \
   } while (0)
 
+#define BN_APPLY_DISPATCH(call, skip, relu) \
+  do {                                      \
+    if (skip) {                             \
+      if (relu) call(1, 1);                 \
+      else call(1, 0);                      \
+    } else {                                \
+      if (relu) call(0, 1);                 \
+      else call(0, 0);                      \
+    }                                       \
+  } while (0)
+
 /* ---- channels-last blocks ------------------------------------------------------------------------- */
 
 /* Channels-last passes run over blocks of rows (one row = the C channels of one position). A
@@ -53,41 +64,50 @@ static inline __attribute__((always_inline)) FN(vT) FN(vkeep)(FN(vT) v, FN(vU) k
   return (FN(vT))((FN(vU))v & keep);
 }
 
-/* Sums of (x - shift) and its square per channel over n rows, in double. Rows go in groups of
-   about 8 KiB, and each VW-channel chunk of a group is summed in registers, so the chunks of a
-   wide row re-read L1 rather than memory. */
+/* The grouped sums of stats_rows and reduce_rows_k: rows go in groups of G, and each
+   VW-channel chunk of a group is summed in registers, in two chains that hide the add latency,
+   onto the running totals in bs/bq. TERM(row, s, q) adds one row's chunk at channel c;
+   CHUNK_SETUP declares what TERM needs per chunk. */
+#define BN_GROUPED_SUMS(CHUNK_SETUP, TERM)                         \
+  for (int64_t g0 = 0; g0 < n; g0 += G) {                          \
+    const int64_t g1 = g0 + G < n ? g0 + G : n;                    \
+    for (int64_t c = 0; c < cv; c += VW) {                         \
+      CHUNK_SETUP;                                                 \
+      FN(vD) s0, q0, s1 = {0}, q1 = {0};                           \
+      memcpy(&s0, bs + c, sizeof s0);                              \
+      memcpy(&q0, bq + c, sizeof q0);                              \
+      int64_t r = g0;                                              \
+      for (; r + 2 <= g1; r += 2) {                                \
+        TERM(r, s0, q0);                                           \
+        TERM(r + 1, s1, q1);                                       \
+      }                                                            \
+      if (r < g1) TERM(r, s0, q0);                                 \
+      s0 += s1;                                                    \
+      q0 += q1;                                                    \
+      memcpy(bs + c, &s0, sizeof s0);                              \
+      memcpy(bq + c, &q0, sizeof q0);                              \
+    }                                                              \
+  }
+
+/* Sums of (x - shift) and its square per channel over n rows, in double. Groups of about 8 KiB
+   of rows keep the chunks of a wide row re-reading L1 rather than memory. */
 #define BN_GROUP(C) ((C) >= 1024 ? 2 : 2048 / (C) + 1)
 static DLUA_CPU_CLONES void FN(stats_rows)(int64_t C, int64_t n, const T *x, const double *shift, double *bs,
                                            double *bq) {
   const int64_t cv = C - C % VW, G = BN_GROUP(C);
   for (int64_t c = 0; c < C; c++) bs[c] = bq[c] = 0;
-  for (int64_t g0 = 0; g0 < n; g0 += G) {
-    const int64_t g1 = g0 + G < n ? g0 + G : n;
-    for (int64_t c = 0; c < cv; c += VW) {
-      FN(vD) k, s0, q0, s1 = {0}, q1 = {0};
-      memcpy(&k, shift + c, sizeof k);
-      memcpy(&s0, bs + c, sizeof s0);
-      memcpy(&q0, bq + c, sizeof q0);
-      int64_t r = g0;
-      for (; r + 2 <= g1; r += 2) { /* two chains hide the add latency */
-        FN(vD) d0 = __builtin_convertvector(FN(vload)(x + r * C + c), FN(vD)) - k;
-        FN(vD) d1 = __builtin_convertvector(FN(vload)(x + (r + 1) * C + c), FN(vD)) - k;
-        s0 += d0;
-        q0 += d0 * d0;
-        s1 += d1;
-        q1 += d1 * d1;
-      }
-      if (r < g1) {
-        FN(vD) d0 = __builtin_convertvector(FN(vload)(x + r * C + c), FN(vD)) - k;
-        s0 += d0;
-        q0 += d0 * d0;
-      }
-      s0 += s1;
-      q0 += q1;
-      memcpy(bs + c, &s0, sizeof s0);
-      memcpy(bq + c, &q0, sizeof q0);
-    }
-  }
+#define BN_STATS_SETUP \
+  FN(vD) k;             \
+  memcpy(&k, shift + c, sizeof k)
+#define BN_TERM(row, s, q)                                                        \
+  do {                                                                            \
+    FN(vD) d = __builtin_convertvector(FN(vload)(x + (row) * C + c), FN(vD)) - k; \
+    s += d;                                                                       \
+    q += d * d;                                                                   \
+  } while (0)
+  BN_GROUPED_SUMS(BN_STATS_SETUP, BN_TERM)
+#undef BN_TERM
+#undef BN_STATS_SETUP
   for (int64_t c = cv; c < C; c++) {
     double s = 0, q = 0;
     for (int64_t r = 0; r < n; r++) {
@@ -124,13 +144,9 @@ static inline __attribute__((always_inline)) void FN(apply_rows_k)(int64_t C, in
 
 static DLUA_CPU_CLONES void FN(apply_rows)(int64_t C, int64_t n, const T *x, const T *sk, T *y, const T *m,
                                            const T *a, const T *b, int relu) {
-  if (sk) {
-    if (relu) FN(apply_rows_k)(C, n, x, sk, y, m, a, b, 1, 1);
-    else FN(apply_rows_k)(C, n, x, sk, y, m, a, b, 1, 0);
-  } else {
-    if (relu) FN(apply_rows_k)(C, n, x, sk, y, m, a, b, 0, 1);
-    else FN(apply_rows_k)(C, n, x, sk, y, m, a, b, 0, 0);
-  }
+#define BN_CALL(k, rl) FN(apply_rows_k)(C, n, x, sk, y, m, a, b, k, rl)
+  BN_APPLY_DISPATCH(BN_CALL, sk, relu);
+#undef BN_CALL
 }
 
 /* Sums of d and d * (x - m) per channel over n rows, in double; d = dy, masked by y > 0 when y.
@@ -141,33 +157,17 @@ static inline __attribute__((always_inline)) void FN(reduce_rows_k)(int64_t C, i
   const int64_t cv = C - C % VW, G = BN_GROUP(C);
   const FN(vT) zero = {0};
   for (int64_t c = 0; c < C; c++) bs[c] = bq[c] = 0;
-  for (int64_t g0 = 0; g0 < n; g0 += G) {
-    const int64_t g1 = g0 + G < n ? g0 + G : n;
-    for (int64_t c = 0; c < cv; c += VW) {
-      const FN(vT) vm = FN(vload)(m + c);
-      FN(vD) s0, q0, s1 = {0}, q1 = {0};
-      memcpy(&s0, bs + c, sizeof s0);
-      memcpy(&q0, bq + c, sizeof q0);
-      int64_t r = g0;
-#define BN_TERM(row, s, q)                                                           \
-  do {                                                                               \
-    FN(vT) d = FN(vload)(dy + (row) * C + c);                                        \
-    if (mask) d = FN(vkeep)(d, (FN(vU))(FN(vload)(y + (row) * C + c) > zero));       \
-    s += __builtin_convertvector(d, FN(vD));                                         \
-    q += __builtin_convertvector(d * (FN(vload)(x + (row) * C + c) - vm), FN(vD));   \
+#define BN_REDUCE_SETUP const FN(vT) vm = FN(vload)(m + c)
+#define BN_TERM(row, s, q)                                                         \
+  do {                                                                             \
+    FN(vT) d = FN(vload)(dy + (row) * C + c);                                      \
+    if (mask) d = FN(vkeep)(d, (FN(vU))(FN(vload)(y + (row) * C + c) > zero));     \
+    s += __builtin_convertvector(d, FN(vD));                                       \
+    q += __builtin_convertvector(d * (FN(vload)(x + (row) * C + c) - vm), FN(vD)); \
   } while (0)
-      for (; r + 2 <= g1; r += 2) {
-        BN_TERM(r, s0, q0);
-        BN_TERM(r + 1, s1, q1);
-      }
-      if (r < g1) BN_TERM(r, s0, q0);
+  BN_GROUPED_SUMS(BN_REDUCE_SETUP, BN_TERM)
 #undef BN_TERM
-      s0 += s1;
-      q0 += q1;
-      memcpy(bs + c, &s0, sizeof s0);
-      memcpy(bq + c, &q0, sizeof q0);
-    }
-  }
+#undef BN_REDUCE_SETUP
   for (int64_t c = cv; c < C; c++) {
     double s = 0, q = 0;
     for (int64_t r = 0; r < n; r++) {
@@ -273,18 +273,6 @@ static inline __attribute__((always_inline)) void FN(apply_run)(int64_t n, const
   }
 }
 
-
-#define BN_APPLY_DISPATCH(call, skip, relu) \
-  do {                                      \
-    if (skip) {                             \
-      if (relu) call(1, 1);                 \
-      else call(1, 0);                      \
-    } else {                                \
-      if (relu) call(0, 1);                 \
-      else call(0, 0);                      \
-    }                                       \
-  } while (0)
-
 /* y = act((x - mean) * a + beta + skip): a = gamma * invstd; skip may be NULL. y may be x. */
 static void FN(bn_apply)(const bn_geom_t *g, const T *x, const T *skip, T *y, const T *mean, const T *a,
                          const T *beta, int relu) {
@@ -330,7 +318,6 @@ static inline __attribute__((always_inline)) void FN(reduce_run)(int64_t n, cons
   *q_out = q;
 }
 
-
 /* Per-channel sum(d) and sum(d * (x - mean)) in double, d = masked dy; blocked like bn_stats. */
 static void FN(bn_bwd_reduce)(const bn_geom_t *g, const T *x, const T *dy, const T *y, const T *mean,
                               double *scratch, double *sdy, double *sdx) {
@@ -372,8 +359,6 @@ static inline __attribute__((always_inline)) void FN(bwd_run)(int64_t n, const T
   }
 }
 
-
-
 /* dx = d * A + (x - mean) * B + D and dskip = d, d = masked dy; one of dx, dskip may be NULL. */
 static void FN(bn_bwd_apply)(const bn_geom_t *g, const T *x, const T *dy, const T *y, T *dx, T *dskip,
                              const T *mean, const T *A, const T *B, const T *D) {
@@ -405,3 +390,4 @@ static void FN(bn_bwd_apply)(const bn_geom_t *g, const T *x, const T *dy, const 
 #undef BN_BWD_DISPATCH
 #undef VW
 #undef BN_GROUP
+#undef BN_GROUPED_SUMS
