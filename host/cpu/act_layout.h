@@ -46,6 +46,14 @@ static inline int act_format(const dlua_tensor_t *t) {
   return ACT_OTHER;
 }
 
+/* The layout of pref when it has one (pref may be NULL), else that of fallback, else contiguous:
+   a backward's gradients follow the forward input (or the caller's output), not the incoming gradient. */
+static inline int act_format_pref(const dlua_tensor_t *pref, const dlua_tensor_t *fallback) {
+  int f = pref ? act_format(pref) : ACT_OTHER;
+  if (f == ACT_OTHER) f = act_format(fallback);
+  return f == ACT_OTHER ? ACT_CONTIG : f;
+}
+
 /* Whether t's bytes are laid out as fmt (size-1 dims may carry any stride). */
 static inline int act_is_format(const dlua_tensor_t *t, int fmt) {
   int64_t st[DLUA_MAX_DIMS];

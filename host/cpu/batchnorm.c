@@ -439,9 +439,7 @@ static dlua_status_t bn_backward(const char *op, dlua_tensor_t **grad_input, dlu
 
   // Gradients take the forward input's layout (as in PyTorch), so a channels-last network's
   // backward stays channels-last whatever layout the incoming gradient has.
-  int fmt = act_format(x);
-  if (fmt == ACT_OTHER) fmt = act_format(grad_output);
-  if (fmt == ACT_OTHER) fmt = ACT_CONTIG;
+  const int fmt = act_format_pref(x, grad_output);
   bn_geom_t g;
   geom_of(x, fmt, &g);
   const int64_t C = g.C;

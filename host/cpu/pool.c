@@ -120,11 +120,8 @@ static int fmt_of(const dlua_tensor_t *t) {
 /* A backward's layout: that of the caller's grad_input when one is given in NCHW or
    channels-last memory (the bindings pass one shaped like the forward input), else grad_output's. */
 static int grad_fmt(dlua_tensor_t *const *grad_input, const dlua_tensor_t *grad_output) {
-  if (grad_input && *grad_input && (*grad_input)->ndim == 4) {
-    int f = act_format(*grad_input);
-    if (f != ACT_OTHER) return f;
-  }
-  return fmt_of(grad_output);
+  const dlua_tensor_t *given = grad_input && *grad_input && (*grad_input)->ndim == 4 ? *grad_input : NULL;
+  return act_format_pref(given, grad_output);
 }
 
 /* ---- max pooling ---------------------------------------------------------------------------------- */
