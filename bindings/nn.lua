@@ -194,9 +194,8 @@ end
 -- channels-last (the pooling kernels follow a given output's layout); otherwise as with_out.
 local function grad_like(op, x, grad_out, f, ...)
   if not core.has_memory_format(op, handle(op, x), 'channels_last') then return with_out(op, f, ...) end
-  local s = core.sizes(handle(op, x))
-  local gx = require('bindings.tensor_create').empty(s[1], s[3], s[4], s[2],
-    { dtype = grad_out.dtype, device = grad_out.device }):permute(1, 4, 2, 3)
+  local gx = require('bindings.tensor_create').empty_channels_last(core.sizes(handle(op, x)),
+    { dtype = grad_out.dtype, device = grad_out.device })
   out1[0] = handle(op, gx)
   local st = f(out1, ...)
   out1[0] = nil

@@ -193,6 +193,11 @@ local function like(op, t, opts, allowed)
 end
 
 function M.empty_like(t, opts) return (like('empty_like', t, opts)) end
+
+-- An uninitialised (N, C, H, W) tensor in channels-last memory; sizes = {N, C, H, W}.
+function M.empty_channels_last(sizes, opts)
+  return M.empty(sizes[1], sizes[3], sizes[4], sizes[2], opts):permute(1, 4, 2, 3)
+end
 function M.zeros_like(t, opts)
   local r = like('zeros_like', t, opts)
   call('zeros_like', C.dlua_tensor_fill_, 2, r, 0)

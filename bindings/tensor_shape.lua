@@ -132,8 +132,7 @@ function methods.contiguous(t, memory_format)
   end
   if core.has_memory_format('contiguous', p, memory_format) then return t end
   local s = core.sizes(p)
-  local y = create.empty(s[1], s[3], s[4], s[2], { dtype = t.dtype, device = t.device }):permute(1, 4, 2, 3)
-  return y:copy_(t)
+  return create.empty_channels_last(s, { dtype = t.dtype, device = t.device }):copy_(t)
 end
 
 function methods.clone(t)
