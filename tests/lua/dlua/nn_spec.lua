@@ -200,6 +200,18 @@ end)
 describe('a ResNet built from dlua.nn', function()
   local resnet = require 'models.resnet'
 
+  -- One forward and backward of m on (x, y) from zeroed gradients: the output, the input
+  -- gradient and a copy of every parameter's gradient by name.
+  local function step(m, crit, x, y)
+    m:zero_grad()
+    local out = m:forward(x)
+    crit:forward(out, y)
+    local gx = m:backward(x, crit:backward(out, y))
+    local grads = {}
+    for _, e in ipairs(m:named_parameters()) do grads[e.name] = e.grad:clone() end
+    return out:clone(), gx, grads
+  end
+
   it('uses torchvision parameter names', function()
     local m = resnet.resnet18({ num_classes = 7 })
     local sd = m:state_dict()
@@ -244,13 +256,8 @@ describe('a ResNet built from dlua.nn', function()
     local x = dlua.randn(4, 1, 8, 8)
     local y = dlua.tensor({ 1, 2, 3, 1 }, { dtype = 'int64' })
     local function grads()
-      m:zero_grad()
-      local out = m:forward(x)
-      crit:forward(out, y)
-      local gx = m:backward(x, crit:backward(out, y))
-      local r = {}
-      for _, e in ipairs(m:named_parameters()) do r[e.name] = e.grad:clone() end
-      return gx, r
+      local _, gx, g = step(m, crit, x, y)
+      return gx, g
     end
     local gx1, g1 = grads()
     assert.is_not_nil(gx1)
@@ -274,18 +281,8 @@ describe('a ResNet built from dlua.nn', function()
     local crit = nn.CrossEntropyLoss()
     local x = dlua.randn(4, 1, 8, 8, { dtype = 'float64' })
     local y = dlua.tensor({ 1, 2, 3, 1 }, { dtype = 'int64' })
-    local function run(input)
-      m:zero_grad()
-      local out = m:forward(input)
-      crit:forward(out, y)
-      local gx = m:backward(input, crit:backward(out, y))
-      local grads = {}
-      for _, e in ipairs(m:named_parameters()) do grads[e.name] = e.grad:clone() end
-      return out:clone(), gx, grads
-    end
-    local out1, gx1, g1 = run(x)
-    local xc = x:contiguous('channels_last')
-    local out2, gx2, g2 = run(xc)
+    local out1, gx1, g1 = step(m, crit, x, y)
+    local out2, gx2, g2 = step(m, crit, x:contiguous('channels_last'), y)
     assert.is_true(gx2:is_contiguous('channels_last'))
     m:walk(function(name, mod)
       for _, f in ipairs({ 'output', 'grad_input' }) do
