@@ -89,7 +89,7 @@ function Optimizer:zero_grad() self.model:zero_grad() end
 
 function Optimizer:buffer(dt, key)
   local s = self.state[dt]
-  if not s[key] then s[key] = dlua.zeros(s.numel, { dtype = dt }) end
+  if not s[key] then s[key] = dlua.zeros(s.numel, { dtype = dt, device = self.arena.params[dt].device }) end
   return s[key]
 end
 

@@ -141,10 +141,17 @@ function Module:flatten()
     entries[#entries + 1] = { name = e.name, dtype = dt, offset = off, numel = e.param:numel(), shape = e.param:size(), _e = e }
     totals[dt] = off + e.param:numel()
   end
-  local arena = { params = {}, grads = {}, entries = entries }
+  local dev = named[1] and named[1].param.device or 'cpu'
+  for _, e in ipairs(named) do
+    if e.param.device ~= dev then
+      error(string.format('%s:flatten: parameters on two devices: %s on %s, %s on %s (move the model with :to first)',
+        self.__name, named[1].name, dev, e.name, e.param.device), 2)
+    end
+  end
+  local arena = { params = {}, grads = {}, entries = entries, device = dev }
   for dt, n in pairs(totals) do
-    arena.params[dt] = dlua.empty(n, { dtype = dt })
-    arena.grads[dt] = dlua.zeros(n, { dtype = dt })
+    arena.params[dt] = dlua.empty(n, { dtype = dt, device = dev })
+    arena.grads[dt] = dlua.zeros(n, { dtype = dt, device = dev })
   end
   for _, en in ipairs(entries) do
     local e = en._e
@@ -162,27 +169,76 @@ function Module:flatten()
   return arena
 end
 
--- to(dtype) / to('cpu'): converts every floating parameter, gradient and buffer (integer
--- buffers such as num_batches_tracked stay). Call it before flatten() or creating an
--- optimizer: a flat arena is rebuilt on the next flatten().
+-- to(dtype), to(device), to{device = , dtype = }: converts every floating parameter, gradient
+-- and buffer (integer buffers such as num_batches_tracked keep their dtype but move). Devices:
+-- 'cpu', 'cuda', 'cuda:N'. Call it before flatten() or creating an optimizer: a flat arena is
+-- built on the parameters' device on the next flatten().
+local FLOAT_NAMES = { float32 = 'float32', float64 = 'float64', float16 = 'float16', bfloat16 = 'bfloat16',
+  float = 'float32', double = 'float64', half = 'float16' }
+
+local function to_spec(name, what)
+  local dev, dt
+  if type(what) == 'table' and getmetatable(what) == nil then
+    dev, dt = what.device, what.dtype
+  elseif type(what) == 'string' and FLOAT_NAMES[what] then
+    dt = what
+  else
+    dev = what
+  end
+  if dt ~= nil then
+    if not FLOAT_NAMES[dt] then
+      error(string.format("%s:to: expected a floating dtype, got %s", name, tostring(dt)), 3)
+    end
+    dt = FLOAT_NAMES[dt]
+  end
+  if dev ~= nil then
+    if type(dev) ~= 'string' or not (dev == 'cpu' or dev == 'auto' or dev == 'cuda' or dev:match('^cuda:%d+$')) then
+      error(string.format("%s:to: expected a floating dtype or a device ('cpu', 'cuda', 'cuda:N', 'auto'), got %s",
+        name, tostring(dev)), 3)
+    end
+    local ok, res = pcall(dlua.cuda.resolve_device, dev)
+    if not ok then error(string.format('%s:to(%s): %s', name, dev, (tostring(res):gsub('^.-resolve_device: ', ''))), 3) end
+    dev = res
+  end
+  return dev, dt
+end
+
 function Module:to(what)
-  local dtypes = { float32 = true, float64 = true, float16 = true, bfloat16 = true, float = 'float32',
-    double = 'float64', half = 'float16' }
-  if what == 'cpu' then return self end
-  local dt = dtypes[what]
-  if not dt then error(string.format("%s:to: expected a floating dtype or 'cpu', got %s", self.__name, tostring(what)), 2) end
-  if dt ~= true then what = dt end
+  local dev, dt = to_spec(self.__name, what)
+  local function changes(t)
+    return (dev and t.device ~= dev) or (dt and t:is_floating_point() and t.dtype ~= dt)
+  end
+  local moving = false
+  self:walk(function(_, m)
+    for _, f in ipairs(m._params) do moving = moving or changes(m[f]) end
+    for _, f in ipairs(m._buffers) do moving = moving or changes(m[f]) end
+  end)
+  if not moving then return self end
   if self._arena then error(self.__name .. ':to: the parameters are already in a flat arena (used by an optimizer); convert before', 2) end
+  local function conv(t)
+    local spec = {}
+    if dev then spec.device = dev end
+    if dt and t:is_floating_point() then spec.dtype = dt end
+    if next(spec) == nil then return t end
+    return t:to(spec)
+  end
   self:walk(function(_, m)
     for _, f in ipairs(m._params) do
-      m[f] = m[f]:to(what)
-      m['grad_' .. f] = m['grad_' .. f]:to(what)
+      m[f] = conv(m[f])
+      m['grad_' .. f] = conv(m['grad_' .. f])
     end
-    for _, f in ipairs(m._buffers) do
-      if m[f]:is_floating_point() then m[f] = m[f]:to(what) end
-    end
+    for _, f in ipairs(m._buffers) do m[f] = conv(m[f]) end
   end)
   return self
+end
+
+function Module:cuda(device) return self:to(device and ('cuda:' .. device) or 'cuda') end
+function Module:cpu() return self:to('cpu') end
+
+-- The device of the parameters ('cpu' for a module without any).
+function Module:device()
+  local p = self:named_parameters()[1]
+  return p and p.param.device or 'cpu'
 end
 
 -- The flat layout as a Lua table (flattening first if needed).

@@ -132,6 +132,34 @@ describe('dlua.cuda with a device', function()
     assert.truthy(err:find('after emptying the cache', 1, true))
   end)
 
+  gpu_it('moves a model with to(\'cuda\'): arena, optimizer state and a training step match the CPU', function()
+    local nn, optim = require 'dlua.nn', require 'dlua.optim'
+    dlua.manual_seed(3)
+    local function net() return nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3)) end
+    local a, b = net(), net()
+    b:load_state_dict(a:state_dict())
+    b:to('cuda')
+    assert.equals('cuda:0', b:device())
+    local oa = optim.SGD(a, { lr = 0.1, momentum = 0.9, weight_decay = 1e-2 })
+    local ob = optim.SGD(b, { lr = 0.1, momentum = 0.9, weight_decay = 1e-2 })
+    assert.equals('cuda:0', b:flatten().device)
+    local x, y = dlua.randn(4, 6), dlua.randn(4, 3)
+    local ca, cb = nn.MSELoss(), nn.MSELoss()
+    for _ = 1, 3 do
+      oa:zero_grad(); ob:zero_grad()
+      local ya = a:forward(x)
+      a:backward(x, ca:backward(ya, y))
+      local yb = b:forward(x:cuda())
+      b:backward(x:cuda(), cb:backward(yb, y:cuda()))
+      oa:step(); ob:step()
+    end
+    for i, e in ipairs(a:named_parameters()) do
+      local got = b:named_parameters()[i].param
+      assert.equals('cuda:0', got.device)
+      assert.is_true((got:cpu() - e.param):abs():max():item() < 1e-5, e.name)
+    end
+  end)
+
   gpu_it('runs streams and events', function()
     local s = cuda.Stream()
     local e = cuda.Event { enable_timing = true }

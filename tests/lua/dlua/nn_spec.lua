@@ -115,6 +115,36 @@ describe('dlua.nn modules', function()
     assert.same({ '0.bias', '2.bias', '2.weight' }, res.missing)
   end)
 
+  it('move with to(dtype), to(device), to{device, dtype}, and reject bad specs by name', function()
+    local m = mlp():to('float32')
+    assert.equals('float32', m:named_parameters()[1].param.dtype)
+    assert.equals(m, m:to('cpu'))
+    assert.equals(m, m:to('auto')) -- no GPU here, or the same device: nothing to do
+    m:to({ device = 'cpu', dtype = 'double' })
+    for _, e in ipairs(m:named_parameters()) do
+      assert.equals('float64', e.param.dtype)
+      assert.equals('float64', e.grad.dtype)
+    end
+    assert.equals('cpu', m:device())
+    assert.equals('cpu', m:flatten().device)
+    local bn = nn.BatchNorm2d(3):to('float32')
+    assert.equals('int64', bn.num_batches_tracked.dtype) -- integer buffers keep their dtype
+    local ok, err = pcall(function() mlp():to('gpu') end)
+    assert.is_false(ok)
+    assert.matches("nn_spec.lua:%d+: Sequential:to: expected a floating dtype or a device %('cpu', 'cuda', 'cuda:N', 'auto'%), got gpu", err)
+    ok, err = pcall(function() mlp():to({ dtype = 'int32' }) end)
+    assert.matches('Sequential:to: expected a floating dtype, got int32', err)
+    if not dlua.cuda.is_available() then
+      ok, err = pcall(function() mlp():to('cuda') end)
+      assert.is_false(ok)
+      assert.matches('Sequential:to%(cuda%): no CUDA device available', err)
+    end
+    local f = mlp()
+    f:flatten()
+    ok, err = pcall(function() f:to('float32') end)
+    assert.matches('already in a flat arena', err)
+  end)
+
   it('name the module and the shape when the input is wrong', function()
     local m = nn.Linear(4, 2)
     local ok, err = pcall(function() m:forward(dlua.zeros(3, 5)) end)
