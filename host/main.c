@@ -40,6 +40,7 @@ static void print_usage(FILE *f) {
       "environment:\n"
       "  DLUA_PATH      extra module folders or ?-templates, ';'-separated, searched first\n"
       "  LUA_PATH       the usual Lua module path, searched after dlua's own tree\n"
+      "  DLUA_EXE       what --nproc starts for each rank (default: this dlua binary)\n"
       "  RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (torchrun), SLURM_PROCID...,\n"
       "  OMPI_COMM_WORLD_RANK...: a script calling dlua.dist.init() joins that job\n",
       f);

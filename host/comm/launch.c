@@ -575,7 +575,10 @@ int dlua_job_start(const dlua_launch_opts_t *opts, dlua_job_t **out) {
   job->ranks = calloc((size_t)job->o.nproc, sizeof *job->ranks);
   if (job->ranks == NULL) goto fail;
   for (int i = 0; i < job->o.nproc; i++) job->ranks[i].fd[0] = job->ranks[i].fd[1] = -1;
-  const char *exe = job->o.exe ? job->o.exe : "/proc/self/exe";
+  /* DLUA_EXE: a wrapper that starts this dlua (tests/gpu/run.sh's bundle runs the binary through its own
+     dynamic loader, so /proc/self/exe is the loader there). */
+  const char *env_exe = getenv("DLUA_EXE");
+  const char *exe = job->o.exe ? job->o.exe : env_exe && *env_exe ? env_exe : "/proc/self/exe";
   for (int i = 0; i < job->o.nproc; i++) {
     if (spawn(job, i, exe) != 0) {
       fprintf(stderr, "dlua: cannot start rank %d: %s\n", job->first_rank + i, strerror(errno));

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks (DESIGN.md, tests/gpu): on a machine with an NVIDIA GPU and no network, builds dlua
 # if needed and runs every CUDA test, writing a report: the allocator suite, the CUDA spec, every CUDA op
-# against the CPU (tests/gpu/ops.lua, with GEMM TFLOP/s and bandwidth). ResNet-50 steps join it with cuDNN.
+# against the CPU (tests/gpu/ops*.lua), ResNet-50 steps against the CPU (tests/gpu/resnet50.lua), then a table of
+# ResNet-50 training img/s and GEMM TFLOP/s, dlua beside PyTorch on the same GPU (bench/gpu_resnet50.py).
 #   tests/gpu/run.sh [build-dir]      (report: $OUT/gpu-report.txt, or build-dir/gpu-report.txt)
 set -u
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -23,6 +24,30 @@ for d in $(python3 -c 'import site,glob;print(" ".join(p for s in site.getsitepa
 done
 export LD_LIBRARY_PATH="${libs#:}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
+# A bundle from scripts/gpu_bundle.sh (bundle/dlua-gpu.tar.xz) stands in for a build: binaries and their
+# non-CUDA libraries; if this machine's glibc is older than the binary needs, dlua runs through the
+# bundle's own dynamic loader and glibc (sys/), behind a wrapper that --nproc also uses (DLUA_EXE).
+bundle=$root/bundle/dlua-gpu.tar.xz
+if [ ! -x "$build/dlua" ] && [ -f "$bundle" ]; then
+  say "unpacking $bundle into $build (commit $(tar -xJOf "$bundle" ./COMMIT 2>/dev/null))"
+  tar -C "$build" -xJf "$bundle" || { echo "cannot unpack the bundle"; exit 1; }
+fi
+if [ -d "$build/lib" ] && [ -d "$build/sys" ]; then
+  export LD_LIBRARY_PATH="$build/lib:$LD_LIBRARY_PATH"
+  if ! "$build/dlua" -v >/dev/null 2>"$build/native.err" && [ -x "$build/sys/ld-linux-x86-64.so.2" ]; then
+    echo "the bundled binary does not start with this machine's libraries ($(head -c 300 "$build/native.err"));"
+    echo "running it through the bundle's glibc"
+    [ -e "$build/dlua.bin" ] || mv "$build/dlua" "$build/dlua.bin"
+    for d in lua bindings models recipes; do ln -sfn "$root/$d" "$build/$d"; done  # dlua's root: the loader's ../
+    cat >"$build/dlua" <<WRAP
+#!/bin/sh
+exec "$build/sys/ld-linux-x86-64.so.2" --library-path "$build/sys:$LD_LIBRARY_PATH" "$build/dlua.bin" "\$@"
+WRAP
+    chmod +x "$build/dlua"
+    export DLUA_EXE="$build/dlua"
+  fi
+fi
+
 if [ ! -x "$build/dlua" ]; then
   say "build ($build)"
   arch=native
@@ -40,12 +65,38 @@ fi
 
 status=0
 say "allocator suite (fake device) and CUDA spec (real device)"
-"$build/tests/test_caching_alloc" || status=1
+if [ -e "$build/dlua.bin" ]; then  # loader mode (above)
+  "$build/sys/ld-linux-x86-64.so.2" --library-path "$build/sys:$LD_LIBRARY_PATH" "$build/tests/test_caching_alloc" || status=1
+else
+  "$build/tests/test_caching_alloc" || status=1
+fi
 ( cd "$build" && "$build/dlua" "$root/tests/lua/busted.lua" "$root/tests/lua/dlua/cuda_spec.lua" ) || status=1
 
-say "every CUDA op against the CPU backend, then GEMM / bandwidth numbers (tests/gpu/ops.lua)"
+say "every CUDA op against the CPU backend, then GEMM / bandwidth numbers (tests/gpu/ops*.lua)"
 # The CPU references run on all cores; the comparisons print a table per op and each failure.
-( cd "$build" && timeout 240 "$build/dlua" "$root/tests/gpu/ops.lua" cuda ) || status=1
+for f in "$root"/tests/gpu/ops*.lua; do
+  ( cd "$build" && timeout 240 "$build/dlua" "$f" cuda ) || { echo "FAIL: $(basename "$f")"; status=1; }
+done
+
+say "ResNet-50 training steps on CUDA: f32 against the CPU, f32/bf16/f16 channels-last (tests/gpu/resnet50.lua)"
+( cd "$build" && timeout 300 "$build/dlua" "$root/tests/gpu/resnet50.lua" check cuda ) || { echo "FAIL: resnet50 check"; status=1; }
+
+say "benchmark: dlua vs PyTorch on this GPU (bench/gpu_resnet50.py)"
+val() { awk -F'\t' -v k="$1" '$1 == k {print $2}'; }
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (a > 0 && b > 0) printf "%.2fx", a / b; else print "n/a" }'; }
+printf '%-44s %12s %12s %8s\n' "what" "dlua" "pytorch" "ratio"
+for dt in bfloat16 float16; do
+  d=$(cd "$build" && timeout 240 "$build/dlua" "$root/tests/gpu/resnet50.lua" bench cuda $dt 128 50 2>&1)
+  t=$(timeout 240 python3 "$root/bench/gpu_resnet50.py" resnet50 $dt 128 50 2>&1)
+  di=$(printf '%s\n' "$d" | val img/s); ti=$(printf '%s\n' "$t" | val img/s)
+  [ -n "$di" ] || printf '%s\n' "$d" | tail -n 5
+  [ -n "$ti" ] || printf '%s\n' "$t" | tail -n 5
+  printf '%-44s %12s %12s %8s\n' "ResNet-50 train img/s, b128, $dt, NHWC" "${di:-fail}" "${ti:-fail}" "$(ratio "${di:-0}" "${ti:-0}")"
+  printf '%-44s %12s %12s\n' "  peak memory MiB" "$(printf '%s\n' "$d" | val peak_mib)" "$(printf '%s\n' "$t" | val peak_mib)"
+done
+dg=$(cd "$build" && timeout 120 "$build/dlua" "$root/tests/gpu/resnet50.lua" gemm cuda 2>&1 | val tflops)
+tg=$(timeout 120 python3 "$root/bench/gpu_resnet50.py" gemm 2>&1 | val tflops)
+printf '%-44s %12s %12s %8s\n' "GEMM 8192^3 bf16 TFLOP/s" "${dg:-fail}" "${tg:-fail}" "$(ratio "${dg:-0}" "${tg:-0}")"
 
 say "memory statistics after the spec"
 "$build/dlua" -e '

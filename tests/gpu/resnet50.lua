@@ -1,0 +1,159 @@
+-- ResNet-50 on CUDA (tests/gpu/run.sh): training steps checked against the CPU backend, then the
+-- training throughput that bench/gpu_resnet50.py sets beside PyTorch's.
+--   dlua tests/gpu/resnet50.lua check [device]      f32 step vs the CPU; f32/bf16/f16 NHWC steps with memory stats
+--   dlua tests/gpu/resnet50.lua bench [device] [dtype] [batch] [steps]   prints `img/s<TAB>value`
+--   dlua tests/gpu/resnet50.lua gemm [device]        prints `tflops<TAB>value` (8192^3 bf16)
+-- device defaults to 'cuda'; 'cpu' runs the same code CPU against CPU at a tiny size (checks the script).
+--
+-- 16-bit training here is what DeepSpeed's bf16 optimizer and PyTorch AMP's O2 do: weights, activations and
+-- gradients in bf16/f16 (convolutions accumulate in f32, batch-norm keeps f32 statistics), an f32 master
+-- copy of the weights that SGD updates, cast back after each step. f16 scales the loss by 128.
+local dlua = require 'dlua'
+local nn = require 'dlua.nn'
+local optim = require 'dlua.optim'
+local resnet = require 'models.resnet'
+
+local mode = arg[1] or 'check'
+local dev = arg[2] or 'cuda'
+local on_gpu = dev ~= 'cpu'
+if on_gpu and not dlua.cuda.is_available() then
+  print('resnet50: no CUDA device: skipped')
+  os.exit(0)
+end
+local function sync() if on_gpu then dlua.cuda.synchronize() end end
+
+-- A ResNet-50 training setup on `device` in `dtype` (channels-last), with f32 master weights when 16-bit.
+local function setup(device, dtype, image, seed, lr)
+  dlua.manual_seed(seed or 0)
+  local model = resnet.resnet50({ num_classes = 1000 }):input_grad(false)
+  local master
+  if dtype ~= 'float32' then
+    master = resnet.resnet50({ num_classes = 1000 })
+    master:load_state_dict(model:state_dict())
+    master:to(device)
+  end
+  model:to({ device = device, dtype = dtype })
+  local opt = optim.SGD(master or model, { lr = lr or 0.1, momentum = 0.9, weight_decay = 1e-4 })
+  return { model = model, master = master, opt = opt, crit = nn.CrossEntropyLoss(), dtype = dtype,
+    scale = dtype == 'float16' and 128 or 1, image = image }
+end
+
+-- One training step on (x, y); returns the loss (a host number when `read`, else nil: no sync).
+local function step(s, x, y, read)
+  local m = s.model
+  s.opt:zero_grad()
+  if s.master then m:zero_grad() end
+  local out = m:forward(x)
+  local loss = s.crit:forward(out, y)
+  local g = s.crit:backward(out, y)
+  if s.scale ~= 1 then g = g * s.scale end
+  m:backward(x, g)
+  if s.master then
+    -- both arenas list the same parameters in the same order: one cast each way
+    local ma, mm = s.master:flatten(), m:flatten()
+    ma.grads.float32:copy_(mm.grads[s.dtype])
+    if s.scale ~= 1 then ma.grads.float32:mul_(1 / s.scale) end
+    s.opt:step()
+    mm.params[s.dtype]:copy_(ma.params.float32)
+  else
+    s.opt:step()
+  end
+  return read and loss:float():item() or nil
+end
+
+local function batch_on(device, dtype, n, image, seed)
+  dlua.manual_seed(seed)
+  local x = dlua.randn(n, 3, image, image):contiguous('channels_last')
+  local y = dlua.randint(1, 1001, n)
+  return x:to({ device = device, dtype = dtype }):contiguous('channels_last'), y:to(device)
+end
+
+local function rel(a, b)
+  local d = (a:cpu():double() - b:cpu():double()):norm():item()
+  local r = b:cpu():double():norm():item()
+  return d / math.max(r, 1e-30)
+end
+
+if mode == 'check' then
+  local failures = 0
+  local function expect(name, ok, detail)
+    print(string.format('%-48s %s  %s', name, ok and 'ok  ' or 'FAIL', detail))
+    if not ok then failures = failures + 1 end
+  end
+  -- f32 against the CPU: the same weights and batch, one step, then outputs, gradients and weights.
+  local image, n = 64, on_gpu and 8 or 4
+  local ref = setup('cpu', 'float32', image, 1)
+  local got = setup(dev, 'float32', image, 1)
+  local xc, yc = batch_on('cpu', 'float32', n, image, 7)
+  local xd, yd = batch_on(dev, 'float32', n, image, 7)
+  local lr_ = step(ref, xc, yc, true)
+  local lg = step(got, xd, yd, true)
+  expect('f32 step: loss vs CPU', math.abs(lr_ - lg) <= 1e-4 * math.abs(lr_), string.format('%.6f vs %.6f', lg, lr_))
+  expect('f32 step: logits vs CPU', rel(got.model.output, ref.model.output) < 1e-4,
+    string.format('rel err %.2e', rel(got.model.output, ref.model.output)))
+  local worst, wname = 0, ''
+  local gp, rp = got.model:named_parameters(), ref.model:named_parameters()
+  for i, e in ipairs(rp) do
+    local r = rel(gp[i].grad, e.grad)
+    if r > worst then worst, wname = r, e.name end
+  end
+  expect('f32 step: every gradient vs CPU (worst)', worst < 1e-3, string.format('rel err %.2e (%s)', worst, wname))
+  local pw = 0
+  for i, e in ipairs(rp) do pw = math.max(pw, rel(gp[i].param, e.param)) end
+  expect('f32 step: weights after SGD vs CPU (worst)', pw < 1e-5, string.format('rel err %.2e', pw))
+  local rb, gb = ref.model.bn1.running_var, got.model.bn1.running_var
+  expect('f32 step: bn1 running_var vs CPU', rel(gb, rb) < 1e-4, string.format('rel err %.2e', rel(gb, rb)))
+
+  -- 16-bit steps: the loss must fall on a fixed batch, and stay near the f32 loss at the first step.
+  for _, dt in ipairs({ 'float32', 'bfloat16', 'float16' }) do
+    if on_gpu then dlua.cuda.reset_peak_memory_stats() end
+    local s = setup(dev, dt, image, 1, 0.01)
+    local x, y = batch_on(dev, dt, n, image, 7)
+    local l1 = step(s, x, y, true)
+    local l = l1
+    for _ = 1, 4 do l = step(s, x, y, true) end
+    local tol = dt == 'float32' and 1e-4 or 0.1
+    expect(dt .. ' NHWC: first loss vs CPU f32', math.abs(l1 - lr_) <= tol * lr_, string.format('%.4f vs %.4f', l1, lr_))
+    expect(dt .. ' NHWC: loss falls over 5 steps on one batch', l < l1, string.format('%.4f -> %.4f', l1, l))
+    if on_gpu then
+      local st = dlua.cuda.memory_stats()
+      print(string.format('   memory: allocated %.0f MiB, peak %.0f MiB, reserved %.0f MiB, %d allocations', st.allocated / 2 ^ 20,
+        st.peak_allocated / 2 ^ 20, st.reserved / 2 ^ 20, st.num_allocs))
+    end
+    s = nil
+    collectgarbage()
+  end
+  print(failures == 0 and 'resnet50 check: all passed' or ('resnet50 check: ' .. failures .. ' failed'))
+  os.exit(failures == 0 and 0 or 1)
+elseif mode == 'bench' then
+  local dt = arg[3] or 'bfloat16'
+  local n = tonumber(arg[4]) or (on_gpu and 128 or 2)
+  local steps = tonumber(arg[5]) or (on_gpu and 50 or 2)
+  local image = on_gpu and 224 or 64
+  local s = setup(dev, dt, image, 0)
+  local x, y = batch_on(dev, dt, n, image, 3)
+  for _ = 1, 5 do step(s, x, y) end -- warm-up: algorithm search, allocator
+  sync()
+  local t0 = dlua.perf_counter()
+  for _ = 1, steps do step(s, x, y) end
+  sync()
+  local dt_s = dlua.perf_counter() - t0
+  print(string.format('img/s\t%.1f', steps * n / dt_s))
+  if on_gpu then
+    local st = dlua.cuda.memory_stats()
+    print(string.format('peak_mib\t%.0f', st.peak_allocated / 2 ^ 20))
+  end
+elseif mode == 'gemm' then -- the table's GEMM row: 8192^3 bf16 through cuBLASLt (f32 accumulation)
+  local N = on_gpu and 8192 or 256
+  local a = dlua.randn(N, N):to({ device = dev, dtype = 'bfloat16' })
+  local b = dlua.randn(N, N):to({ device = dev, dtype = 'bfloat16' })
+  for _ = 1, 3 do dlua.matmul(a, b):free() end
+  sync()
+  local reps = on_gpu and 20 or 2
+  local t0 = dlua.perf_counter()
+  for _ = 1, reps do dlua.matmul(a, b):free() end
+  sync()
+  print(string.format('tflops\t%.1f', 2 * N ^ 3 / ((dlua.perf_counter() - t0) / reps) / 1e12))
+else
+  error("resnet50.lua: mode must be 'check', 'bench' or 'gemm', got " .. tostring(mode))
+end
