@@ -12,7 +12,7 @@ local resnet = require 'models.resnet'
 local opt = cli.parse(arg, {
   data = '', epochs = 1, batch = 32, lr = 0.1, warmup = 5, accumulate = 1, image_size = 32, workers = 2,
   seed = 1, limit = 0, eval_limit = 0, model = 'resnet50', momentum = 0.9, weight_decay = 1e-4,
-  bucket_mb = 25, threads = 0, channels_last = true, print_every = 10, sync_bn = false,
+  bucket_mb = 25, threads = 0, channels_last = true, print_every = 10, sync_bn = false, device = 'auto',
 }, {
   description = 'Trains a ResNet (default ResNet-50) data-parallel with dlua.dist.DDP.',
   help = {
@@ -32,6 +32,7 @@ local opt = cli.parse(arg, {
     channels_last = 'keep activations in NHWC memory',
     print_every = 'steps between progress lines',
     sync_bn = 'batch-norm statistics over all ranks (SyncBatchNorm) instead of per rank',
+    device = "'auto' (this rank's GPU when each rank has one, else the CPU), 'cpu' or 'cuda'",
   },
 })
 io.stdout:setvbuf('line')
@@ -41,6 +42,12 @@ local dist = dlua.dist
 dist.init()
 local rank, world = dist.rank(), dist.world_size()
 local function log(fmt, ...) if rank == 0 then print(string.format(fmt, ...)) end end
+local device = opt.device == 'auto' and dist.device() or opt.device
+if device ~= 'cpu' then
+  if not dlua.cuda.is_available() then error(('--device %s: no CUDA device available (%s)'):format(opt.device, dlua.cuda.unavailable_reason()), 0) end
+  if device == 'cuda' then device = 'cuda:' .. (dist.local_rank() % dlua.cuda.device_count()) end
+  dlua.cuda.set_device(device)
+end
 dlua.manual_seed(opt.seed)
 
 ---------------------------------------------------------------------------------------------
@@ -103,14 +110,15 @@ else
   num_classes = #train.classes
   local sampler = data.DistributedSampler({ dataset = train, shuffle = true, seed = opt.seed, drop_last = true })
   local loader = data.DataLoader({ dataset = train, batch = opt.batch, sampler = sampler, workers = opt.workers,
-    drop_last = true, seed = opt.seed, pin_memory = true })
+    drop_last = true, seed = opt.seed, pin_memory = true, device = device })
   train_len = sampler:len()
   train_batches = function(epoch)
     loader:set_epoch(epoch)
     return loader:batches()
   end
   local vsampler = data.DistributedSampler({ dataset = val, shuffle = false })
-  local vloader = data.DataLoader({ dataset = val, batch = opt.batch, sampler = vsampler, workers = opt.workers })
+  local vloader = data.DataLoader({ dataset = val, batch = opt.batch, sampler = vsampler, workers = opt.workers,
+    device = device })
   eval_batches = function() return vloader:batches() end
 end
 
@@ -121,6 +129,7 @@ local build = resnet[opt.model]
 if not build then error(('unknown --model %s'):format(opt.model), 0) end
 local net = build({ in_channels = 3, num_classes = num_classes, zero_init_residual = true }):input_grad(false)
 if opt.sync_bn then nn.SyncBatchNorm.convert(net) end
+net:to(device)
 local model = dist.DDP(net, { accumulate = opt.accumulate, bucket_mb = opt.bucket_mb })
 local criterion = nn.CrossEntropyLoss()
 local global_batch = opt.batch * world * opt.accumulate
@@ -141,14 +150,15 @@ local schedule = warm > 0
 
 log('%s: %s, %d parameters, %d classes, data %s', opt.model, tostring(model.module.__name), net:num_parameters(),
   num_classes, data_name)
-log('%d ranks x batch %d x accumulate %d = global batch %d; lr %.4g (%.3g per 256), %d warmup steps of %d; %d threads per rank',
-  world, opt.batch, opt.accumulate, global_batch, peak, opt.lr, warm, total, dlua.get_num_threads())
+log('%d ranks x batch %d x accumulate %d = global batch %d; lr %.4g (%.3g per 256), %d warmup steps of %d; %s, %d threads per rank',
+  world, opt.batch, opt.accumulate, global_batch, peak, opt.lr, warm, total, device == 'cpu' and 'CPU' or device, dlua.get_num_threads())
 log('DDP: %d buckets%s', #model:bucket_plan(), opt.sync_bn and ', SyncBatchNorm' or '')
 
 local function evaluate()
   model:evaluate()
   local counts = dlua.zeros({ 2 }, { dtype = 'float64' })
   for _, x, y in eval_batches() do
+    x, y = x:to(device), y:to(device)  -- no-ops when the loader already put them there
     local logits = model:forward(x)
     counts[1] = counts[1] + logits:argmax(2):eq(y):sum():item()
     counts[2] = counts[2] + y:numel()
@@ -168,10 +178,12 @@ for epoch = 1, opt.epochs do
   sgd:zero_grad()
   for i, x, y in train_batches(epoch) do
     if i > steps_per_epoch * opt.accumulate then break end
+    x, y = x:to(device), y:to(device)
     local out = model:forward(x)
-    local loss = criterion:forward(out, y):item()
+    local loss = criterion:forward(out, y)  -- read back only when printing: no device sync per step
     model:backward(x, criterion:backward(out, y))
-    loss_sum, seen = loss_sum + loss * y:numel(), seen + y:numel()
+    loss = loss:double() * y:numel()
+    loss_sum, seen = loss_sum + (device == 'cpu' and loss:item() or loss), seen + y:numel()
     if i % opt.accumulate == 0 then
       sgd:set_lr(schedule(step))
       sgd:step()
@@ -180,11 +192,13 @@ for epoch = 1, opt.epochs do
       local s = i / opt.accumulate
       if s % opt.print_every == 0 or s == steps_per_epoch then
         local dt = dlua.perf_counter() - t0
+        if type(loss_sum) ~= 'number' then loss_sum = loss_sum:item() end
         log('epoch %d  step %d/%d  loss %.4f  lr %.4g  %.1f img/s', epoch, s, steps_per_epoch, loss_sum / seen,
           schedule(step - 1), seen * world / dt)
       end
     end
   end
+  if device ~= 'cpu' and type(loss_sum) ~= 'number' then loss_sum = loss_sum:item() end
   local dt = dlua.perf_counter() - t0
   local ips = dlua.tensor({ seen / dt, loss_sum, seen }, { dtype = 'float64' })
   dist.all_reduce(ips, 'sum')  -- img/s summed over ranks, loss averaged over every image

@@ -49,5 +49,11 @@ out=$("$DLUA" recipes/resnet50_ddp.lua --accumulat 2 2>&1); rc=$?
 [ $rc = 2 ] && grep -q "unknown option '--accumulat'" <<<"$out" && grep -q "accumulate" <<<"$out"
 check "resnet50_ddp rejects an unknown option by name" $? "rc=$rc: $out"
 
+if ! "$DLUA" -e 'os.exit(dlua.cuda.is_available() and 0 or 1)'; then
+  out=$(timeout 60 "$DLUA" recipes/resnet50_ddp.lua --device cuda --limit 64 2>&1); rc=$?
+  [ $rc != 0 ] && grep -q -- "--device cuda: no CUDA device available" <<<"$out"
+  check "resnet50_ddp --device cuda without a GPU says so" $? "rc=$rc: $out"
+fi
+
 echo "$passed passed, $failed failed"
 [ "$failed" = 0 ]
