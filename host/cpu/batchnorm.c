@@ -11,6 +11,8 @@
 #include "core/tensor.h"
 #include "cpu/act_layout.h"
 #include "cpu/clones.h"
+#include "cuda/nn_cuda.h"  /* plain C: only CUDA builds call into it */
+#include "cuda/nn_stage.h"
 
 /* Below this many elements a pass runs on one thread: waking the pool costs more. */
 enum { BN_PAR_MIN = 32768 };
@@ -99,7 +101,6 @@ static void put_t(dlua_dtype_t ct, void *dst, const double *src, int64_t n) {
 
 static dlua_status_t check_float(const char *op, const char *what, const dlua_tensor_t *t) {
   if (!t || !t->storage) return DLUA_ERR(DLUA_ERR_ARG, "%s: %s is NULL (freed, or never created)", op, what);
-  DLUA_TRY(dlua_require_cpu(op, t));
   if (!dlua_dtype_is_floating(t->dtype)) {
     char b[200];
     return DLUA_ERR(DLUA_ERR_ARG, "%s: %s must be a floating-point tensor, got %s", op, what,
@@ -190,13 +191,26 @@ static dlua_status_t save_vec(const char *op, dlua_tensor_t **out, int64_t C, dl
    ([sum x, sum x^2, count]) and of backward ([sum d, sum d (x - mean), count]). */
 static dlua_status_t check_sums(const char *op, const char *what, const dlua_tensor_t *t, int64_t C) {
   if (!t || !t->storage) return DLUA_ERR(DLUA_ERR_ARG, "%s: %s is NULL (freed, or never created)", op, what);
-  DLUA_TRY(dlua_require_cpu(op, t));
   if (t->dtype != DLUA_DTYPE_F64 || t->ndim != 1 || t->sizes[0] != 2 * C + 1 || !dlua_tensor_is_contiguous(t)) {
     char b[200];
     return DLUA_ERR(DLUA_ERR_ARG, "%s: %s must be a contiguous float64 tensor of shape (%" PRId64 ") (2C+1, C = %" PRId64
                     "), got %s", op, what, 2 * C + 1, C, dlua_tensor_describe(t, b, sizeof b));
   }
   return DLUA_OK;
+}
+
+/* The count (element 2C) of checked sums t, wherever t lives (a CUDA tensor's after its stream's work). */
+static dlua_status_t sums_count(const char *op, const dlua_tensor_t *t, int64_t C, double *cnt) {
+  const double *p = (const double *)dlua_tensor_ptr(t) + 2 * C;
+  if (t->device == DLUA_CPU) {
+    *cnt = *p;
+    return DLUA_OK;
+  }
+#ifdef DLUA_HAVE_CUDA
+  return dlua_cuda_nn_read(op, cnt, p, sizeof *cnt, t->device);
+#else
+  return dlua_require_cpu(op, t);
+#endif
 }
 
 /* Undoes prepare_sums's allocation after a failure. */
@@ -208,15 +222,161 @@ static void drop_sums(dlua_tensor_t **sums, int *allocated) {
   }
 }
 
-/* *sums under the `out` convention, checked as above; *allocated says whether it was made here. */
-static dlua_status_t prepare_sums(const char *op, dlua_tensor_t **sums, int64_t C, int *allocated) {
+/* *sums on `device` under the `out` convention, checked as above; *allocated says whether it was made here. */
+static dlua_status_t prepare_sums(const char *op, dlua_tensor_t **sums, int64_t C, int device, int *allocated) {
   int64_t n = 2 * C + 1;
   *allocated = 0;
-  DLUA_TRY(dlua_prepare_out(op, sums, 1, &n, DLUA_DTYPE_F64, allocated));
+  DLUA_TRY(dlua_prepare_out_on(op, sums, 1, &n, DLUA_DTYPE_F64, device, allocated));
   dlua_status_t s = check_sums(op, "sums", *sums, C);
   if (s != DLUA_OK) drop_sums(sums, allocated);
   return s;
 }
+
+/* ---- CUDA ---------------------------------------------------------------------------------------- */
+
+/* The entry points check their arguments as for the CPU, then hand CUDA inputs to these drivers: they
+   stage what the kernels cannot read in place (other layouts: contiguous copies, as the CPU) and launch
+   host/cuda/batchnorm.cu. The kernels read and write one storage dtype, that of the activations when
+   they agree (16-bit ones are converted in registers), else the CPU's compute dtype for all of them. */
+#ifdef DLUA_HAVE_CUDA
+static dlua_cuda_vec_t cuda_vec(const dlua_tensor_t *t) {
+  dlua_cuda_vec_t v = {0};
+  if (t) {
+    v.p = dlua_tensor_ptr(t);
+    v.dtype = (int)t->dtype;
+    v.stride = t->strides[0];
+  }
+  return v;
+}
+
+static dlua_cuda_bn_geom_t cuda_geom(const bn_geom_t *g, dlua_dtype_t kt, int device) {
+  dlua_cuda_bn_geom_t cg = {.dtype = (int)kt, .rows = g->rows, .device = device, .N = g->N, .C = g->C, .S = g->S};
+  return cg;
+}
+
+/* A (C) statistics output on `device` under the `out` convention (save_vec's checks; the kernels write it). */
+static dlua_status_t cuda_save(const char *op, dlua_tensor_t **out, int64_t C, dlua_dtype_t ct, int device,
+                               int *allocated) {
+  *allocated = 0;
+  if (!out) return DLUA_OK;
+  DLUA_TRY(dlua_prepare_out_on(op, out, 1, &C, ct, device, allocated));
+  if (dlua_dtype_is_floating((*out)->dtype)) return DLUA_OK;
+  char b[200];
+  dlua_status_t s = DLUA_ERR(DLUA_ERR_ARG, "%s: saved statistics %s must be floating point", op,
+                             dlua_tensor_describe(*out, b, sizeof b));
+  if (*allocated) {
+    dlua_tensor_free(*out);
+    *out = NULL;
+    *allocated = 0;
+  }
+  return s;
+}
+
+static void cuda_unsave(dlua_tensor_t **out, int allocated) {
+  if (out && allocated) {
+    dlua_tensor_free(*out);
+    *out = NULL;
+  }
+}
+
+/* bn_forward's work on a CUDA device (stats_out: batch_norm_stats's instead, no output). */
+static dlua_status_t cuda_bn_forward(const char *op, dlua_tensor_t **out, dlua_tensor_t **save_mean,
+                                     dlua_tensor_t **save_invstd, const dlua_tensor_t *x, const dlua_tensor_t *gamma,
+                                     const dlua_tensor_t *beta, const dlua_tensor_t *skip, const dlua_tensor_t *stats,
+                                     dlua_tensor_t *running_mean, dlua_tensor_t *running_var, int train,
+                                     double momentum, double eps, int relu, int fmt, const bn_geom_t *g, int64_t M,
+                                     dlua_tensor_t *stats_out) {
+  const int dev = x->device;
+  const dlua_dtype_t ct = x->dtype == DLUA_DTYPE_F64 ? DLUA_DTYPE_F64 : DLUA_DTYPE_F32;
+  const dlua_dtype_t kt = !skip || skip->dtype == x->dtype ? x->dtype : ct;
+  dlua_tensor_t *xs = NULL, *ss = NULL;
+  act_out_t o = {0};
+  int am = 0, ai = 0;
+  const dlua_tensor_t *ins[2] = {x, skip};
+  dlua_status_t s = act_stage_on(x, kt, fmt, &xs);
+  if (s == DLUA_OK && skip) s = act_stage_on(skip, kt, fmt, &ss);
+  if (s == DLUA_OK && out) s = act_out_begin_on(op, &o, out, x->ndim, x->sizes, x->dtype, kt, fmt, ins, 2, 1, dev);
+  if (s == DLUA_OK) s = cuda_save(op, save_mean, g->C, ct, dev, &am);
+  if (s == DLUA_OK) s = cuda_save(op, save_invstd, g->C, ct, dev, &ai);
+  if (s == DLUA_OK) {
+    dlua_cuda_bn_fwd_t a = {.g = cuda_geom(g, kt, dev),
+                            .x = dlua_tensor_ptr(xs),
+                            .skip = ss ? dlua_tensor_ptr(ss) : NULL,
+                            .y = out ? dlua_tensor_ptr(o.work) : NULL,
+                            .gamma = cuda_vec(gamma),
+                            .beta = cuda_vec(beta),
+                            .running_mean = cuda_vec(running_mean),
+                            .running_var = cuda_vec(running_var),
+                            .save_mean = cuda_vec(save_mean ? *save_mean : NULL),
+                            .save_invstd = cuda_vec(save_invstd ? *save_invstd : NULL),
+                            .stats = stats ? (const double *)dlua_tensor_ptr(stats) : NULL,
+                            .stats_out = stats_out ? (double *)dlua_tensor_ptr(stats_out) : NULL,
+                            .M = M,
+                            .train = train,
+                            .relu = relu,
+                            .momentum = momentum,
+                            .eps = eps};
+    s = dlua_cuda_bn_forward(op, &a);
+  }
+  s = act_out_end(&o, s);
+  if (s != DLUA_OK) {
+    cuda_unsave(save_mean, am);
+    cuda_unsave(save_invstd, ai);
+  }
+  dlua_tensor_free(xs);
+  dlua_tensor_free(ss);
+  return s;
+}
+
+/* bn_backward's work on a CUDA device. */
+static dlua_status_t cuda_bn_backward(const char *op, dlua_tensor_t **grad_input, dlua_tensor_t **grad_skip,
+                                      dlua_tensor_t *grad_gamma, dlua_tensor_t *grad_beta,
+                                      const dlua_tensor_t *grad_output, const dlua_tensor_t *x,
+                                      const dlua_tensor_t *output, const dlua_tensor_t *gamma,
+                                      const dlua_tensor_t *save_mean, const dlua_tensor_t *save_invstd, int train,
+                                      int relu, int accumulate, dlua_tensor_t *sums_out, const dlua_tensor_t *sums_in,
+                                      int fmt, const bn_geom_t *g, int64_t M, int reduce, dlua_dtype_t ct) {
+  const int dev = x->device;
+  const int same = grad_output->dtype == x->dtype && (!relu || output->dtype == x->dtype);
+  const dlua_dtype_t kt = same ? x->dtype : ct;
+  dlua_tensor_t *xs = NULL, *ds = NULL, *ys = NULL;
+  act_out_t odx = {0}, osk = {0};
+  const dlua_tensor_t *ins[3] = {grad_output, x, relu ? output : NULL};
+  dlua_status_t s = act_stage_on(x, kt, fmt, &xs);
+  if (s == DLUA_OK) s = act_stage_on(grad_output, kt, fmt, &ds);
+  if (s == DLUA_OK && relu) s = act_stage_on(output, kt, fmt, &ys);
+  if (s == DLUA_OK)
+    s = act_out_begin_on(op, &odx, grad_input, x->ndim, x->sizes, grad_output->dtype, kt, fmt, ins, 3, 1, dev);
+  if (s == DLUA_OK)
+    s = act_out_begin_on(op, &osk, grad_skip, x->ndim, x->sizes, grad_output->dtype, kt, fmt, ins, 3, 1, dev);
+  if (s == DLUA_OK) {
+    dlua_cuda_bn_bwd_t a = {.g = cuda_geom(g, kt, dev),
+                            .x = dlua_tensor_ptr(xs),
+                            .dy = dlua_tensor_ptr(ds),
+                            .y = ys ? dlua_tensor_ptr(ys) : NULL,
+                            .dx = grad_input ? dlua_tensor_ptr(odx.work) : NULL,
+                            .dskip = grad_skip ? dlua_tensor_ptr(osk.work) : NULL,
+                            .gamma = cuda_vec(gamma),
+                            .save_mean = cuda_vec(save_mean),
+                            .save_invstd = cuda_vec(save_invstd),
+                            .grad_gamma = cuda_vec(grad_gamma),
+                            .grad_beta = cuda_vec(grad_beta),
+                            .sums_in = sums_in ? (const double *)dlua_tensor_ptr(sums_in) : NULL,
+                            .sums_out = sums_out ? (double *)dlua_tensor_ptr(sums_out) : NULL,
+                            .M = M,
+                            .train = train,
+                            .reduce = reduce,
+                            .accumulate = accumulate};
+    s = dlua_cuda_bn_backward(op, &a);
+  }
+  s = act_out_end(&odx, s);
+  s = act_out_end(&osk, s);
+  dlua_tensor_free(xs);
+  dlua_tensor_free(ds);
+  dlua_tensor_free(ys);
+  return s;
+}
+#endif
 
 /* ---- forward ------------------------------------------------------------------------------------- */
 
@@ -234,6 +394,8 @@ static dlua_status_t bn_forward(const char *op, dlua_tensor_t **out, dlua_tensor
   DLUA_TRY(check_vec(op, "running_mean", running_mean, x));
   DLUA_TRY(check_vec(op, "running_var", running_var, x));
   if (skip) DLUA_TRY(check_like(op, "skip", skip, "input", x));
+  const dlua_tensor_t *peers[6] = {gamma, beta, running_mean, running_var, skip, stats};
+  DLUA_TRY(act_same_device(op, x, peers, 6));
   if (!(eps >= 0) || !isfinite(eps)) return DLUA_ERR(DLUA_ERR_ARG, "%s: eps must be finite and >= 0, got %g", op, eps);
   char b[200];
   if (!train && (!running_mean || !running_var))
@@ -247,7 +409,8 @@ static dlua_status_t bn_forward(const char *op, dlua_tensor_t **out, dlua_tensor
   int64_t M = g.N * g.S;  // the values per channel the statistics cover (every rank's, with stats)
   if (stats) {
     DLUA_TRY(check_sums(op, "stats", stats, C));
-    double cnt = ((const double *)dlua_tensor_ptr(stats))[2 * C];
+    double cnt = 0;
+    DLUA_TRY(sums_count(op, stats, C, &cnt));
     if (!(cnt >= 0) || cnt != floor(cnt) || cnt > 9e15)
       return DLUA_ERR(DLUA_ERR_ARG, "%s: stats hold a count of %g values per channel, expected a whole number >= 0", op,
                       cnt);
@@ -256,6 +419,14 @@ static dlua_status_t bn_forward(const char *op, dlua_tensor_t **out, dlua_tensor
   if (train && M == 1)
     return DLUA_ERR(DLUA_ERR_ARG, "%s: expected more than 1 value per channel when training, got input %s%s", op,
                     dlua_tensor_describe(x, b, sizeof b), stats ? " (over every rank)" : "");
+  if (x->device != DLUA_CPU) {
+#ifdef DLUA_HAVE_CUDA
+    return cuda_bn_forward(op, out, save_mean, save_invstd, x, gamma, beta, skip, stats, running_mean, running_var,
+                           train, momentum, eps, relu, fmt, &g, M, NULL);
+#else
+    return dlua_require_cpu(op, x);
+#endif
+  }
   const dlua_dtype_t ct = x->dtype == DLUA_DTYPE_F64 ? DLUA_DTYPE_F64 : DLUA_DTYPE_F32;
   const size_t es = dlua_dtype_size(ct);
 
@@ -374,7 +545,17 @@ dlua_status_t dlua_nn_batch_norm_stats(dlua_tensor_t **stats, const dlua_tensor_
   const int64_t C = g.C, M = g.N * g.S;
   if (!stats) return DLUA_ERR(DLUA_ERR_ARG, "%s: stats is NULL", op);
   int allocated = 0;
-  DLUA_TRY(prepare_sums(op, stats, C, &allocated));
+  DLUA_TRY(prepare_sums(op, stats, C, x->device, &allocated));
+  if (x->device != DLUA_CPU) {
+#ifdef DLUA_HAVE_CUDA
+    dlua_status_t cs = cuda_bn_forward(op, NULL, NULL, NULL, x, NULL, NULL, NULL, NULL, NULL, NULL, 1, 0.0, 0.0, 0, fmt,
+                                       &g, M, *stats);
+#else
+    dlua_status_t cs = dlua_require_cpu(op, x);
+#endif
+    if (cs != DLUA_OK) drop_sums(stats, &allocated);
+    return cs;
+  }
   const dlua_dtype_t ct = x->dtype == DLUA_DTYPE_F64 ? DLUA_DTYPE_F64 : DLUA_DTYPE_F32;
   dlua_status_t s = DLUA_OK;
   dlua_tensor_t *xs = NULL;
@@ -434,6 +615,9 @@ static dlua_status_t bn_backward(const char *op, dlua_tensor_t **grad_input, dlu
   DLUA_TRY(check_vec(op, "save_invstd", save_invstd, x));
   DLUA_TRY(param_grad(op, "grad_gamma", grad_gamma, x));
   DLUA_TRY(param_grad(op, "grad_beta", grad_beta, x));
+  const dlua_tensor_t *peers[8] = {grad_output, relu ? output : NULL, gamma, save_mean, save_invstd,
+                                   grad_gamma, grad_beta, sums_in};
+  DLUA_TRY(act_same_device(op, x, peers, 8));
   if (grad_input && grad_skip && *grad_input && *grad_input == *grad_skip)
     return DLUA_ERR(DLUA_ERR_ARG, "%s: grad_input and grad_skip must be different tensors", op);
 
@@ -445,10 +629,11 @@ static dlua_status_t bn_backward(const char *op, dlua_tensor_t **grad_input, dlu
   const int64_t C = g.C;
   int64_t M = g.N * g.S;
   int sums_allocated = 0;
-  if (sums_out) DLUA_TRY(prepare_sums(op, sums_out, C, &sums_allocated));
+  if (sums_out) DLUA_TRY(prepare_sums(op, sums_out, C, x->device, &sums_allocated));
   if (sums_in) {
     DLUA_TRY(check_sums(op, "sums", sums_in, C));
-    double cnt = ((const double *)dlua_tensor_ptr(sums_in))[2 * C];
+    double cnt = 0;
+    DLUA_TRY(sums_count(op, sums_in, C, &cnt));
     if (!(cnt >= 0) || cnt != floor(cnt) || cnt > 9e15)
       return DLUA_ERR(DLUA_ERR_ARG, "%s: sums hold a count of %g values per channel, expected a whole number >= 0", op,
                       cnt);
@@ -458,6 +643,17 @@ static dlua_status_t bn_backward(const char *op, dlua_tensor_t **grad_input, dlu
   const size_t es = dlua_dtype_size(ct);
   const int want_dx = grad_input != NULL, want_skip = grad_skip != NULL;
   const int reduce = !sums_in && (sums_out || (want_dx && train) || grad_gamma || grad_beta);
+  if (x->device != DLUA_CPU) {
+#ifdef DLUA_HAVE_CUDA
+    dlua_status_t cs = cuda_bn_backward(op, grad_input, grad_skip, grad_gamma, grad_beta, grad_output, x, output, gamma,
+                                        save_mean, save_invstd, train, relu, accumulate, sums_out ? *sums_out : NULL,
+                                        sums_in, fmt, &g, M, reduce, ct);
+#else
+    dlua_status_t cs = dlua_require_cpu(op, x);
+#endif
+    if (cs != DLUA_OK && sums_out) drop_sums(sums_out, &sums_allocated);
+    return cs;
+  }
 
   dlua_status_t s = DLUA_OK;
   dlua_tensor_t *xs = NULL, *ds = NULL, *ys = NULL;

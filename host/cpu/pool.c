@@ -9,6 +9,8 @@
 #include "core/error.h"
 #include "core/tensor.h"
 #include "cpu/act_layout.h"
+#include "cuda/nn_cuda.h" /* plain C: only CUDA builds call into it */
+#include "cuda/nn_stage.h"
 
 /* Below this much work a loop runs on one thread: waking the pool costs more. */
 enum { POOL_PAR_MIN = 32768 };
@@ -57,7 +59,6 @@ int64_t dlua_pool2d_output_size(int64_t in, int64_t kernel, int stride, int pad,
 
 static dlua_status_t check_act(const char *op, const char *what, const dlua_tensor_t *t) {
   if (!t || !t->storage) return DLUA_ERR(DLUA_ERR_ARG, "%s: %s is NULL (freed, or never created)", op, what);
-  DLUA_TRY(dlua_require_cpu(op, t));
   char b[200];
   if (t->ndim != 4)
     return DLUA_ERR(DLUA_ERR_ARG, "%s: %s must have 4 dimensions (N, C, H, W), got %s", op, what,
@@ -124,6 +125,76 @@ static int grad_fmt(dlua_tensor_t *const *grad_input, const dlua_tensor_t *grad_
   return act_format_pref(given, grad_output);
 }
 
+/* ---- CUDA ----------------------------------------------------------------------------------------- */
+
+/* The entry points check their arguments as for the CPU, then hand CUDA inputs to these drivers, which
+   stage other layouts as contiguous copies (as the CPU) and launch host/cuda/pool.cu. The kernels read
+   and write the activations' own dtype (16-bit ones computed in float, as the CPU's compute dtype). */
+#ifdef DLUA_HAVE_CUDA
+static dlua_cuda_pool_t cuda_pool(const pool_geom_t *g, int kind, dlua_dtype_t dt, int cl, int device,
+                                  int include_pad, int div_override) {
+  dlua_cuda_pool_t p = {.kind = kind, .dtype = (int)dt, .cl = cl, .device = device, .N = g->N, .C = g->C, .H = g->H,
+                        .W = g->W, .OH = g->OH, .OW = g->OW, .kh = g->kh, .kw = g->kw, .sh = g->sh, .sw = g->sw,
+                        .ph = g->ph, .pw = g->pw, .dh = g->dh, .dw = g->dw, .include_pad = include_pad,
+                        .div_override = div_override};
+  return p;
+}
+
+/* Forward of any kind (indices: max pooling's positions, may be NULL). */
+static dlua_status_t cuda_forward(const char *op, dlua_tensor_t **out, dlua_tensor_t **indices, const dlua_tensor_t *x,
+                                  const pool_geom_t *g, int kind, int include_pad, int div_override) {
+  const int fmt = fmt_of(x);
+  const int64_t osz[4] = {g->N, g->C, g->OH, g->OW};
+  dlua_tensor_t *xs = NULL;
+  act_out_t oy = {0}, oi = {0};
+  dlua_status_t s = act_stage_on(x, x->dtype, fmt, &xs);
+  if (s == DLUA_OK) s = act_out_begin_on(op, &oy, out, 4, osz, x->dtype, x->dtype, fmt, &x, 1, 0, x->device);
+  if (s == DLUA_OK && indices)
+    s = act_out_begin_on(op, &oi, indices, 4, osz, DLUA_DTYPE_I64, DLUA_DTYPE_I64, fmt, &x, 1, 0, x->device);
+  if (s == DLUA_OK && indices && (*indices)->dtype != DLUA_DTYPE_I64 && (*indices)->dtype != DLUA_DTYPE_I32) {
+    char b[200];
+    s = DLUA_ERR(DLUA_ERR_ARG, "%s: indices %s must be int64 or int32", op, dlua_tensor_describe(*indices, b, sizeof b));
+  }
+  if (s == DLUA_OK) {
+    const dlua_cuda_pool_t p = cuda_pool(g, kind, x->dtype, fmt == ACT_CL, x->device, include_pad, div_override);
+    s = dlua_cuda_pool_forward(op, &p, dlua_tensor_ptr(xs), dlua_tensor_ptr(oy.work),
+                               indices ? (int64_t *)dlua_tensor_ptr(oi.work) : NULL);
+  }
+  s = act_out_end(&oy, s);
+  s = act_out_end(&oi, s);
+  dlua_tensor_free(xs);
+  return s;
+}
+
+/* Backward of any kind into grad_input (x_sizes), laid out as grad_fmt says. */
+static dlua_status_t cuda_backward(const char *op, dlua_tensor_t **grad_input, const dlua_tensor_t *gy,
+                                   const dlua_tensor_t *indices, const int64_t *x_sizes, const pool_geom_t *g, int kind,
+                                   int include_pad, int div_override) {
+  const int fmt = grad_fmt(grad_input, gy);
+  dlua_tensor_t *gs = NULL, *is = NULL;
+  act_out_t ox = {0};
+  const dlua_tensor_t *ins[2] = {gy, indices};
+  dlua_status_t s = act_stage_on(gy, gy->dtype, fmt, &gs);
+  if (s == DLUA_OK && indices) s = act_stage_on(indices, DLUA_DTYPE_I64, fmt, &is);
+  if (s == DLUA_OK) s = act_out_begin_on(op, &ox, grad_input, 4, x_sizes, gy->dtype, gy->dtype, fmt, ins, 2, 0, gy->device);
+  if (s == DLUA_OK) {
+    const dlua_cuda_pool_t p = cuda_pool(g, kind, gy->dtype, fmt == ACT_CL, gy->device, include_pad, div_override);
+    int bad = 0;
+    s = dlua_cuda_pool_backward(op, &p, dlua_tensor_ptr(gs), is ? (const int64_t *)dlua_tensor_ptr(is) : NULL,
+                                dlua_tensor_ptr(ox.work), &bad);
+    if (s == DLUA_OK && bad) {
+      char b1[200];
+      s = DLUA_ERR(DLUA_ERR_ARG, "%s: indices %s hold a position outside the %" PRId64 " x %" PRId64 " input plane", op,
+                   dlua_tensor_describe(indices, b1, sizeof b1), g->H, g->W);
+    }
+  }
+  s = act_out_end(&ox, s);
+  dlua_tensor_free(gs);
+  dlua_tensor_free(is);
+  return s;
+}
+#endif
+
 /* ---- max pooling ---------------------------------------------------------------------------------- */
 
 dlua_status_t dlua_nn_max_pool2d_forward(dlua_tensor_t **out, dlua_tensor_t **indices, const dlua_tensor_t *x,
@@ -134,6 +205,13 @@ dlua_status_t dlua_nn_max_pool2d_forward(dlua_tensor_t **out, dlua_tensor_t **in
   DLUA_TRY(check_act(op, "input", x));
   pool_geom_t g;
   DLUA_TRY(pool_geometry(op, x->sizes, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, ceil_mode, &g));
+  if (x->device != DLUA_CPU) {
+#ifdef DLUA_HAVE_CUDA
+    return cuda_forward(op, out, indices, x, &g, 0, 0, 0);
+#else
+    return dlua_require_cpu(op, x);
+#endif
+  }
   const int fmt = fmt_of(x);
   g.cl = fmt == ACT_CL;
   const dlua_dtype_t ct = compute_dtype(x->dtype);
@@ -166,7 +244,7 @@ dlua_status_t dlua_nn_max_pool2d_backward(dlua_tensor_t **grad_input, const dlua
   DLUA_TRY(check_x_sizes(op, x_sizes));
   char b1[200], b2[200];
   if (!indices || !indices->storage) return DLUA_ERR(DLUA_ERR_ARG, "%s: indices is NULL", op);
-  DLUA_TRY(dlua_require_cpu(op, indices));
+  DLUA_TRY(act_same_device(op, grad_output, &indices, 1));
   if (indices->dtype != DLUA_DTYPE_I64 && indices->dtype != DLUA_DTYPE_I32)
     return DLUA_ERR(DLUA_ERR_ARG, "%s: indices %s must be int64 or int32", op, dlua_tensor_describe(indices, b1, sizeof b1));
   int same = indices->ndim == 4;
@@ -179,6 +257,13 @@ dlua_status_t dlua_nn_max_pool2d_backward(dlua_tensor_t **grad_input, const dlua
                     dlua_tensor_describe(grad_output, b1, sizeof b1), dlua_shape_str(4, x_sizes, b2, sizeof b2));
   pool_geom_t g = {.N = x_sizes[0], .C = x_sizes[1], .H = x_sizes[2], .W = x_sizes[3],
                    .OH = grad_output->sizes[2], .OW = grad_output->sizes[3]};
+  if (grad_output->device != DLUA_CPU) {
+#ifdef DLUA_HAVE_CUDA
+    return cuda_backward(op, grad_input, grad_output, indices, x_sizes, &g, 0, 0, 0);
+#else
+    return dlua_require_cpu(op, grad_output);
+#endif
+  }
   const int fmt = grad_fmt(grad_input, grad_output);
   g.cl = fmt == ACT_CL;
   const dlua_dtype_t ct = compute_dtype(grad_output->dtype);
@@ -299,7 +384,16 @@ dlua_status_t dlua_nn_avg_pool2d_forward(dlua_tensor_t **out, const dlua_tensor_
   pool_win_t w;
   DLUA_TRY(avg_setup(op, x->sizes, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, ceil_mode, count_include_pad,
                      divisor_override, &g, &w));
-  dlua_status_t s = avg_forward(op, out, x, &g, &w);
+  dlua_status_t s;
+  if (x->device != DLUA_CPU) {
+#ifdef DLUA_HAVE_CUDA
+    s = cuda_forward(op, out, NULL, x, &g, 1, count_include_pad, divisor_override);
+#else
+    s = dlua_require_cpu(op, x);
+#endif
+  } else {
+    s = avg_forward(op, out, x, &g, &w);
+  }
   free(w.hs);
   return s;
 }
@@ -317,7 +411,15 @@ dlua_status_t dlua_nn_avg_pool2d_backward(dlua_tensor_t **grad_input, const dlua
   DLUA_TRY(avg_setup(op, x_sizes, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, ceil_mode, count_include_pad,
                      divisor_override, &g, &w));
   dlua_status_t s = check_grad_shape(op, grad_output, &g);
-  if (s == DLUA_OK) s = avg_backward(op, grad_input, grad_output, x_sizes, &g, &w);
+  if (s == DLUA_OK && grad_output->device != DLUA_CPU) {
+#ifdef DLUA_HAVE_CUDA
+    s = cuda_backward(op, grad_input, grad_output, NULL, x_sizes, &g, 1, count_include_pad, divisor_override);
+#else
+    s = dlua_require_cpu(op, grad_output);
+#endif
+  } else if (s == DLUA_OK) {
+    s = avg_backward(op, grad_input, grad_output, x_sizes, &g, &w);
+  }
   free(w.hs);
   return s;
 }
@@ -346,7 +448,16 @@ dlua_status_t dlua_nn_adaptive_avg_pool2d_forward(dlua_tensor_t **out, const dlu
   pool_geom_t g;
   pool_win_t w;
   DLUA_TRY(adaptive_setup(op, x->sizes, out_h, out_w, &g, &w));
-  dlua_status_t s = avg_forward(op, out, x, &g, &w);
+  dlua_status_t s;
+  if (x->device != DLUA_CPU) {
+#ifdef DLUA_HAVE_CUDA
+    s = cuda_forward(op, out, NULL, x, &g, 2, 0, 0);
+#else
+    s = dlua_require_cpu(op, x);
+#endif
+  } else {
+    s = avg_forward(op, out, x, &g, &w);
+  }
   free(w.hs);
   return s;
 }
@@ -361,7 +472,15 @@ dlua_status_t dlua_nn_adaptive_avg_pool2d_backward(dlua_tensor_t **grad_input, c
   pool_win_t w;
   DLUA_TRY(adaptive_setup(op, x_sizes, grad_output->sizes[2], grad_output->sizes[3], &g, &w));
   dlua_status_t s = check_grad_shape(op, grad_output, &g);
-  if (s == DLUA_OK) s = avg_backward(op, grad_input, grad_output, x_sizes, &g, &w);
+  if (s == DLUA_OK && grad_output->device != DLUA_CPU) {
+#ifdef DLUA_HAVE_CUDA
+    s = cuda_backward(op, grad_input, grad_output, NULL, x_sizes, &g, 2, 0, 0);
+#else
+    s = dlua_require_cpu(op, grad_output);
+#endif
+  } else if (s == DLUA_OK) {
+    s = avg_backward(op, grad_input, grad_output, x_sizes, &g, &w);
+  }
   free(w.hs);
   return s;
 }
