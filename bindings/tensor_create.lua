@@ -305,9 +305,14 @@ function M.randperm(n, opts)
     raise(format('randperm: n must be a non-negative integer, got %s', tostring(n)))
   end
   local o = core.options('randperm', opts, random_opts)
-  core.device('randperm', o.device)
-  return new('randperm', C.dlua_tensor_randperm, 4, n, 1, core.dtype('randperm', o.dtype, I64),
+  local device = core.device('randperm', o.device)
+  -- The shuffle is sequential: drawn on the host, then copied to the device (the same values).
+  local t = new('randperm', C.dlua_tensor_randperm, 4, n, 1, core.dtype('randperm', o.dtype, I64),
     opt_generator('randperm', o))
+  if device == CPU then return t end
+  local d = t:to(core.device_name(device))
+  t:free()
+  return d
 end
 
 -- In-place fills from a generator.

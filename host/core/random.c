@@ -7,6 +7,7 @@
 #include "core/error.h"
 #include "core/random.h"
 #include "core/tensor.h"
+#include "cuda/loss_cuda.h" /* plain C: only CUDA builds call into it */
 
 struct dlua_generator {
   uint64_t seed;
@@ -53,12 +54,9 @@ void dlua_philox4x32_10(const uint32_t counter[4], const uint32_t key[2], uint32
   dlua_philox_block(counter, key, out);
 }
 
-/* ---- draws ------------------------------------------------------------------------------------ */
+/* ---- draws (the per-element rules live in core/random.h, shared with host/cuda/random.cu) ---------- */
 
-typedef struct {
-  uint32_t key[2];
-  uint64_t base; /* generator offset at the start of this fill */
-} stream_t;
+typedef dlua_rng_stream_t stream_t;
 
 static stream_t stream_reserve(dlua_generator_t *g, int64_t numel) {
   if (!g) g = &default_generator;
@@ -70,40 +68,15 @@ static stream_t stream_reserve(dlua_generator_t *g, int64_t numel) {
   return s;
 }
 
-static inline void stream_block(const stream_t *s, uint64_t block, uint32_t draw, uint32_t out[4]) {
-  uint64_t c = s->base + block;
-  uint32_t ctr[4] = {(uint32_t)c, (uint32_t)(c >> 32), draw, 0};
-  dlua_philox_block(ctr, s->key, out);
-}
-
-/* Element i's word for redraw d >= 1 (d = 0 is the word of the main block). */
-static inline uint32_t stream_word(const stream_t *s, int64_t i, uint32_t draw) {
-  uint32_t out[4];
-  stream_block(s, (uint64_t)i / 4, draw, out);
-  return out[i % 4];
-}
-
-/* Unbiased integer in [0, range) for element i whose first 32-bit word is `first`. Words
-   below 2^32 mod range (or 2^64 mod range) are rejected and redrawn from the next counter
-   word d, so the accepted values are exactly uniform. A range above 2^32 builds each
-   candidate from two words: (first or word 2d-1) and word 2d. */
-static uint64_t bounded(const stream_t *s, int64_t i, uint32_t first, uint64_t range) {
-  if (range <= 0x100000000ull) {
-    uint64_t reject_below = (0x100000000ull - range) % range;
-    uint32_t x = first;
-    for (uint32_t d = 1; x < reject_below; d++) x = stream_word(s, i, d);
-    return x % range;
-  }
-  uint64_t reject_below = (0 - range) % range;
-  uint64_t x = ((uint64_t)first << 32) | stream_word(s, i, 1);
-  for (uint32_t d = 2; x < reject_below; d += 2)
-    x = ((uint64_t)stream_word(s, i, d) << 32) | stream_word(s, i, d + 1);
-  return x % range;
-}
-
 /* ---- fills -------------------------------------------------------------------------------------- */
 
-typedef enum { FILL_UNIFORM, FILL_NORMAL, FILL_RANDINT, FILL_BERNOULLI } fill_kind_t;
+/* Numbered as host/cuda/random.cu's fills. */
+typedef enum {
+  FILL_UNIFORM = DLUA_CUDA_FILL_UNIFORM,
+  FILL_NORMAL = DLUA_CUDA_FILL_NORMAL,
+  FILL_RANDINT = DLUA_CUDA_FILL_RANDINT,
+  FILL_BERNOULLI = DLUA_CUDA_FILL_BERNOULLI
+} fill_kind_t;
 
 typedef struct {
   fill_kind_t kind;
@@ -117,53 +90,60 @@ enum { FILL_CHUNK = 2048 };  // elements per work item; a multiple of 4 so block
 
 /* Elements [lo, lo + n) of the fill, lo a multiple of 4, into buf as f64 or i64. */
 static void fill_chunk(const fill_spec_t *f, const stream_t *s, int64_t lo, int64_t n, double *dbuf, int64_t *ibuf) {
-  const double two32 = 4294967296.0, two24 = 16777216.0;
   for (int64_t j = 0; j < n; j += 4) {
     uint32_t w[4];
-    stream_block(s, (uint64_t)(lo + j) / 4, 0, w);
+    dlua_rng_block(s, (uint64_t)(lo + j) / 4, 0, w);
     int64_t m = n - j < 4 ? n - j : 4;
     switch (f->kind) {
       case FILL_UNIFORM:
-        for (int64_t k = 0; k < m; k++) {
-          // 24 bits fill a float mantissa exactly, so u < 1 survives the cast to float32.
-          double u = f->wide ? w[k] / two32 : (w[k] >> 8) / two24;
-          dbuf[j + k] = f->a + (f->b - f->a) * u;
-        }
+        for (int64_t k = 0; k < m; k++) dbuf[j + k] = dlua_rng_uniform(w[k], f->wide, f->a, f->b);
         break;
       case FILL_NORMAL: {
-        // Box-Muller on lanes (0, 1) and (2, 3): lane 0/2 takes the cosine, lane 1/3 the sine.
-        // (w + 1) / 2^32 lies in (0, 1], so the log never sees 0.
         double z[4];
-        for (int p = 0; p < 4; p += 2) {
-          double r = sqrt(-2.0 * log(((double)w[p] + 1.0) / two32));
-          double theta = 6.283185307179586476925 * (w[p + 1] / two32);
-          z[p] = r * cos(theta);
-          z[p + 1] = r * sin(theta);
-        }
-        for (int64_t k = 0; k < m; k++) dbuf[j + k] = f->a + f->b * z[k];
+        dlua_rng_normal4(w, f->a, f->b, z);
+        for (int64_t k = 0; k < m; k++) dbuf[j + k] = z[k];
         break;
       }
       case FILL_RANDINT:
-        for (int64_t k = 0; k < m; k++) ibuf[j + k] = f->low + (int64_t)bounded(s, lo + j + k, w[k], f->range);
+        for (int64_t k = 0; k < m; k++) ibuf[j + k] = f->low + (int64_t)dlua_rng_bounded(s, lo + j + k, w[k], f->range);
         break;
       case FILL_BERNOULLI:
-        for (int64_t k = 0; k < m; k++) dbuf[j + k] = (w[k] / two32) < f->a ? 1.0 : 0.0;
+        for (int64_t k = 0; k < m; k++) dbuf[j + k] = dlua_rng_bernoulli(w[k], f->a);
         break;
     }
   }
 }
 
-static dlua_status_t run_fill(dlua_tensor_t *t, dlua_generator_t *g, fill_spec_t *f) {
+/* The same fill on CUDA: one thread per 4-element block of the stream (host/cuda/random.cu). */
+static dlua_status_t cuda_fill(const char *op, const fill_spec_t *f, const stream_t *s, dlua_tensor_t *target,
+                               int64_t n) {
+#ifdef DLUA_HAVE_CUDA
+  dlua_cuda_fill_t cf = {.kind = (int)f->kind, .a = f->a, .b = f->b, .low = f->low, .range = f->range,
+                         .wide = f->wide, .key = {s->key[0], s->key[1]}, .base = s->base};
+  return dlua_cuda_random_fill(op, &cf, (int)target->dtype, dlua_tensor_ptr(target), n, target->device);
+#else
+  (void)f, (void)s, (void)n;
+  return dlua_require_cpu(op, target);
+#endif
+}
+
+static dlua_status_t run_fill(const char *op, dlua_tensor_t *t, dlua_generator_t *g, fill_spec_t *f) {
   int64_t n = dlua_tensor_numel(t);
   dlua_tensor_t *target = t;
   // Element i is the i-th in row-major order of t; a non-contiguous t is filled through a
   // contiguous buffer so that order is kept.
   if (!dlua_tensor_is_contiguous(t)) {
     target = NULL;
-    DLUA_TRY(dlua_tensor_empty(&target, t->ndim, t->sizes, t->dtype, DLUA_CPU));
+    DLUA_TRY(dlua_tensor_empty(&target, t->ndim, t->sizes, t->dtype, t->device));
   }
   stream_t s = stream_reserve(g, n);
   f->wide = t->dtype == DLUA_DTYPE_F64;
+  if (t->device != DLUA_CPU) {
+    dlua_status_t st = cuda_fill(op, f, &s, target, n);
+    if (st == DLUA_OK && target != t) st = dlua_tensor_copy_(t, target);
+    if (target != t) dlua_tensor_free(target);
+    return st;
+  }
   char *dst = dlua_tensor_ptr(target);
   size_t es = dlua_dtype_size(t->dtype);
   int64_t nchunks = (n + FILL_CHUNK - 1) / FILL_CHUNK;
@@ -186,6 +166,16 @@ static dlua_status_t run_fill(dlua_tensor_t *t, dlua_generator_t *g, fill_spec_t
   return st;
 }
 
+/* A fill's tensor: on any device where CUDA is built (the dispatch is in run_fill). */
+static dlua_status_t check_target(const char *op, const dlua_tensor_t *t) {
+#ifdef DLUA_HAVE_CUDA
+  if (!t || !t->storage) return DLUA_ERR(DLUA_ERR_ARG, "%s: the tensor is NULL (freed, or never created)", op);
+  return DLUA_OK;
+#else
+  return dlua_require_cpu(op, t);
+#endif
+}
+
 static dlua_status_t require_floating(const char *op, const dlua_tensor_t *t) {
   if (!dlua_dtype_is_floating(t->dtype)) {
     char b[200];
@@ -195,21 +185,21 @@ static dlua_status_t require_floating(const char *op, const dlua_tensor_t *t) {
 }
 
 dlua_status_t dlua_tensor_uniform_(dlua_tensor_t *t, double low, double high, dlua_generator_t *g) {
-  DLUA_TRY(dlua_require_cpu("uniform_", t));
+  DLUA_TRY(check_target("uniform_", t));
   DLUA_TRY(require_floating("uniform_", t));
   if (!isfinite(low) || !isfinite(high) || low > high)
     return DLUA_ERR(DLUA_ERR_ARG, "uniform_: expected finite low <= high, got [%g, %g)", low, high);
   fill_spec_t f = {.kind = FILL_UNIFORM, .a = low, .b = high};
-  return run_fill(t, g, &f);
+  return run_fill("uniform_", t, g, &f);
 }
 
 dlua_status_t dlua_tensor_normal_(dlua_tensor_t *t, double mean, double std, dlua_generator_t *g) {
-  DLUA_TRY(dlua_require_cpu("normal_", t));
+  DLUA_TRY(check_target("normal_", t));
   DLUA_TRY(require_floating("normal_", t));
   if (!isfinite(mean) || !isfinite(std) || std < 0)
     return DLUA_ERR(DLUA_ERR_ARG, "normal_: expected a finite mean and std >= 0, got mean %g, std %g", mean, std);
   fill_spec_t f = {.kind = FILL_NORMAL, .a = mean, .b = std};
-  return run_fill(t, g, &f);
+  return run_fill("normal_", t, g, &f);
 }
 
 /* The integers a dtype holds exactly, for randint_ and randperm range checks. */
@@ -227,7 +217,7 @@ static void exact_int_range(dlua_dtype_t d, int64_t *lo, int64_t *hi) {
 }
 
 dlua_status_t dlua_tensor_randint_(dlua_tensor_t *t, int64_t low, int64_t high, dlua_generator_t *g) {
-  DLUA_TRY(dlua_require_cpu("randint_", t));
+  DLUA_TRY(check_target("randint_", t));
   char b[200];
   if (high <= low)
     return DLUA_ERR(DLUA_ERR_ARG, "randint_: expected low < high, got [%" PRId64 ", %" PRId64 ")", low, high);
@@ -237,14 +227,14 @@ dlua_status_t dlua_tensor_randint_(dlua_tensor_t *t, int64_t low, int64_t high, 
     return DLUA_ERR(DLUA_ERR_ARG, "randint_: [%" PRId64 ", %" PRId64 ") does not fit %s exactly (%s)", low, high,
                     dlua_dtype_name(t->dtype), dlua_tensor_describe(t, b, sizeof b));
   fill_spec_t f = {.kind = FILL_RANDINT, .low = low, .range = (uint64_t)high - (uint64_t)low};
-  return run_fill(t, g, &f);
+  return run_fill("randint_", t, g, &f);
 }
 
 dlua_status_t dlua_tensor_bernoulli_(dlua_tensor_t *t, double p, dlua_generator_t *g) {
-  DLUA_TRY(dlua_require_cpu("bernoulli_", t));
+  DLUA_TRY(check_target("bernoulli_", t));
   if (!(p >= 0 && p <= 1)) return DLUA_ERR(DLUA_ERR_ARG, "bernoulli_: p must be in [0, 1], got %g", p);
   fill_spec_t f = {.kind = FILL_BERNOULLI, .a = p};
-  return run_fill(t, g, &f);
+  return run_fill("bernoulli_", t, g, &f);
 }
 
 /* Fisher-Yates from the back: step k (k = 0 .. n-2) swaps position n-1-k with a uniform
@@ -272,9 +262,9 @@ dlua_status_t dlua_tensor_randperm(dlua_tensor_t **out, int64_t n, int64_t base,
   stream_t s = stream_reserve(g, n);
   uint32_t w[4];
   for (int64_t k = 0; k + 1 < n; k++) {
-    if (k % 4 == 0) stream_block(&s, (uint64_t)k / 4, 0, w);
+    if (k % 4 == 0) dlua_rng_block(&s, (uint64_t)k / 4, 0, w);
     int64_t i = n - 1 - k;
-    int64_t j = (int64_t)bounded(&s, k, w[k % 4], (uint64_t)i + 1);
+    int64_t j = (int64_t)dlua_rng_bounded(&s, k, w[k % 4], (uint64_t)i + 1);
     int64_t tmp = perm[i];
     perm[i] = perm[j];
     perm[j] = tmp;
