@@ -9,12 +9,21 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/tensor.h"
+#include "cuda/loss_cuda.h" /* plain C: only CUDA builds call into it */
 
 /* Below this many elements of work a loop runs on one thread: waking the pool costs more. */
 enum { PAR_MIN = 32768 };
 /* Losses are summed per block of this many targets (cross-entropy) or elements (MSE), and
    the block sums are added in block order, so a reduced loss does not depend on threads. */
 enum { CE_BLOCK = 64, MSE_BLOCK = 16384 };
+
+/* A CUDA launch (host/cuda/loss.cu) where the operands are on a device. Without CUDA in the build no
+   tensor is, and the call is compiled out (sizeof keeps its arguments used without calling it). */
+#ifdef DLUA_HAVE_CUDA
+#define CUDA_CALL(call) (call)
+#else
+#define CUDA_CALL(call) ((void)sizeof(call), DLUA_ERR(DLUA_ERR_INTERNAL, "loss: a CUDA tensor in a build without CUDA"))
+#endif
 
 /* ---- staging: kernels see contiguous buffers of their compute dtype ------------------------- */
 
@@ -23,13 +32,23 @@ static dlua_dtype_t compute_dtype(dlua_dtype_t d) { return d == DLUA_DTYPE_F64 ?
 
 static dlua_status_t check_tensor(const char *op, const char *what, const dlua_tensor_t *t, int floating) {
   if (!t || !t->storage) return DLUA_ERR(DLUA_ERR_ARG, "%s: %s is NULL (freed, or never created)", op, what);
+#ifndef DLUA_HAVE_CUDA
   DLUA_TRY(dlua_require_cpu(op, t));
+#endif
   if (floating && !dlua_dtype_is_floating(t->dtype)) {
     char b[200];
     return DLUA_ERR(DLUA_ERR_ARG, "%s: %s must be a floating-point tensor, got %s", op, what,
                     dlua_tensor_describe(t, b, sizeof b));
   }
   return DLUA_OK;
+}
+
+/* Every operand of an op on one device (b may be NULL). */
+static dlua_status_t check_same_device(const char *op, const dlua_tensor_t *a, const dlua_tensor_t *b) {
+  if (!b || a->device == b->device) return DLUA_OK;
+  char b1[200], b2[200];
+  return DLUA_ERR(DLUA_ERR_ARG, "%s: expected tensors on one device, got %s and %s", op,
+                  dlua_tensor_describe(a, b1, sizeof b1), dlua_tensor_describe(b, b2, sizeof b2));
 }
 
 static int same_shape(const dlua_tensor_t *a, const dlua_tensor_t *b) {
@@ -86,11 +105,11 @@ typedef struct {
 } out_buf_t;
 
 static dlua_status_t out_stage(const char *op, dlua_tensor_t **out, int nd, const int64_t *sizes, dlua_dtype_t dt,
-                               dlua_dtype_t ct, const in_buf_t *ins, int nin, out_buf_t *o) {
+                               dlua_dtype_t ct, const in_buf_t *ins, int nin, int device, out_buf_t *o) {
   o->out = out;
   o->tmp = NULL;
   o->allocated = 0;
-  DLUA_TRY(dlua_prepare_out(op, out, nd, sizes, dt, &o->allocated));
+  DLUA_TRY(dlua_prepare_out_on(op, out, nd, sizes, dt, device, &o->allocated));
   dlua_tensor_t *t = *out;
   int direct = t->dtype == ct && dlua_tensor_is_contiguous(t);
   if (!o->allocated) {
@@ -114,7 +133,7 @@ static dlua_status_t out_stage(const char *op, dlua_tensor_t **out, int nd, cons
     o->p = dlua_tensor_ptr(t);
     return DLUA_OK;
   }
-  dlua_status_t s = dlua_tensor_empty(&o->tmp, nd, sizes, ct, DLUA_CPU);
+  dlua_status_t s = dlua_tensor_empty(&o->tmp, nd, sizes, ct, device);
   if (s != DLUA_OK) {
     if (o->allocated) {
       dlua_tensor_free(*out);
@@ -295,13 +314,15 @@ dlua_status_t dlua_nn_softmax(dlua_tensor_t **out, const dlua_tensor_t *x, int d
   in_buf_t in;
   DLUA_TRY(in_stage(x, ct, &in));
   out_buf_t o;
-  dlua_status_t s = out_stage(op, out, x->ndim, x->sizes, x->dtype, ct, &in, 1, &o);
+  dlua_status_t s = out_stage(op, out, x->ndim, x->sizes, x->dtype, ct, &in, 1, x->device, &o);
   if (s == DLUA_OK) {
-    if (ct == DLUA_DTYPE_F64)
+    if (x->device != DLUA_CPU)
+      s = CUDA_CALL(dlua_cuda_softmax_fwd(op, (int)ct, in.p, o.p, outer, K, inner, log, x->device));
+    else if (ct == DLUA_DTYPE_F64)
       softmax_fwd_d(in.p, o.p, outer, K, inner, log);
     else
       softmax_fwd_f(in.p, o.p, outer, K, inner, log);
-    s = out_finish(&o, DLUA_OK);
+    s = out_finish(&o, s);
   }
   in_release(&in, 1);
   return s;
@@ -312,6 +333,7 @@ dlua_status_t dlua_nn_softmax_backward(dlua_tensor_t **grad_input, const dlua_te
   const char *op = log ? "log_softmax_backward" : "softmax_backward";
   DLUA_TRY(check_tensor(op, "grad_output", grad_output, 1));
   DLUA_TRY(check_tensor(op, "output", output, 1));
+  DLUA_TRY(check_same_device(op, grad_output, output));
   DLUA_TRY(check_same_shape(op, "grad_output", grad_output, "output", output));
   int64_t outer = 0, K = 0, inner = 0;
   DLUA_TRY(softmax_dims(op, output, dim, &outer, &K, &inner));
@@ -324,13 +346,15 @@ dlua_status_t dlua_nn_softmax_backward(dlua_tensor_t **grad_input, const dlua_te
     return s;
   }
   out_buf_t o;
-  s = out_stage(op, grad_input, output->ndim, output->sizes, rt, ct, in, 2, &o);
+  s = out_stage(op, grad_input, output->ndim, output->sizes, rt, ct, in, 2, output->device, &o);
   if (s == DLUA_OK) {
-    if (ct == DLUA_DTYPE_F64)
+    if (output->device != DLUA_CPU)
+      s = CUDA_CALL(dlua_cuda_softmax_bwd(op, (int)ct, in[0].p, in[1].p, o.p, outer, K, inner, log, output->device));
+    else if (ct == DLUA_DTYPE_F64)
       softmax_bwd_d(in[0].p, in[1].p, o.p, outer, K, inner, log);
     else
       softmax_bwd_f(in[0].p, in[1].p, o.p, outer, K, inner, log);
-    s = out_finish(&o, DLUA_OK);
+    s = out_finish(&o, s);
   }
   in_release(in, 2);
   return s;
@@ -349,6 +373,11 @@ typedef struct {
   const double *w;          /* (K) or NULL */
   double wsum;              /* sum_c w_c (K without weights) */
   double eps;               /* label smoothing */
+  /* CUDA: labels and w above are host copies (owned) for the checks and sums, these the device buffers. */
+  int64_t *host_labels;
+  double *host_w;
+  const int64_t *dev_labels;
+  const double *dev_w;
 } ce_plan_t;
 
 /* Logits (N, K, d...) or (K); labels (N, d...) or (). */
@@ -394,11 +423,30 @@ static dlua_status_t ce_labels(const char *op, const ce_plan_t *pl, double *tota
   return DLUA_OK;
 }
 
+/* Frees what ce_prepare made: staged labels and weight, and their host copies. */
+static void ce_release(ce_plan_t *pl, in_buf_t *lab, in_buf_t *wbuf) {
+  free(pl->host_labels);
+  free(pl->host_w);
+  pl->host_labels = NULL;
+  pl->host_w = NULL;
+  in_release(lab, 1);
+  in_release(wbuf, 1);
+}
+
+/* The plan as host/cuda/loss.cu takes it. */
+static inline dlua_cuda_ce_t ce_cuda_plan(const ce_plan_t *pl) {
+  dlua_cuda_ce_t c = {.N = pl->N, .K = pl->K, .inner = pl->inner, .P = pl->P, .labels = pl->dev_labels,
+                      .base = pl->base, .ignore = pl->ignore, .w = pl->dev_w, .wsum = pl->wsum, .eps = pl->eps};
+  return c;
+}
+
 /* Labels as int64 (any integer dtype), the weight as double, and the plan's options. */
 static dlua_status_t ce_prepare(const char *op, const dlua_tensor_t *labels, const dlua_tensor_t *weight,
                                 double eps, int64_t ignore, int64_t base, ce_plan_t *pl, in_buf_t *lab,
                                 in_buf_t *wbuf) {
   lab->tmp = wbuf->tmp = NULL;
+  pl->host_labels = NULL;
+  pl->host_w = NULL;
   if (!(eps >= 0 && eps <= 1))
     return DLUA_ERR(DLUA_ERR_ARG, "%s: label_smoothing must be in [0, 1], got %g", op, eps);
   if (dlua_dtype_is_floating(labels->dtype) || labels->dtype == DLUA_DTYPE_BOOL) {
@@ -408,6 +456,7 @@ static dlua_status_t ce_prepare(const char *op, const dlua_tensor_t *labels, con
   }
   if (weight) {
     DLUA_TRY(check_tensor(op, "weight", weight, 1));
+    DLUA_TRY(check_same_device(op, labels, weight));
     if (weight->ndim != 1 || weight->sizes[0] != pl->K) {
       char b[200];
       return DLUA_ERR(DLUA_ERR_ARG, "%s: weight %s must be one value per class: (%" PRId64 ")", op,
@@ -421,10 +470,32 @@ static dlua_status_t ce_prepare(const char *op, const dlua_tensor_t *labels, con
     return s;
   }
   pl->labels = lab->p;
+  pl->dev_labels = NULL;
+  pl->dev_w = NULL;
+  if (labels->device != DLUA_CPU) {
+    // Labels are checked (and the mean's weights summed) on the host, as on the CPU: one copy back and a
+    // wait for the stream, in exchange for the same error message naming the first bad label.
+    size_t lb = (size_t)pl->P * sizeof(int64_t), wb = (size_t)pl->K * sizeof(double);
+    pl->host_labels = malloc(lb ? lb : 1);
+    pl->host_w = weight ? malloc(wb ? wb : 1) : NULL;
+    if (!pl->host_labels || (weight && !pl->host_w)) {
+      s = DLUA_ERR(DLUA_ERR_OOM, "%s: out of memory allocating %zu bytes", op, lb + wb);
+    } else {
+      s = dlua_tensor_to_data(lab->tmp ? lab->tmp : labels, pl->host_labels, lb);
+      if (s == DLUA_OK && weight) s = dlua_tensor_to_data(wbuf->tmp ? wbuf->tmp : weight, pl->host_w, wb);
+    }
+    if (s != DLUA_OK) {
+      ce_release(pl, lab, wbuf);
+      return s;
+    }
+    pl->dev_labels = lab->p;
+    pl->dev_w = weight ? wbuf->p : NULL;
+    pl->labels = pl->host_labels;
+  }
   pl->base = base;
   pl->ignore = ignore;
   pl->eps = eps;
-  pl->w = weight ? wbuf->p : NULL;
+  pl->w = weight ? (pl->host_w ? pl->host_w : wbuf->p) : NULL;
   pl->wsum = (double)pl->K;
   if (pl->w) {
     pl->wsum = 0;
@@ -506,6 +577,7 @@ dlua_status_t dlua_nn_cross_entropy(dlua_tensor_t **out, dlua_tensor_t **log_pro
   const char *op = "cross_entropy";
   DLUA_TRY(check_tensor(op, "logits", logits, 1));
   DLUA_TRY(check_tensor(op, "labels", labels, 0));
+  DLUA_TRY(check_same_device(op, logits, labels));
   DLUA_TRY(check_reduction(op, reduction));
   ce_plan_t pl;
   DLUA_TRY(ce_shapes(op, logits, labels, "logits", &pl));
@@ -518,24 +590,30 @@ dlua_status_t dlua_nn_cross_entropy(dlua_tensor_t **out, dlua_tensor_t **log_pro
   if (s == DLUA_OK) s = in_stage(logits, ct, &x);
   double *blocks = NULL;
   int64_t nb = (pl.P + CE_BLOCK - 1) / CE_BLOCK;
-  if (s == DLUA_OK && reduction != DLUA_LOSS_NONE) {
+  const int dev = logits->device;
+  if (s == DLUA_OK && reduction != DLUA_LOSS_NONE && dev == DLUA_CPU) {
     blocks = malloc((size_t)(nb ? nb : 1) * sizeof(double));
     if (!blocks) s = DLUA_ERR(DLUA_ERR_OOM, "cross_entropy: out of memory allocating %zu bytes", (size_t)nb * sizeof(double));
   }
   out_buf_t lo = {0}, lossb = {0};
   int have_lp = 0, have_loss = 0;
   if (s == DLUA_OK && log_probs) {
-    s = out_stage(op, log_probs, logits->ndim, logits->sizes, logits->dtype, ct, &x, 1, &lo);
+    s = out_stage(op, log_probs, logits->ndim, logits->sizes, logits->dtype, ct, &x, 1, dev, &lo);
     have_lp = s == DLUA_OK;
   }
   if (s == DLUA_OK) {
     if (reduction == DLUA_LOSS_NONE)
-      s = out_stage(op, out, labels->ndim, labels->sizes, logits->dtype, ct, &x, 1, &lossb);
+      s = out_stage(op, out, labels->ndim, labels->sizes, logits->dtype, ct, &x, 1, dev, &lossb);
     else
-      s = out_stage(op, out, 0, NULL, logits->dtype, DLUA_DTYPE_F64, NULL, 0, &lossb);
+      s = out_stage(op, out, 0, NULL, logits->dtype, DLUA_DTYPE_F64, NULL, 0, dev, &lossb);
     have_loss = s == DLUA_OK;
   }
-  if (s == DLUA_OK) {
+  if (s == DLUA_OK && dev != DLUA_CPU) {
+    dlua_cuda_ce_t cp = ce_cuda_plan(&pl);
+    int reduced = reduction != DLUA_LOSS_NONE;
+    s = CUDA_CALL(dlua_cuda_ce_fwd(op, (int)ct, &cp, x.p, have_lp ? lo.p : NULL, reduced ? NULL : lossb.p,
+                                   reduced ? lossb.p : NULL, reduction == DLUA_LOSS_MEAN ? tw : 1.0, dev));
+  } else if (s == DLUA_OK) {
     void *none = reduction == DLUA_LOSS_NONE ? lossb.p : NULL;
     if (ct == DLUA_DTYPE_F64)
       ce_fwd_d(&pl, x.p, have_lp ? lo.p : NULL, none, blocks);
@@ -556,7 +634,7 @@ dlua_status_t dlua_nn_cross_entropy(dlua_tensor_t **out, dlua_tensor_t **log_pro
   }
   free(blocks);
   in_release(&x, 1);
-  in_release(aux, 2);
+  ce_release(&pl, &aux[0], &aux[1]);
   return s;
 }
 
@@ -567,11 +645,13 @@ dlua_status_t dlua_nn_cross_entropy_backward(dlua_tensor_t **grad_logits, const 
   const char *op = "cross_entropy_backward";
   DLUA_TRY(check_tensor(op, "log_probs", log_probs, 1));
   DLUA_TRY(check_tensor(op, "labels", labels, 0));
+  DLUA_TRY(check_same_device(op, log_probs, labels));
   DLUA_TRY(check_reduction(op, reduction));
   ce_plan_t pl;
   DLUA_TRY(ce_shapes(op, log_probs, labels, "log_probs", &pl));
   if (grad_output) {
     DLUA_TRY(check_tensor(op, "grad_output", grad_output, 1));
+    DLUA_TRY(check_same_device(op, log_probs, grad_output));
     if (reduction == DLUA_LOSS_NONE) {
       DLUA_TRY(check_same_shape(op, "grad_output", grad_output, "labels", labels));
     } else if (dlua_tensor_numel(grad_output) != 1) {
@@ -587,10 +667,14 @@ dlua_status_t dlua_nn_cross_entropy_backward(dlua_tensor_t **grad_logits, const 
   dlua_dtype_t rt = log_probs->dtype;
   if (grad_output && reduction == DLUA_LOSS_NONE) rt = dlua_dtype_promote(rt, grad_output->dtype);
   dlua_dtype_t ct = compute_dtype(rt);
+  const int dev = log_probs->device;
   if (s == DLUA_OK) s = in_stage(log_probs, ct, &in[0]);
   if (s == DLUA_OK && grad_output) {
     if (reduction == DLUA_LOSS_NONE) {
       s = in_stage(grad_output, ct, &in[1]);
+    } else if (dev != DLUA_CPU) {  // the kernel reads the value: a private f64 copy, as only_value reads it
+      s = dlua_tensor_to_dtype(&in[1].tmp, grad_output, DLUA_DTYPE_F64);
+      if (s == DLUA_OK) in[1].p = dlua_tensor_ptr(in[1].tmp), in[1].n = 1;
     } else {
       g = only_value(grad_output);
     }
@@ -598,18 +682,24 @@ dlua_status_t dlua_nn_cross_entropy_backward(dlua_tensor_t **grad_logits, const 
   if (reduction == DLUA_LOSS_MEAN) g /= tw;
   out_buf_t o;
   if (s == DLUA_OK) {
-    s = out_stage(op, grad_logits, log_probs->ndim, log_probs->sizes, rt, ct, in, grad_output ? 2 : 1, &o);
+    int per_target = grad_output && reduction == DLUA_LOSS_NONE;
+    s = out_stage(op, grad_logits, log_probs->ndim, log_probs->sizes, rt, ct, in, per_target ? 2 : 1, dev, &o);
     if (s == DLUA_OK) {
-      const void *gy = grad_output && reduction == DLUA_LOSS_NONE ? in[1].p : NULL;
-      if (ct == DLUA_DTYPE_F64)
+      const void *gy = per_target ? in[1].p : NULL;
+      if (dev != DLUA_CPU) {
+        dlua_cuda_ce_t cp = ce_cuda_plan(&pl);
+        s = CUDA_CALL(dlua_cuda_ce_bwd(op, (int)ct, &cp, in[0].p, gy, grad_output && !per_target ? in[1].p : NULL,
+                                       reduction == DLUA_LOSS_MEAN ? tw : 1.0, o.p, dev));
+      } else if (ct == DLUA_DTYPE_F64) {
         ce_bwd_d(&pl, in[0].p, gy, g, o.p);
-      else
+      } else {
         ce_bwd_f(&pl, in[0].p, gy, g, o.p);
-      s = out_finish(&o, DLUA_OK);
+      }
+      s = out_finish(&o, s);
     }
   }
   in_release(in, 2);
-  in_release(aux, 2);
+  ce_release(&pl, &aux[0], &aux[1]);
   return s;
 }
 
@@ -620,6 +710,7 @@ dlua_status_t dlua_nn_mse_loss(dlua_tensor_t **out, const dlua_tensor_t *input, 
   const char *op = "mse_loss";
   DLUA_TRY(check_tensor(op, "input", input, 1));
   DLUA_TRY(check_tensor(op, "target", target, 1));
+  DLUA_TRY(check_same_device(op, input, target));
   DLUA_TRY(check_reduction(op, reduction));
   DLUA_TRY(check_same_shape(op, "input", input, "target", target));
   dlua_dtype_t rt = dlua_dtype_promote(input->dtype, target->dtype), ct = compute_dtype(rt);
@@ -628,17 +719,23 @@ dlua_status_t dlua_nn_mse_loss(dlua_tensor_t **out, const dlua_tensor_t *input, 
   dlua_status_t s = in_stage(input, ct, &in[0]);
   if (s == DLUA_OK) s = in_stage(target, ct, &in[1]);
   double *blocks = NULL;
-  if (s == DLUA_OK && reduction != DLUA_LOSS_NONE) {
+  const int dev = input->device;
+  if (s == DLUA_OK && reduction != DLUA_LOSS_NONE && dev == DLUA_CPU) {
     blocks = malloc((size_t)(nb ? nb : 1) * sizeof(double));
     if (!blocks) s = DLUA_ERR(DLUA_ERR_OOM, "mse_loss: out of memory allocating %zu bytes", (size_t)nb * sizeof(double));
   }
   out_buf_t o;
   if (s == DLUA_OK) {
     if (reduction == DLUA_LOSS_NONE)
-      s = out_stage(op, out, input->ndim, input->sizes, rt, ct, in, 2, &o);
+      s = out_stage(op, out, input->ndim, input->sizes, rt, ct, in, 2, dev, &o);
     else
-      s = out_stage(op, out, 0, NULL, rt, DLUA_DTYPE_F64, NULL, 0, &o);
-    if (s == DLUA_OK) {
+      s = out_stage(op, out, 0, NULL, rt, DLUA_DTYPE_F64, NULL, 0, dev, &o);
+    if (s == DLUA_OK && dev != DLUA_CPU) {
+      int reduced = reduction != DLUA_LOSS_NONE;
+      s = CUDA_CALL(dlua_cuda_mse_fwd(op, (int)ct, in[0].p, in[1].p, reduced ? NULL : o.p, reduced ? o.p : NULL,
+                                      reduction == DLUA_LOSS_MEAN ? (double)n : 1.0, n, dev));
+      s = out_finish(&o, s);
+    } else if (s == DLUA_OK) {
       void *none = reduction == DLUA_LOSS_NONE ? o.p : NULL;
       if (ct == DLUA_DTYPE_F64)
         mse_fwd_d(in[0].p, in[1].p, none, blocks, n);
@@ -663,11 +760,13 @@ dlua_status_t dlua_nn_mse_loss_backward(dlua_tensor_t **grad_input, const dlua_t
   const char *op = "mse_loss_backward";
   DLUA_TRY(check_tensor(op, "input", input, 1));
   DLUA_TRY(check_tensor(op, "target", target, 1));
+  DLUA_TRY(check_same_device(op, input, target));
   DLUA_TRY(check_reduction(op, reduction));
   DLUA_TRY(check_same_shape(op, "input", input, "target", target));
   dlua_dtype_t rt = dlua_dtype_promote(input->dtype, target->dtype);
   if (grad_output) {
     DLUA_TRY(check_tensor(op, "grad_output", grad_output, 1));
+    DLUA_TRY(check_same_device(op, input, grad_output));
     if (reduction == DLUA_LOSS_NONE) {
       DLUA_TRY(check_same_shape(op, "grad_output", grad_output, "input", input));
       rt = dlua_dtype_promote(rt, grad_output->dtype);
@@ -684,9 +783,13 @@ dlua_status_t dlua_nn_mse_loss_backward(dlua_tensor_t **grad_input, const dlua_t
   double g = 1;
   dlua_status_t s = in_stage(input, ct, &in[0]);
   if (s == DLUA_OK) s = in_stage(target, ct, &in[1]);
+  const int dev = input->device;
   if (s == DLUA_OK && grad_output) {
     if (per_element) {
       s = in_stage(grad_output, ct, &in[2]);
+    } else if (dev != DLUA_CPU) {  // the kernel reads the value: a private f64 copy, as only_value reads it
+      s = dlua_tensor_to_dtype(&in[2].tmp, grad_output, DLUA_DTYPE_F64);
+      if (s == DLUA_OK) in[2].p = dlua_tensor_ptr(in[2].tmp), in[2].n = 1;
     } else {
       g = only_value(grad_output);
     }
@@ -694,8 +797,12 @@ dlua_status_t dlua_nn_mse_loss_backward(dlua_tensor_t **grad_input, const dlua_t
   double norm = reduction == DLUA_LOSS_MEAN ? 2.0 / (double)n : 2.0;
   out_buf_t o;
   if (s == DLUA_OK) {
-    s = out_stage(op, grad_input, input->ndim, input->sizes, rt, ct, in, per_element ? 3 : 2, &o);
-    if (s == DLUA_OK) {
+    s = out_stage(op, grad_input, input->ndim, input->sizes, rt, ct, in, per_element ? 3 : 2, dev, &o);
+    if (s == DLUA_OK && dev != DLUA_CPU) {
+      s = CUDA_CALL(dlua_cuda_mse_bwd(op, (int)ct, in[0].p, in[1].p, per_element ? in[2].p : NULL,
+                                      grad_output && !per_element ? in[2].p : NULL, norm, o.p, n, dev));
+      s = out_finish(&o, s);
+    } else if (s == DLUA_OK) {
       if (ct == DLUA_DTYPE_F64)
         mse_bwd_d(in[0].p, in[1].p, per_element ? in[2].p : NULL, g, norm, o.p, n);
       else
@@ -716,13 +823,15 @@ dlua_status_t dlua_nn_threshold(dlua_tensor_t **out, const dlua_tensor_t *x, dou
   in_buf_t in;
   DLUA_TRY(in_stage(x, ct, &in));
   out_buf_t o;
-  dlua_status_t s = out_stage(op, out, x->ndim, x->sizes, x->dtype, ct, &in, 1, &o);
+  dlua_status_t s = out_stage(op, out, x->ndim, x->sizes, x->dtype, ct, &in, 1, x->device, &o);
   if (s == DLUA_OK) {
-    if (ct == DLUA_DTYPE_F64)
+    if (x->device != DLUA_CPU)
+      s = CUDA_CALL(dlua_cuda_threshold(op, (int)ct, in.p, o.p, in.n, threshold, value, x->device));
+    else if (ct == DLUA_DTYPE_F64)
       threshold_d(in.p, o.p, in.n, threshold, value);
     else
       threshold_f(in.p, o.p, in.n, (float)threshold, (float)value);
-    s = out_finish(&o, DLUA_OK);
+    s = out_finish(&o, s);
   }
   in_release(&in, 1);
   return s;
@@ -732,6 +841,7 @@ static dlua_status_t threshold_backward(const char *op, dlua_tensor_t **grad_inp
                                         const dlua_tensor_t *x, const char *xname, double threshold) {
   DLUA_TRY(check_tensor(op, "grad_output", grad_output, 1));
   DLUA_TRY(check_tensor(op, xname, x, 1));
+  DLUA_TRY(check_same_device(op, grad_output, x));
   DLUA_TRY(check_same_shape(op, "grad_output", grad_output, xname, x));
   dlua_dtype_t rt = grad_output->dtype, ct = compute_dtype(dlua_dtype_promote(rt, x->dtype));
   in_buf_t in[2] = {{0}, {0}};
@@ -739,13 +849,15 @@ static dlua_status_t threshold_backward(const char *op, dlua_tensor_t **grad_inp
   if (s == DLUA_OK) s = in_stage(x, ct, &in[1]);
   out_buf_t o;
   if (s == DLUA_OK) {
-    s = out_stage(op, grad_input, x->ndim, x->sizes, rt, ct, in, 2, &o);
+    s = out_stage(op, grad_input, x->ndim, x->sizes, rt, ct, in, 2, x->device, &o);
     if (s == DLUA_OK) {
-      if (ct == DLUA_DTYPE_F64)
+      if (x->device != DLUA_CPU)
+        s = CUDA_CALL(dlua_cuda_threshold_bwd(op, (int)ct, in[0].p, in[1].p, o.p, in[0].n, threshold, x->device));
+      else if (ct == DLUA_DTYPE_F64)
         threshold_bwd_d(in[0].p, in[1].p, o.p, in[0].n, threshold);
       else
         threshold_bwd_f(in[0].p, in[1].p, o.p, in[0].n, (float)threshold);
-      s = out_finish(&o, DLUA_OK);
+      s = out_finish(&o, s);
     }
   }
   in_release(in, 2);
@@ -783,13 +895,15 @@ static dlua_status_t apply_mask(const char *op, dlua_tensor_t **out, const dlua_
   }
   out_buf_t o;
   if (s == DLUA_OK) {
-    s = out_stage(op, out, x->ndim, x->sizes, x->dtype, ct, in, 1, &o);
+    s = out_stage(op, out, x->ndim, x->sizes, x->dtype, ct, in, 1, x->device, &o);
     if (s == DLUA_OK) {
-      if (ct == DLUA_DTYPE_F64)
+      if (x->device != DLUA_CPU)
+        s = CUDA_CALL(dlua_cuda_mask_scale(op, (int)ct, in[0].p, in[1].p, o.p, in[0].n, scale, x->device));
+      else if (ct == DLUA_DTYPE_F64)
         mask_scale_d(in[0].p, in[1].p, o.p, in[0].n, scale);
       else
         mask_scale_f(in[0].p, in[1].p, o.p, in[0].n, (float)scale);
-      s = out_finish(&o, DLUA_OK);
+      s = out_finish(&o, s);
     }
   }
   in_release(in, 2);
@@ -803,7 +917,7 @@ dlua_status_t dlua_nn_dropout(dlua_tensor_t **out, dlua_tensor_t **mask, const d
   if (!(p >= 0 && p <= 1)) return DLUA_ERR(DLUA_ERR_ARG, "dropout: p must be in [0, 1], got %g", p);
   if (!train) {
     int allocated = 0;
-    DLUA_TRY(dlua_prepare_out(op, out, x->ndim, x->sizes, x->dtype, &allocated));
+    DLUA_TRY(dlua_prepare_out_on(op, out, x->ndim, x->sizes, x->dtype, x->device, &allocated));
     if (*out == x) return DLUA_OK;
     dlua_status_t s = dlua_tensor_copy_(*out, x);
     if (s != DLUA_OK && allocated) {
@@ -814,7 +928,7 @@ dlua_status_t dlua_nn_dropout(dlua_tensor_t **out, dlua_tensor_t **mask, const d
   }
   if (!mask) return DLUA_ERR(DLUA_ERR_ARG, "dropout: training needs a mask for backward (mask is NULL)");
   int mask_allocated = 0;
-  DLUA_TRY(dlua_prepare_out(op, mask, x->ndim, x->sizes, DLUA_DTYPE_BOOL, &mask_allocated));
+  DLUA_TRY(dlua_prepare_out_on(op, mask, x->ndim, x->sizes, DLUA_DTYPE_BOOL, x->device, &mask_allocated));
   dlua_status_t s;
   if (p == 0 || p == 1)  // as torch: no draw, so the generator's offset does not move
     s = dlua_tensor_fill_(*mask, p == 0 ? 1.0 : 0.0);
@@ -833,6 +947,7 @@ dlua_status_t dlua_nn_dropout_backward(dlua_tensor_t **grad_input, const dlua_te
   const char *op = "dropout_backward";
   DLUA_TRY(check_tensor(op, "grad_output", grad_output, 1));
   DLUA_TRY(check_tensor(op, "mask", mask, 0));
+  DLUA_TRY(check_same_device(op, grad_output, mask));
   DLUA_TRY(check_same_shape(op, "grad_output", grad_output, "mask", mask));
   if (!(p >= 0 && p <= 1)) return DLUA_ERR(DLUA_ERR_ARG, "dropout_backward: p must be in [0, 1], got %g", p);
   return apply_mask(op, grad_input, grad_output, mask, p < 1 ? 1.0 / (1.0 - p) : 0.0);
