@@ -12,6 +12,7 @@
 #include "cpu/elementwise_ops.h"
 #include "cpu/optim_ops.h"
 #include "cuda/kernels.h" /* plain C: only CUDA builds call into it */
+#include "cuda/loss_cuda.h"
 
 /* Element-wise steps run in chunks of OPT_CHUNK elements (one thread each; a range smaller
    than that stays on the calling thread). LARS norms are summed per LARS_BLOCK elements and
@@ -20,13 +21,11 @@ enum { OPT_CHUNK = 16384, LARS_BLOCK = 8192 };
 
 /* ---- argument checks ------------------------------------------------------------------------------ */
 
-/* cuda_ok: the step has a CUDA kernel (host/cuda/optim.cu); the others say they are not on CUDA yet. */
-static dlua_status_t check_param(const char *op, const dlua_tensor_t *p, int cuda_ok) {
+/* Every step has a CUDA kernel (host/cuda/optim.cu); a build without CUDA has no CUDA tensors to step. */
+static dlua_status_t check_param(const char *op, const dlua_tensor_t *p) {
   char b[200];
   if (!p || !p->storage) return DLUA_ERR(DLUA_ERR_ARG, "%s: param is NULL (freed, or never created)", op);
-#ifdef DLUA_HAVE_CUDA
-  if (!cuda_ok) DLUA_TRY(dlua_require_cpu(op, p));
-#else
+#ifndef DLUA_HAVE_CUDA
   DLUA_TRY(dlua_require_cpu(op, p));
 #endif
   if (p->dtype != DLUA_DTYPE_F32 && p->dtype != DLUA_DTYPE_F64)
@@ -42,7 +41,9 @@ static dlua_status_t check_param(const char *op, const dlua_tensor_t *p, int cud
 static dlua_status_t check_buffer(const char *op, const char *what, const dlua_tensor_t *t, const dlua_tensor_t *p) {
   char b1[200], b2[200];
   if (!t || !t->storage) return DLUA_ERR(DLUA_ERR_ARG, "%s: %s is NULL (freed, or never created)", op, what);
-  DLUA_TRY(dlua_require_device(op, t, p->device));
+  if (t->device != p->device)
+    return DLUA_ERR(DLUA_ERR_ARG, "%s: expected tensors on one device, got param %s and %s %s", op,
+                    dlua_tensor_describe(p, b2, sizeof b2), what, dlua_tensor_describe(t, b1, sizeof b1));
   if (t->dtype != p->dtype || dlua_tensor_numel(t) != dlua_tensor_numel(p))
     return DLUA_ERR(DLUA_ERR_ARG, "%s: %s %s must have param's dtype and element count (param %s)", op, what,
                     dlua_tensor_describe(t, b1, sizeof b1), dlua_tensor_describe(p, b2, sizeof b2));
@@ -119,24 +120,15 @@ typedef void (*chunk_fn)(const step_args_t *a, int64_t lo, int64_t hi);
                          neg_step, bc2_sqrt, eps, maximize, amsgrad);                                          \
   }                                                                                                             \
                                                                                                                 \
-  /* NVIDIA's LARC: grad += wd * p; grad *= trust; then SGD with momentum (no dampening). */                   \
+  /* host/cpu/optim_ops.h's LARC step with this parameter's trust ratio. */                                    \
   static DLUA_CPU_CLONES void lars_##S(const step_args_t *a, int64_t lo, int64_t hi) {                          \
     T *p = a->p, *buf = a->s1;                                                                                  \
     const T *g = a->g;                                                                                          \
     const T gs = (T)a->grad_scale, wd = (T)a->weight_decay, trust = (T)a->trust, mom = (T)a->momentum;          \
     const T lr = (T)a->lr;                                                                                      \
     const int first = a->first;                                                                                 \
-    for (int64_t i = lo; i < hi; i++) {                                                                         \
-      T d = g[i] * gs;                                                                                          \
-      if (wd != 0) d = d + wd * p[i];                                                                           \
-      d = d * trust;                                                                                            \
-      if (mom != 0) {                                                                                           \
-        T b = first ? d : buf[i] * mom + d;                                                                     \
-        buf[i] = b;                                                                                             \
-        d = b;                                                                                                  \
-      }                                                                                                         \
-      p[i] = p[i] - lr * d;                                                                                     \
-    }                                                                                                           \
+    for (int64_t i = lo; i < hi; i++)                                                                           \
+      dlua_opt_lars_##S(p + i, g[i], buf ? buf + i : NULL, gs, wd, trust, mom, lr, first);                      \
   }                                                                                                             \
                                                                                                                 \
   /* Sums of p^2 and (g * grad_scale)^2 over [lo, hi), in double. */                                         \
@@ -188,7 +180,7 @@ dlua_status_t dlua_optim_sgd_step(dlua_tensor_t *param, const dlua_tensor_t *gra
                                   double weight_decay, int nesterov, int maximize, int first_step,
                                   double grad_scale) {
   const char *op = "sgd_step";
-  DLUA_TRY(check_param(op, param, 1));
+  DLUA_TRY(check_param(op, param));
   DLUA_TRY(check_buffer(op, "grad", grad, param));
   DLUA_TRY(check_range(op, param, offset, length));
   DLUA_TRY(check_hyper(op, "lr", lr, 0, INFINITY, 0));
@@ -220,7 +212,7 @@ dlua_status_t dlua_optim_adamw_step(dlua_tensor_t *param, const dlua_tensor_t *g
                                     int64_t length, double lr, double beta1, double beta2, double eps,
                                     double weight_decay, int64_t step, int amsgrad, int maximize, double grad_scale) {
   const char *op = "adamw_step";
-  DLUA_TRY(check_param(op, param, 1));
+  DLUA_TRY(check_param(op, param));
   DLUA_TRY(check_buffer(op, "grad", grad, param));
   DLUA_TRY(check_buffer(op, "exp_avg", exp_avg, param));
   DLUA_TRY(check_buffer(op, "exp_avg_sq", exp_avg_sq, param));
@@ -269,7 +261,7 @@ dlua_status_t dlua_optim_lars_step(dlua_tensor_t *param, const dlua_tensor_t *gr
                                    const int32_t *exclude, double lr, double momentum, double weight_decay,
                                    double trust_coefficient, double eps, int first_step, double grad_scale) {
   const char *op = "lars_step";
-  DLUA_TRY(check_param(op, param, 0));
+  DLUA_TRY(check_param(op, param));
   DLUA_TRY(check_buffer(op, "grad", grad, param));
   DLUA_TRY(check_hyper(op, "lr", lr, 0, INFINITY, 0));
   DLUA_TRY(check_hyper(op, "momentum", momentum, 0, INFINITY, 0));
@@ -320,6 +312,18 @@ dlua_status_t dlua_optim_lars_step(dlua_tensor_t *param, const dlua_tensor_t *gr
       free(mem);
       return s;
     }
+  if (param->device != DLUA_CPU) {  // the same step on CUDA (host/cuda/optim.cu), after the same checks
+    free(mem);
+#ifdef DLUA_HAVE_CUDA
+    step_args_t a = {.p = dlua_tensor_ptr(param), .g = dlua_tensor_ptr(grad),
+                     .s1 = momentum != 0 ? dlua_tensor_ptr(momentum_buf) : NULL, .lr = lr, .momentum = momentum,
+                     .weight_decay = weight_decay, .grad_scale = grad_scale, .first = first_step != 0};
+    return dlua_cuda_lars_step(op, (int)param->dtype, &a, n_ranges, offsets, lengths, exclude, trust_coefficient, eps,
+                               param->device);
+#else
+    return dlua_require_cpu(op, param);
+#endif
+  }
 
   int64_t k = 0;
   for (int r = 0; r < n_ranges; r++)

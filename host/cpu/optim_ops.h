@@ -54,6 +54,19 @@ typedef struct {
     }                                                                                                           \
     T denom = SQRT(vi) / bc2_sqrt + eps;                                                                        \
     *p = pw + neg_step * (mi / denom);       /* param.addcdiv_(exp_avg, denom, value=-step_size) */             \
+  }                                                                                                             \
+  /* NVIDIA's LARC: grad += wd * p; grad *= trust; then SGD with momentum (no dampening). */                   \
+  static inline DLUA_OPT_HD void dlua_opt_lars_##S(T *p, T g, T *buf, T gs, T wd, T trust, T mom, T lr,         \
+                                                   int first) {                                                 \
+    T d = g * gs;                                                                                               \
+    if (wd != 0) d = d + wd * *p;                                                                               \
+    d = d * trust;                                                                                              \
+    if (mom != 0) {                                                                                             \
+      T b = first ? d : *buf * mom + d;                                                                         \
+      *buf = b;                                                                                                 \
+      d = b;                                                                                                    \
+    }                                                                                                           \
+    *p = *p - lr * d;                                                                                           \
   }
 
 DLUA_OPT_STEPS(float, f, sqrtf)

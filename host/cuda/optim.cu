@@ -1,7 +1,9 @@
-/* Fused optimizer steps (SGD, AdamW) and AMP unscaling on CUDA: grid-stride kernels over flat arena ranges, whose
-   per-element code is the CPU's (host/cpu/optim_ops.h). */
+/* Fused optimizer steps (SGD, AdamW, LARS with deterministic per-parameter norms) and AMP unscaling on CUDA:
+   grid-stride kernels over flat arena ranges, whose per-element code is the CPU's (host/cpu/optim_ops.h). */
 #include "cuda/ew_common.cuh"
 #include "cpu/optim_ops.h"
+#include "cuda/device_guard.cuh"
+#include "cuda/loss_cuda.h"
 
 namespace dlua_cu {
 namespace {
@@ -17,6 +19,10 @@ template <> struct Step<float> {
                                                int mx, int ams) {
     dlua_opt_adamw_f(p, g, m, v, vm, gs, dec, b1, o1, b2, o2, ns, bc2s, eps, mx, ams);
   }
+  static __device__ __forceinline__ void lars(float *p, float g, float *b, float gs, float wd, float tr, float mom,
+                                              float lr, int first) {
+    dlua_opt_lars_f(p, g, b, gs, wd, tr, mom, lr, first);
+  }
 };
 template <> struct Step<double> {
   static __device__ __forceinline__ void sgd(double *p, double g, double *b, double gs, double wd, double mom,
@@ -27,6 +33,10 @@ template <> struct Step<double> {
                                                double dec, double b1, double o1, double b2, double o2, double ns,
                                                double bc2s, double eps, int mx, int ams) {
     dlua_opt_adamw_d(p, g, m, v, vm, gs, dec, b1, o1, b2, o2, ns, bc2s, eps, mx, ams);
+  }
+  static __device__ __forceinline__ void lars(double *p, double g, double *b, double gs, double wd, double tr,
+                                              double mom, double lr, int first) {
+    dlua_opt_lars_d(p, g, b, gs, wd, tr, mom, lr, first);
   }
 };
 
@@ -121,18 +131,146 @@ template <int DT> void unscale(void *x, int64_t n, double inv, unsigned long lon
   k_unscale<DT><<<grid_for(n), kThreads, 0, s>>>(x, n, (typename Tr<DT>::C)inv, bad);
 }
 
-struct DeviceGuard {
-  int prev = 0, dev = 0;
-  cudaError_t err = cudaSuccess;
-  explicit DeviceGuard(int d) : dev(d) {
-    err = cudaGetDevice(&prev);
-    if (err == cudaSuccess && prev != dev) err = cudaSetDevice(dev);
-    if (err != cudaSuccess) cudaGetLastError();
-  }
-  ~DeviceGuard() {
-    if (err == cudaSuccess && prev != dev) cudaSetDevice(prev);
-  }
+/* ---- LARS -------------------------------------------------------------------------------------------------
+   Parameters are cut into chunks of kLarsChunk elements (host/cpu/optim.c's LARS_BLOCK); chunk c belongs to the
+   parameter r with pstart[r] <= c < pstart[r + 1]. Pass 1 folds each chunk's sums of squares in one block (fixed
+   tree), pass 2 folds each parameter's chunks in order and computes its trust ratio, pass 3 updates. No atomics:
+   the ratios depend on the shapes only. The per-parameter table reaches the device as kernel arguments (no host
+   buffer to keep alive, no synchronising copy). */
+
+constexpr int kLarsChunk = 8192;
+constexpr int kLarsBatch = 64;  // parameters per table-writing launch (about 1.8 KB of arguments)
+
+struct LarsTable {  // device arrays, n_ranges entries each (pstart: n_ranges + 1)
+  int64_t *off, *len, *pstart;
+  int32_t *excl;
+  double *part;   // (nchunks, 2): sum p^2, sum (g gs)^2
+  double *trust;  // per parameter; -1: plain momentum SGD (excluded or a zero norm)
 };
+
+struct LarsBatch {
+  int64_t off[kLarsBatch], len[kLarsBatch], pstart[kLarsBatch];
+  int32_t excl[kLarsBatch];
+  int first, count;
+};
+
+__global__ void k_lars_table(LarsTable t, LarsBatch b, int64_t nchunks, int n_ranges) {
+  const int k = threadIdx.x;
+  if (k < b.count) {
+    const int r = b.first + k;
+    t.off[r] = b.off[k];
+    t.len[r] = b.len[k];
+    t.pstart[r] = b.pstart[k];
+    t.excl[r] = b.excl[k];
+  }
+  if (k == 0 && b.first + b.count == n_ranges) t.pstart[n_ranges] = nchunks;
+}
+
+/* The parameter of chunk c: the last r with pstart[r] <= c (never an empty one: its successor starts at c too). */
+__device__ __forceinline__ int lars_param(const int64_t *pstart, int n_ranges, int64_t c) {
+  int lo = 0, hi = n_ranges;  // pstart[lo] <= c < pstart[hi]
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (pstart[mid] <= c) lo = mid;
+    else hi = mid;
+  }
+  return lo;
+}
+
+__device__ __forceinline__ void lars_chunk(const LarsTable &t, int n_ranges, int64_t c, int *r, int64_t *lo,
+                                           int64_t *hi) {
+  *r = lars_param(t.pstart, n_ranges, c);
+  const int64_t end = t.off[*r] + t.len[*r];
+  *lo = t.off[*r] + (c - t.pstart[*r]) * kLarsChunk;
+  *hi = *lo + kLarsChunk < end ? *lo + kLarsChunk : end;
+}
+
+template <typename T>
+__global__ void k_lars_norms(LarsTable t, const T *p, const T *g, T gs, int64_t nchunks, int n_ranges) {
+  __shared__ double sp[kThreads], sg[kThreads];
+  const int tid = threadIdx.x;
+  for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {  // block-uniform
+    int r;
+    int64_t lo, hi;
+    lars_chunk(t, n_ranges, c, &r, &lo, &hi);
+    double a = 0, b = 0;
+    if (!t.excl[r])
+      for (int64_t i = lo + tid; i < hi; i += kThreads) {
+        const double x = p[i], y = g[i] * gs;
+        a += x * x;
+        b += y * y;
+      }
+    sp[tid] = a;
+    sg[tid] = b;
+    __syncthreads();
+    for (int w = kThreads / 2; w > 0; w /= 2) {
+      if (tid < w) {
+        sp[tid] += sp[tid + w];
+        sg[tid] += sg[tid + w];
+      }
+      __syncthreads();
+    }
+    if (tid == 0) {
+      t.part[2 * c] = sp[0];
+      t.part[2 * c + 1] = sg[0];
+    }
+    __syncthreads();  // sp/sg are reused by the next chunk
+  }
+}
+
+/* host/cpu/optim.c's ratio: trust * |w| / (|g| + wd |w| + eps), or -1. */
+__global__ void k_lars_trust(LarsTable t, int n_ranges, double tc, double wd, double eps) {
+  const int r = blockIdx.x * blockDim.x + threadIdx.x;
+  if (r >= n_ranges) return;
+  double sp = 0, sg = 0;
+  for (int64_t c = t.pstart[r]; c < t.pstart[r + 1]; c++) sp += t.part[2 * c], sg += t.part[2 * c + 1];
+  const double pn = sqrt(sp), gn = sqrt(sg);
+  // Rounded step by step as the CPU's expression (no fused multiply-adds).
+  t.trust[r] = !t.excl[r] && pn > 0 && gn > 0
+                   ? __ddiv_rn(__dmul_rn(tc, pn), __dadd_rn(__dadd_rn(gn, __dmul_rn(wd, pn)), eps))
+                   : -1.0;
+}
+
+template <typename T> struct LarsK {
+  T *p, *buf;
+  const T *g;
+  T gs, wd, mom, lr;
+  int first;
+};
+
+template <typename T> __global__ void k_lars_update(LarsTable t, LarsK<T> k, int64_t nchunks, int n_ranges) {
+  for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
+    int r;
+    int64_t lo, hi;
+    lars_chunk(t, n_ranges, c, &r, &lo, &hi);
+    const double tr = t.trust[r];
+    const T trust = (T)(tr < 0 ? 1.0 : tr), wd = tr < 0 ? (T)0 : k.wd;
+    for (int64_t i = lo + threadIdx.x; i < hi; i += kThreads)
+      Step<T>::lars(k.p + i, k.g[i], k.buf ? k.buf + i : nullptr, k.gs, wd, trust, k.mom, k.lr, k.first);
+  }
+}
+
+template <typename T>
+dlua_status_t lars(const char *op, const LarsTable &t, const dlua_opt_args_t *a, int64_t nchunks, int n_ranges,
+                   double tc, double eps, cudaStream_t s) {
+  const unsigned grid = grid_for(nchunks * kThreads);
+  k_lars_norms<T><<<grid, kThreads, 0, s>>>(t, (const T *)a->p, (const T *)a->g, (T)a->grad_scale, nchunks, n_ranges);
+  DLUA_TRY(launched(op));
+  k_lars_trust<<<(unsigned)((n_ranges + kThreads - 1) / kThreads), kThreads, 0, s>>>(t, n_ranges, tc, a->weight_decay,
+                                                                                     eps);
+  DLUA_TRY(launched(op));
+  LarsK<T> k;
+  k.p = (T *)a->p;
+  k.buf = (T *)a->s1;
+  k.g = (const T *)a->g;
+  k.gs = (T)a->grad_scale;
+  k.wd = (T)a->weight_decay;
+  k.mom = (T)a->momentum;
+  k.lr = (T)a->lr;
+  k.first = a->first;
+  k_lars_update<T><<<grid, kThreads, 0, s>>>(t, k, nchunks, n_ranges);
+  return launched(op);
+}
 
 }  // namespace
 }  // namespace dlua_cu
@@ -141,9 +279,7 @@ extern "C" dlua_status_t dlua_cuda_optim_step(const char *op, int kind, int dtyp
                                               int device) {
   using namespace dlua_cu;
   if (length <= 0) return DLUA_OK;
-  DeviceGuard g(device);
-  if (g.err != cudaSuccess)
-    return DLUA_ERR(DLUA_ERR_BACKEND, "%s: cannot select cuda:%d: %s", op, device, cudaGetErrorString(g.err));
+  DLUA_CU_SELECT(guard, op, device);
   cudaStream_t s = (cudaStream_t)dlua_cuda_raw_stream(device);
   const dlua_opt_args_t *a = (const dlua_opt_args_t *)args;
   if (dtype == DLUA_DTYPE_F32) return step<float>(op, kind, a, length, s);
@@ -156,9 +292,7 @@ extern "C" dlua_status_t dlua_cuda_unscale(const char *op, int dtype, void *x, i
   using namespace dlua_cu;
   if (nonfinite) *nonfinite = 0;
   if (n <= 0) return DLUA_OK;
-  DeviceGuard g(device);
-  if (g.err != cudaSuccess)
-    return DLUA_ERR(DLUA_ERR_BACKEND, "%s: cannot select cuda:%d: %s", op, device, cudaGetErrorString(g.err));
+  DLUA_CU_SELECT(guard, op, device);
   cudaStream_t s = (cudaStream_t)dlua_cuda_raw_stream(device);
   void *mem = NULL;
   DLUA_TRY(dlua_cuda_malloc(&mem, device, sizeof(unsigned long long), NULL));
@@ -182,5 +316,56 @@ extern "C" dlua_status_t dlua_cuda_unscale(const char *op, int dtype, void *x, i
   }
   if (dlua_cuda_free(device, mem) != DLUA_OK && st == DLUA_OK) st = DLUA_ERR_BACKEND;
   if (st == DLUA_OK && nonfinite) *nonfinite = (int64_t)host;
+  return st;
+}
+
+extern "C" dlua_status_t dlua_cuda_lars_step(const char *op, int dtype, const void *args, int n_ranges,
+                                            const int64_t *offsets, const int64_t *lengths, const int32_t *exclude,
+                                            double trust_coefficient, double eps, int device) {
+  using namespace dlua_cu;
+  if (n_ranges <= 0) return DLUA_OK;
+  if (dtype != DLUA_DTYPE_F32 && dtype != DLUA_DTYPE_F64)
+    return DLUA_ERR(DLUA_ERR_ARG, "%s: param must be float32 or float64 (dtype %d)", op, dtype);
+  int64_t nchunks = 0;
+  for (int r = 0; r < n_ranges; r++) nchunks += (lengths[r] + kLarsChunk - 1) / kLarsChunk;
+  if (nchunks == 0) return DLUA_OK;
+  DLUA_CU_SELECT(guard, op, device);
+  cudaStream_t s = (cudaStream_t)dlua_cuda_raw_stream(device);
+  // One scratch block from the caching allocator (stream-ordered reuse): doubles first, then int64, then int32.
+  const size_t n = (size_t)n_ranges;
+  const size_t bytes = (2 * (size_t)nchunks + n) * sizeof(double) + (3 * n + 1) * sizeof(int64_t) + n * sizeof(int32_t);
+  void *mem = NULL;
+  DLUA_TRY(dlua_cuda_malloc(&mem, device, bytes, NULL));
+  LarsTable t;
+  t.part = (double *)mem;
+  t.trust = t.part + 2 * nchunks;
+  t.off = (int64_t *)(t.trust + n);
+  t.len = t.off + n;
+  t.pstart = t.len + n;
+  t.excl = (int32_t *)(t.pstart + n + 1);
+  dlua_status_t st = DLUA_OK;
+  int64_t start = 0;
+  for (int first = 0; first < n_ranges && st == DLUA_OK; first += kLarsBatch) {
+    LarsBatch b;
+    memset(&b, 0, sizeof b);
+    b.first = first;
+    b.count = n_ranges - first < kLarsBatch ? n_ranges - first : kLarsBatch;
+    for (int k = 0; k < b.count; k++) {
+      const int r = first + k;
+      b.off[k] = offsets[r];
+      b.len[k] = lengths[r];
+      b.pstart[k] = start;
+      b.excl[k] = exclude && exclude[r] ? 1 : 0;
+      start += (lengths[r] + kLarsChunk - 1) / kLarsChunk;
+    }
+    k_lars_table<<<1, kLarsBatch, 0, s>>>(t, b, nchunks, n_ranges);
+    st = launched(op);
+  }
+  if (st == DLUA_OK)
+    st = dtype == DLUA_DTYPE_F64 ? lars<double>(op, t, (const dlua_opt_args_t *)args, nchunks, n_ranges,
+                                                trust_coefficient, eps, s)
+                                 : lars<float>(op, t, (const dlua_opt_args_t *)args, nchunks, n_ranges,
+                                               trust_coefficient, eps, s);
+  if (dlua_cuda_free(device, mem) != DLUA_OK && st == DLUA_OK) st = DLUA_ERR_BACKEND;
   return st;
 }
