@@ -395,7 +395,7 @@ do
   local function model_steps(d)
     dlua.manual_seed(77)
     local m = nn.Sequential(nn.Linear(23, 17), nn.ReLU(), nn.Dropout(0.2), nn.Linear(17, 5)):to(d)
-    local crit = nn.CrossEntropyLoss { label_smoothing = 0.1 }
+    local crit = nn.CrossEntropyLoss { label_smoothing = 0.1, weight = dlua.rand(5):add(0.5) }:to(d)
     local opt = optim.LARS(m, { lr = 0.5, momentum = 0.9, weight_decay = 1e-4 })
     local x, y = dlua.randn(31, 23):to(d), dlua.randint(1, 6, { 31 }):to(d)
     local losses = {}

@@ -460,7 +460,8 @@ function CrossEntropyLoss:__init(opts)
   self.reduction = opts.reduction or 'mean'
   self.label_smoothing = opts.label_smoothing or 0
   self.ignore_index = opts.ignore_index or -100
-  self.weight = opts.weight
+  -- A buffer, as in torch: criterion:to('cuda') moves the class weights with the logits.
+  if opts.weight ~= nil then self:register_buffer('weight', opts.weight) end
 end
 function CrossEntropyLoss:extra_repr()
   return self.label_smoothing > 0 and ('label_smoothing=' .. self.label_smoothing) or ''
