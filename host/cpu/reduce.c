@@ -10,7 +10,8 @@
 #include "core/error.h"
 #include "core/tensor.h"
 #include "cpu/elementwise_ops.h"
-#include "cuda/kernels.h" /* plain C: only CUDA builds call into it */
+#include "cuda/index_cuda.h" /* plain C: only CUDA builds call into it */
+#include "cuda/kernels.h"
 
 /* Reduced elements are folded in blocks of RED_BLOCK (positions in the reduced index space,
    fixed by the shape alone) and block results are combined in block order, so a result is the
@@ -613,7 +614,7 @@ static dlua_status_t cuda_target_close(cuda_target_t *tg, dlua_status_t s) {
    kernel; a no-op when already so), is (outer, n) for host/cuda/reduce.cu. */
 static dlua_status_t cuda_reduce(const char *name, dlua_reduce_op_t op, dlua_tensor_t **out, dlua_tensor_t **indices,
                                  const dlua_tensor_t *a, const int *reduced, int nd, const int64_t *shape,
-                                 dlua_dtype_t rdt, int64_t index_base) {
+                                 dlua_dtype_t rdt, double p, int64_t index_base) {
   char desc[200];
   int kind;
   switch (op) {
@@ -625,6 +626,11 @@ static dlua_status_t cuda_reduce(const char *name, dlua_reduce_op_t op, dlua_ten
     case DLUA_REDUCE_ARGMIN: kind = 5; break;
     case DLUA_REDUCE_ANY: kind = 6; break;
     case DLUA_REDUCE_ALL: kind = 7; break;
+    case DLUA_REDUCE_PROD: kind = 8; break;
+    case DLUA_REDUCE_NORM: kind = 9; break;
+    case DLUA_REDUCE_VAR: kind = 10; break;
+    case DLUA_REDUCE_STD: kind = 11; break;
+    case DLUA_REDUCE_COUNT_NONFINITE: kind = 12; break;
     default:
       return DLUA_ERR(DLUA_ERR_ARG, "%s: not implemented on cuda:%d yet (got %s)", name, a->device,
                       dlua_tensor_describe(a, desc, sizeof desc));
@@ -652,14 +658,14 @@ static dlua_status_t cuda_reduce(const char *name, dlua_reduce_op_t op, dlua_ten
   if (s == DLUA_OK && with_idx && !is_arg)
     s = cuda_target_open(name, &t2, indices, nd, shape, DLUA_DTYPE_I64, a->device, &p2);
   if (s == DLUA_OK)
-    s = dlua_cuda_reduce(name, kind, (int)a->dtype, (int)rdt, dlua_tensor_ptr(c), is_arg ? NULL : p1,
-                         (int64_t *)(is_arg ? p1 : p2), outer, n, index_base, a->device);
+    s = dlua_cuda_reduce_p(name, kind, (int)a->dtype, (int)rdt, dlua_tensor_ptr(c), is_arg ? NULL : p1,
+                           (int64_t *)(is_arg ? p1 : p2), outer, n, index_base, p, a->device);
   s = cuda_target_close(&t2, s);
   s = cuda_target_close(&t1, s);
   dlua_tensor_free(c);
   return s;
 #else
-  (void)out, (void)indices, (void)reduced, (void)nd, (void)shape, (void)rdt, (void)index_base, (void)kind;
+  (void)out, (void)indices, (void)reduced, (void)nd, (void)shape, (void)rdt, (void)p, (void)index_base, (void)kind;
   return dlua_require_cpu(name, a);
 #endif
 }
@@ -728,7 +734,7 @@ dlua_status_t dlua_tensor_reduce(dlua_tensor_t **out, dlua_tensor_t **indices, c
   if (no_identity && pl.R == 0 && pl.O > 0)
     return DLUA_ERR(DLUA_ERR_ARG, "%s: cannot reduce %s over dims with no elements (the op has no identity)", name,
                     dlua_tensor_describe(a, desc, sizeof desc));
-  if (a->device != DLUA_CPU) return cuda_reduce(name, op, out, indices, a, reduced, nd, shape, rdt, index_base);
+  if (a->device != DLUA_CPU) return cuda_reduce(name, op, out, indices, a, reduced, nd, shape, rdt, p, index_base);
 
   int f;
   switch (op) {
