@@ -1,4 +1,5 @@
-/* CPU indexing kernels: index_select, gather, scatter_add_, cat, stack, one_hot. */
+/* Indexing ops: index_select, gather, scatter_add_, cat, stack, one_hot. The CPU kernels live here; CUDA tensors
+   take the same checks, then host/cuda/index.cu's kernels (cat and stack: copy_ into slices of the result). */
 #include "cpu/index.h"
 #include <inttypes.h>
 #include <stdio.h>
@@ -7,17 +8,24 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/tensor.h"
+#include "cuda/index_cuda.h" /* plain C: only CUDA builds call into it */
 
 /* ---- helpers shared with sort.c and linalg.c ---------------------------------------------- */
 
 dlua_status_t dlua_cpu_out_begin(const char *op, dlua_tensor_t **out, int ndim, const int64_t *sizes,
                                  dlua_dtype_t dtype, const dlua_tensor_t *const *inputs, int ninputs,
                                  dlua_cpu_out_t *plan) {
+  return dlua_cpu_out_begin_on(op, out, ndim, sizes, dtype, inputs, ninputs, DLUA_CPU, plan);
+}
+
+dlua_status_t dlua_cpu_out_begin_on(const char *op, dlua_tensor_t **out, int ndim, const int64_t *sizes,
+                                    dlua_dtype_t dtype, const dlua_tensor_t *const *inputs, int ninputs, int device,
+                                    dlua_cpu_out_t *plan) {
   plan->dst = NULL;
   plan->allocated = 0;
   if (!out) return DLUA_ERR(DLUA_ERR_ARG, "%s: out is NULL", op);
-  if (*out) DLUA_TRY(dlua_require_cpu(op, *out));
-  DLUA_TRY(dlua_prepare_out(op, out, ndim, sizes, dtype, &plan->allocated));
+  if (*out && device == DLUA_CPU) DLUA_TRY(dlua_require_cpu(op, *out));
+  DLUA_TRY(dlua_prepare_out_on(op, out, ndim, sizes, dtype, device, &plan->allocated));
   dlua_tensor_t *o = *out;
   int direct = plan->allocated || (o->dtype == dtype && dlua_tensor_is_contiguous(o));
   for (int i = 0; direct && !plan->allocated && i < ninputs; i++)
@@ -26,7 +34,7 @@ dlua_status_t dlua_cpu_out_begin(const char *op, dlua_tensor_t **out, int ndim, 
     plan->dst = o;
     return DLUA_OK;
   }
-  dlua_status_t s = dlua_tensor_empty(&plan->dst, ndim, sizes, dtype, DLUA_CPU);
+  dlua_status_t s = dlua_tensor_empty(&plan->dst, ndim, sizes, dtype, device);
   if (s != DLUA_OK) plan->dst = NULL;
   return s;
 }
@@ -44,9 +52,14 @@ dlua_status_t dlua_cpu_out_finish(dlua_tensor_t **out, dlua_cpu_out_t *plan, dlu
 
 dlua_status_t dlua_cpu_index_contiguous(const char *op, const char *what, const dlua_tensor_t *index,
                                         dlua_tensor_t **contig) {
+  return dlua_index_contiguous_on(op, what, index, DLUA_CPU, contig);
+}
+
+dlua_status_t dlua_index_contiguous_on(const char *op, const char *what, const dlua_tensor_t *index, int device,
+                                       dlua_tensor_t **contig) {
   *contig = NULL;
   if (!index) return DLUA_ERR(DLUA_ERR_ARG, "%s: %s is NULL", op, what);
-  DLUA_TRY(dlua_require_cpu(op, index));
+  DLUA_TRY(dlua_require_device(op, index, device));
   if (index->dtype != DLUA_DTYPE_I32 && index->dtype != DLUA_DTYPE_I64) {
     char b[200];
     return DLUA_ERR(DLUA_ERR_ARG, "%s: %s must be int32 or int64, got %s", op, what,
@@ -61,14 +74,23 @@ dlua_status_t dlua_cpu_check_indices(const char *op, const dlua_tensor_t *index,
   const void *p = dlua_tensor_ptr(index);
   int is64 = index->dtype == DLUA_DTYPE_I64;
   int64_t first = INT64_MAX;  // position of the first bad value: the error does not depend on threads
+  int64_t v = 0;
+#ifdef DLUA_HAVE_CUDA
+  if (index->device != DLUA_CPU) {  // found on the device; only the position and value come back
+    DLUA_TRY(dlua_cuda_index_first_bad(op, p, is64, n, size, base, &first, &v, index->device));
+    if (first < 0) return DLUA_OK;
+  } else
+#endif
+  {
 #pragma omp parallel for reduction(min : first) schedule(static) if (n > 65536)
-  for (int64_t i = 0; i < n; i++) {
-    int64_t v = dlua_cpu_index_at(p, is64, i);
-    // Unsigned compare: also catches v - base overflowing below zero.
-    if ((uint64_t)(v - base) >= (uint64_t)size && i < first) first = i;
+    for (int64_t i = 0; i < n; i++) {
+      int64_t x = dlua_cpu_index_at(p, is64, i);
+      // Unsigned compare: also catches x - base overflowing below zero.
+      if ((uint64_t)(x - base) >= (uint64_t)size && i < first) first = i;
+    }
+    if (first == INT64_MAX) return DLUA_OK;
+    v = dlua_cpu_index_at(p, is64, first);
   }
-  if (first == INT64_MAX) return DLUA_OK;
-  int64_t v = dlua_cpu_index_at(p, is64, first);
   if (size == 0)
     return DLUA_ERR(DLUA_ERR_ARG, "%s: index %" PRId64 " is out of range: %s has size 0", op, v, what);
   return DLUA_ERR(DLUA_ERR_ARG, "%s: index %" PRId64 " is out of range for %s of size %" PRId64
@@ -144,6 +166,35 @@ static void copy_block(char *dst, const char *src, int ndim, const int64_t *size
 /* A local, unowned view of t (no reference taken): valid while t lives. */
 static struct dlua_tensor local_view(const dlua_tensor_t *t) { return *t; }
 
+/* A live tensor on a device this build runs these ops on (the CPU, and CUDA devices in CUDA builds). */
+static dlua_status_t require_backend(const char *op, const dlua_tensor_t *t) {
+#ifdef DLUA_HAVE_CUDA
+  return dlua_require_device(op, t, t ? t->device : DLUA_CPU);
+#else
+  return dlua_require_cpu(op, t);
+#endif
+}
+
+/* Operands on two devices: an error naming both. */
+static dlua_status_t same_device(const char *op, const dlua_tensor_t *a, const dlua_tensor_t *b) {
+  if (!a || !b || !a->storage || !b->storage || a->device == b->device) return DLUA_OK;
+  char b1[200], b2[200];
+  return DLUA_ERR(DLUA_ERR_ARG, "%s: expected tensors on one device, got %s and %s", op,
+                  dlua_tensor_describe(a, b1, sizeof b1), dlua_tensor_describe(b, b2, sizeof b2));
+}
+
+#ifdef DLUA_HAVE_CUDA
+/* The layout kernels address: ndim dims of (sizes, strides). */
+static dlua_cuda_layout_t cuda_layout(int ndim, const int64_t *sizes, const int64_t *strides) {
+  dlua_cuda_layout_t l;
+  memset(&l, 0, sizeof l);
+  l.ndim = ndim;
+  memcpy(l.sizes, sizes, sizeof(int64_t) * (size_t)ndim);
+  memcpy(l.strides, strides, sizeof(int64_t) * (size_t)ndim);
+  return l;
+}
+#endif
+
 /* ---- index_select ------------------------------------------------------------------------- */
 
 // a: (..., D, ...) at dim; index: (n) or scalar  ->  out: (..., n, ...)
@@ -151,11 +202,12 @@ dlua_status_t dlua_tensor_index_select(dlua_tensor_t **out, const dlua_tensor_t 
                                        const dlua_tensor_t *index, int64_t index_base) {
   const char *op = "index_select";
   if (!a) return DLUA_ERR(DLUA_ERR_ARG, "%s: input is NULL", op);
-  DLUA_TRY(dlua_require_cpu(op, a));
+  DLUA_TRY(require_backend(op, a));
   int nd = a->ndim;
   DLUA_TRY(check_dim(op, a, dim, nd > 0 ? nd : 1));
+  DLUA_TRY(same_device(op, a, index));
   dlua_tensor_t *idx = NULL;
-  DLUA_TRY(dlua_cpu_index_contiguous(op, "index", index, &idx));
+  DLUA_TRY(dlua_index_contiguous_on(op, "index", index, a->device, &idx));
   char b1[200], b2[200];
   if (idx->ndim > 1) {
     dlua_status_t s = DLUA_ERR(DLUA_ERR_ARG, "%s: index must be 1-D, got %s", op,
@@ -191,12 +243,22 @@ dlua_status_t dlua_tensor_index_select(dlua_tensor_t **out, const dlua_tensor_t 
   osizes[dim] = n;
   dlua_cpu_out_t plan;
   const dlua_tensor_t *ins[2] = {a, index};
-  s = dlua_cpu_out_begin(op, out, nd, osizes, a->dtype, ins, 2, &plan);
+  s = dlua_cpu_out_begin_on(op, out, nd, osizes, a->dtype, ins, 2, a->device, &plan);
   if (s != DLUA_OK) {
     dlua_tensor_free(idx);
     return s;
   }
   size_t es = dlua_dtype_size(a->dtype);
+#ifdef DLUA_HAVE_CUDA
+  if (a->device != DLUA_CPU) {
+    sizes[dim] = n;  // the output's sizes over a's strides; the index supplies coordinate `dim`
+    dlua_cuda_layout_t lay = cuda_layout(snd, sizes, strides);
+    s = dlua_cuda_index_gather(op, 0, (int)es, dlua_tensor_ptr(plan.dst), dlua_tensor_ptr(a), &lay, dim,
+                               dlua_tensor_ptr(idx), idx->dtype == DLUA_DTYPE_I64, index_base, a->device);
+    dlua_tensor_free(idx);
+    return dlua_cpu_out_finish(out, &plan, s);
+  }
+#endif
   int64_t outer = dlua_shape_numel(dim, sizes);
   int ind = snd - dim - 1;  // inner dims, collapsed for memcpy where memory allows
   int64_t isz[DLUA_MAX_DIMS], ist[DLUA_MAX_DIMS];
@@ -237,7 +299,7 @@ dlua_status_t dlua_tensor_gather(dlua_tensor_t **out, const dlua_tensor_t *a, in
                                  int64_t index_base) {
   const char *op = "gather";
   if (!a) return DLUA_ERR(DLUA_ERR_ARG, "%s: input is NULL", op);
-  DLUA_TRY(dlua_require_cpu(op, a));
+  DLUA_TRY(require_backend(op, a));
   DLUA_TRY(check_dim(op, a, dim, a->ndim > 0 ? a->ndim : 1));
   char b1[200], b2[200];
   if (!index) return DLUA_ERR(DLUA_ERR_ARG, "%s: index is NULL", op);
@@ -250,13 +312,14 @@ dlua_status_t dlua_tensor_gather(dlua_tensor_t **out, const dlua_tensor_t *a, in
     if (d != dim && index->sizes[d] > av.sizes[d])
       return DLUA_ERR(DLUA_ERR_ARG, "%s: index %s is larger than input %s at dimension %d", op,
                       dlua_tensor_describe(index, b1, sizeof b1), dlua_tensor_describe(a, b2, sizeof b2), d);
+  DLUA_TRY(same_device(op, a, index));
   dlua_tensor_t *idx = NULL;
-  DLUA_TRY(dlua_cpu_index_contiguous(op, "index", index, &idx));
+  DLUA_TRY(dlua_index_contiguous_on(op, "index", index, a->device, &idx));
   snprintf(b1, sizeof b1, "dimension %" PRId64, (int64_t)dim + index_base);
   dlua_status_t s = dlua_cpu_check_indices(op, idx, av.sizes[dim], index_base, b1);
   dlua_cpu_out_t plan = {0};
   const dlua_tensor_t *ins[2] = {a, index};
-  if (s == DLUA_OK) s = dlua_cpu_out_begin(op, out, index->ndim, index->sizes, a->dtype, ins, 2, &plan);
+  if (s == DLUA_OK) s = dlua_cpu_out_begin_on(op, out, index->ndim, index->sizes, a->dtype, ins, 2, a->device, &plan);
   if (s != DLUA_OK) {
     dlua_tensor_free(idx);
     return s;
@@ -264,6 +327,15 @@ dlua_status_t dlua_tensor_gather(dlua_tensor_t **out, const dlua_tensor_t *a, in
   struct dlua_tensor iv = local_view(idx);
   as_1d_if_scalar(&iv);
   int nd = iv.ndim;
+#ifdef DLUA_HAVE_CUDA
+  if (a->device != DLUA_CPU) {  // index's sizes over a's strides; the index supplies coordinate `dim`
+    dlua_cuda_layout_t lay = cuda_layout(nd, iv.sizes, av.strides);
+    s = dlua_cuda_index_gather(op, 1, (int)dlua_dtype_size(a->dtype), dlua_tensor_ptr(plan.dst), dlua_tensor_ptr(a),
+                               &lay, dim, dlua_tensor_ptr(idx), idx->dtype == DLUA_DTYPE_I64, index_base, a->device);
+    dlua_tensor_free(idx);
+    return dlua_cpu_out_finish(out, &plan, s);
+  }
+#endif
   // a's strides with the gathered dim zeroed: the index value supplies that coordinate.
   int64_t ast[DLUA_MAX_DIMS];
   memcpy(ast, av.strides, sizeof ast);
@@ -337,8 +409,10 @@ dlua_status_t dlua_tensor_scatter_add_(dlua_tensor_t *t, int dim, const dlua_ten
   const char *op = "scatter_add_";
   char b1[200], b2[200], b3[200];
   if (!t || !index || !src) return DLUA_ERR(DLUA_ERR_ARG, "%s: a tensor argument is NULL", op);
-  DLUA_TRY(dlua_require_cpu(op, t));
-  DLUA_TRY(dlua_require_cpu(op, src));
+  DLUA_TRY(require_backend(op, t));
+  DLUA_TRY(require_backend(op, src));
+  DLUA_TRY(same_device(op, t, src));
+  DLUA_TRY(same_device(op, t, index));
   DLUA_TRY(check_dim(op, t, dim, t->ndim > 0 ? t->ndim : 1));
   if (t->dtype == DLUA_DTYPE_BOOL)
     return DLUA_ERR(DLUA_ERR_ARG, "%s: cannot add into %s", op, dlua_tensor_describe(t, b1, sizeof b1));
@@ -357,7 +431,7 @@ dlua_status_t dlua_tensor_scatter_add_(dlua_tensor_t *t, int dim, const dlua_ten
                       dlua_tensor_describe(index, b1, sizeof b1), dlua_tensor_describe(src, b2, sizeof b2),
                       dlua_tensor_describe(t, b3, sizeof b3), d);
   dlua_tensor_t *idx = NULL, *stmp = NULL;
-  DLUA_TRY(dlua_cpu_index_contiguous(op, "index", index, &idx));
+  DLUA_TRY(dlua_index_contiguous_on(op, "index", index, t->device, &idx));
   snprintf(b1, sizeof b1, "dimension %" PRId64, (int64_t)dim + index_base);
   dlua_status_t s = dlua_cpu_check_indices(op, idx, tv.sizes[dim], index_base, b1);
   // src in t's dtype, and never aliasing t (the adds would read what they wrote).
@@ -369,6 +443,16 @@ dlua_status_t dlua_tensor_scatter_add_(dlua_tensor_t *t, int dim, const dlua_ten
   }
   struct dlua_tensor sv = stmp ? local_view(stmp) : sv0;
   as_1d_if_scalar(&sv);
+#ifdef DLUA_HAVE_CUDA
+  if (t->device != DLUA_CPU) {
+    s = dlua_cuda_scatter_add(op, (int)t->dtype, dlua_tensor_ptr(&tv), tv.strides, tv.sizes[dim], dlua_tensor_ptr(&sv),
+                              sv.strides, nd, iv0.sizes, dim, dlua_tensor_ptr(idx), idx->dtype == DLUA_DTYPE_I64,
+                              index_base, t->device);
+    dlua_tensor_free(idx);
+    dlua_tensor_free(stmp);
+    return s;
+  }
+#endif
   // Fibers: all coordinates of index but dim, split as (outer, inner) around it.
   int64_t L = iv0.sizes[dim];
   int64_t outer = dlua_shape_numel(dim, iv0.sizes), inner = dlua_shape_numel(nd - dim - 1, iv0.sizes + dim + 1);
@@ -419,7 +503,8 @@ dlua_status_t dlua_tensor_cat(dlua_tensor_t **out, int n, dlua_tensor_t *const *
   dlua_dtype_t dtype = DLUA_DTYPE_BOOL;
   for (int i = 0; i < n; i++) {
     if (!ts[i]) return DLUA_ERR(DLUA_ERR_ARG, "%s: tensor %d of %d is NULL", op, i + 1, n);
-    DLUA_TRY(dlua_require_cpu(op, ts[i]));
+    DLUA_TRY(require_backend(op, ts[i]));
+    DLUA_TRY(same_device(op, ts[0], ts[i]));
     dtype = i == 0 ? ts[i]->dtype : dlua_dtype_promote(dtype, ts[i]->dtype);
     if (!ref && !cat_skipped(ts[i])) ref = ts[i];
   }
@@ -441,21 +526,21 @@ dlua_status_t dlua_tensor_cat(dlua_tensor_t **out, int n, dlua_tensor_t *const *
     osizes[dim] += t->sizes[dim];
   }
   dlua_cpu_out_t plan;
-  DLUA_TRY(dlua_cpu_out_begin(op, out, nd, osizes, dtype, (const dlua_tensor_t *const *)ts, n, &plan));
+  DLUA_TRY(dlua_cpu_out_begin_on(op, out, nd, osizes, dtype, (const dlua_tensor_t *const *)ts, n, ref->device, &plan));
   dlua_tensor_t *dst = plan.dst;
   size_t es = dlua_dtype_size(dtype);
   int64_t outer = dlua_shape_numel(dim, osizes), inner = dlua_shape_numel(nd - dim - 1, osizes + dim + 1);
   int64_t total = osizes[dim];
   dlua_status_t s = DLUA_OK;
   // Inputs already contiguous in the output dtype are moved with memcpy, one row per part;
-  // the others go through copy_ (strides, dtype conversion) into a narrowed view of dst.
+  // the others, and every CUDA input, go through copy_ (strides, dtype conversion) into a narrowed view of dst.
   int64_t at = 0;
   for (int i = 0; i < n && s == DLUA_OK; i++) {
     const dlua_tensor_t *t = ts[i];
     if (cat_skipped(t) && t != ref) continue;
     int64_t len = t->sizes[dim];
     if (len > 0 && outer > 0 && inner > 0) {
-      if (t->dtype == dtype && dlua_tensor_is_contiguous(t)) {
+      if (t->dtype == dtype && dlua_tensor_is_contiguous(t) && dst->device == DLUA_CPU) {
         const char *src = dlua_tensor_ptr(t);
         char *d0 = dlua_tensor_ptr(dst);
         size_t row = (size_t)(len * inner) * es;
@@ -481,7 +566,8 @@ dlua_status_t dlua_tensor_stack(dlua_tensor_t **out, int n, dlua_tensor_t *const
   if (n < 1 || !ts) return DLUA_ERR(DLUA_ERR_ARG, "%s: expected at least one tensor, got %d", op, n);
   for (int i = 0; i < n; i++) {
     if (!ts[i]) return DLUA_ERR(DLUA_ERR_ARG, "%s: tensor %d of %d is NULL", op, i + 1, n);
-    DLUA_TRY(dlua_require_cpu(op, ts[i]));
+    DLUA_TRY(require_backend(op, ts[i]));
+    DLUA_TRY(same_device(op, ts[0], ts[i]));
   }
   const dlua_tensor_t *ref = ts[0];
   if (ref->ndim >= DLUA_MAX_DIMS)
@@ -531,7 +617,8 @@ dlua_status_t dlua_tensor_one_hot(dlua_tensor_t **out, const dlua_tensor_t *labe
   char b1[200];
   if ((int)dtype < 0 || dtype >= DLUA_DTYPE_COUNT) return DLUA_ERR(DLUA_ERR_ARG, "%s: invalid dtype %d", op, (int)dtype);
   dlua_tensor_t *lab = NULL;
-  DLUA_TRY(dlua_cpu_index_contiguous(op, "labels", labels, &lab));
+  const int device = labels && labels->storage ? labels->device : DLUA_CPU;
+  DLUA_TRY(dlua_index_contiguous_on(op, "labels", labels, device, &lab));
   if (lab->ndim >= DLUA_MAX_DIMS) {
     dlua_tensor_free(lab);
     return DLUA_ERR(DLUA_ERR_ARG, "%s: labels %s already have %d dimensions", op,
@@ -547,7 +634,19 @@ dlua_status_t dlua_tensor_one_hot(dlua_tensor_t **out, const dlua_tensor_t *labe
                       dlua_tensor_describe(labels, b1, sizeof b1));
     }
     int64_t mx = INT64_MIN;
-    for (int64_t i = 0; i < n; i++) {
+    if (device != DLUA_CPU) {  // the largest label, reduced on the device and copied back
+      dlua_tensor_t *m = NULL;
+      union { int32_t i32; int64_t i64; } got = {0};
+      dlua_status_t s = dlua_tensor_reduce(&m, NULL, lab, DLUA_REDUCE_MAX, 0, NULL, 0, 0.0, 0);
+      if (s == DLUA_OK) s = dlua_tensor_to_data(m, &got, is64 ? sizeof got.i64 : sizeof got.i32);
+      dlua_tensor_free(m);
+      if (s != DLUA_OK) {
+        dlua_tensor_free(lab);
+        return s;
+      }
+      mx = is64 ? got.i64 : got.i32;
+    }
+    for (int64_t i = 0; device == DLUA_CPU && i < n; i++) {
       int64_t v = dlua_cpu_index_at(lp, is64, i);
       if (v > mx) mx = v;
     }
@@ -559,7 +658,7 @@ dlua_status_t dlua_tensor_one_hot(dlua_tensor_t **out, const dlua_tensor_t *labe
   osizes[lab->ndim] = num_classes;
   dlua_cpu_out_t plan = {0};
   const dlua_tensor_t *ins[1] = {labels};
-  if (s == DLUA_OK) s = dlua_cpu_out_begin(op, out, lab->ndim + 1, osizes, dtype, ins, 1, &plan);
+  if (s == DLUA_OK) s = dlua_cpu_out_begin_on(op, out, lab->ndim + 1, osizes, dtype, ins, 1, device, &plan);
   if (s != DLUA_OK) {
     dlua_tensor_free(lab);
     return s;
@@ -576,6 +675,15 @@ dlua_status_t dlua_tensor_one_hot(dlua_tensor_t **out, const dlua_tensor_t *labe
     default: one[0] = 1; break;
   }
   char *dst = dlua_tensor_ptr(plan.dst);
+#ifdef DLUA_HAVE_CUDA
+  if (device != DLUA_CPU) {
+    uint64_t bits = 0;
+    memcpy(&bits, one, es);
+    s = dlua_cuda_one_hot(op, (int)es, bits, dst, lp, is64, n, num_classes, index_base, device);
+    dlua_tensor_free(lab);
+    return dlua_cpu_out_finish(out, &plan, s);
+  }
+#endif
   size_t row = (size_t)num_classes * es;
 #pragma omp parallel for schedule(static) if ((int64_t)row * n > 65536)
   for (int64_t i = 0; i < n; i++) {

@@ -14,6 +14,10 @@ typedef struct {
 dlua_status_t dlua_cpu_out_begin(const char *op, dlua_tensor_t **out, int ndim, const int64_t *sizes,
                                  dlua_dtype_t dtype, const dlua_tensor_t *const *inputs, int ninputs,
                                  dlua_cpu_out_t *plan);
+/* The same for a result on `device` (DLUA_CPU or a CUDA ordinal): *out must live there. */
+dlua_status_t dlua_cpu_out_begin_on(const char *op, dlua_tensor_t **out, int ndim, const int64_t *sizes,
+                                    dlua_dtype_t dtype, const dlua_tensor_t *const *inputs, int ninputs, int device,
+                                    dlua_cpu_out_t *plan);
 /* Given the kernel's status: on success copies a temporary into *out; on failure releases what
    dlua_cpu_out_begin allocated (and resets *out if it was allocated there). */
 dlua_status_t dlua_cpu_out_finish(dlua_tensor_t **out, dlua_cpu_out_t *plan, dlua_status_t status);
@@ -38,8 +42,12 @@ static inline int64_t dlua_cpu_index_at(const void *p, int is64, int64_t i) {
    (the same storage when it already is contiguous). */
 dlua_status_t dlua_cpu_index_contiguous(const char *op, const char *what, const dlua_tensor_t *index,
                                         dlua_tensor_t **contig);
+/* The same for an index that must live on `device` (DLUA_CPU or a CUDA ordinal). */
+dlua_status_t dlua_index_contiguous_on(const char *op, const char *what, const dlua_tensor_t *index, int device,
+                                       dlua_tensor_t **contig);
 /* DLUA_ERR_ARG for the first value of a contiguous index buffer outside [base, base + size),
-   naming the op, the value as the caller wrote it and the valid range. */
+   naming the op, the value as the caller wrote it and the valid range. The buffer may live on a
+   CUDA device (the search runs there; the answer is waited for). */
 dlua_status_t dlua_cpu_check_indices(const char *op, const dlua_tensor_t *index, int64_t size, int64_t base,
                                      const char *what);
 
