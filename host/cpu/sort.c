@@ -1,4 +1,5 @@
-/* CPU sort and top-k: radix sort and radix selection on order-preserving integer keys. */
+/* Sort and top-k: on the CPU, radix sort and radix selection on order-preserving integer keys; CUDA tensors take
+   the same checks, then host/cuda/sort.cu (the same keys, CUB's stable radix sort). */
 #include <inttypes.h>
 #include <omp.h>
 #include <stdlib.h>
@@ -6,85 +7,70 @@
 #include "core/error.h"
 #include "core/tensor.h"
 #include "cpu/index.h"
+#include "cpu/sort_keys.h"
+#include "cuda/index_cuda.h" /* plain C: only CUDA builds call into it */
 
-/* ---- keys ----------------------------------------------------------------------------------
-   Every element maps to an unsigned key whose integer order is the order we sort by: larger
-   value (or |value|) = larger key. All NaNs map to the largest key, so they sort as the
-   largest value and tie with one another; -0 and +0 map to one key, so they tie too (ties
-   keep index order). Descending order and "smallest k" flip the key's bits. */
+/* ---- keys (host/cpu/sort_keys.h): read an element's bits, map them ------------------------- */
 
 static inline uint64_t key_f32v(const char *p) {
   uint32_t u;
   memcpy(&u, p, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0xffffffffu;
-  if (!(u & 0x7fffffffu)) u = 0;
-  return (u & 0x80000000u) ? (uint32_t)~u : (u | 0x80000000u);
+  return dlua_sortkey_f32v(u);
 }
 static inline uint64_t key_f32m(const char *p) {
   uint32_t u;
   memcpy(&u, p, 4);
-  u &= 0x7fffffffu;
-  return u > 0x7f800000u ? 0xffffffffu : u;
+  return dlua_sortkey_f32m(u);
 }
 static inline uint64_t key_f64v(const char *p) {
   uint64_t u;
   memcpy(&u, p, 8);
-  if ((u & 0x7fffffffffffffffull) > 0x7ff0000000000000ull) return ~0ull;
-  if (!(u & 0x7fffffffffffffffull)) u = 0;
-  return (u >> 63) ? ~u : (u | 0x8000000000000000ull);
+  return dlua_sortkey_f64v(u);
 }
 static inline uint64_t key_f64m(const char *p) {
   uint64_t u;
   memcpy(&u, p, 8);
-  u &= 0x7fffffffffffffffull;
-  return u > 0x7ff0000000000000ull ? ~0ull : u;
-}
-static inline uint64_t key_half(uint16_t h, uint16_t inf, int magnitude) {
-  uint16_t m = h & 0x7fffu;
-  if (m > inf) return 0xffffu;  // NaN
-  if (magnitude) return m;
-  if (!m) return 0x8000u;
-  return (h & 0x8000u) ? (uint16_t)~h : (uint16_t)(h | 0x8000u);
+  return dlua_sortkey_f64m(u);
 }
 static inline uint64_t key_f16v(const char *p) {
   uint16_t h;
   memcpy(&h, p, 2);
-  return key_half(h, 0x7c00u, 0);
+  return dlua_sortkey_half(h, 0x7c00u, 0);
 }
 static inline uint64_t key_f16m(const char *p) {
   uint16_t h;
   memcpy(&h, p, 2);
-  return key_half(h, 0x7c00u, 1);
+  return dlua_sortkey_half(h, 0x7c00u, 1);
 }
 static inline uint64_t key_bf16v(const char *p) {
   uint16_t h;
   memcpy(&h, p, 2);
-  return key_half(h, 0x7f80u, 0);
+  return dlua_sortkey_half(h, 0x7f80u, 0);
 }
 static inline uint64_t key_bf16m(const char *p) {
   uint16_t h;
   memcpy(&h, p, 2);
-  return key_half(h, 0x7f80u, 1);
+  return dlua_sortkey_half(h, 0x7f80u, 1);
 }
 static inline uint64_t key_i32v(const char *p) {
   uint32_t u;
   memcpy(&u, p, 4);
-  return u ^ 0x80000000u;
+  return dlua_sortkey_i32v(u);
 }
 static inline uint64_t key_i32m(const char *p) {
   int32_t v;
   memcpy(&v, p, 4);
-  return v < 0 ? 0u - (uint32_t)v : (uint32_t)v;
+  return dlua_sortkey_i32m(v);
 }
 static inline uint64_t key_i64v(const char *p) {
   uint64_t u;
   memcpy(&u, p, 8);
-  return u ^ 0x8000000000000000ull;
+  return dlua_sortkey_i64v(u);
 }
 static inline uint64_t key_i64m(const char *p) {
   int64_t v;
   memcpy(&v, p, 8);
-  return v < 0 ? 0ull - (uint64_t)v : (uint64_t)v;
+  return dlua_sortkey_i64m(v);
 }
 static inline uint64_t key_u8(const char *p) { return (uint8_t)*p; }
 
@@ -321,7 +307,11 @@ static dlua_status_t oom(const char *op, size_t bytes) {
 
 static dlua_status_t check_input(const char *op, const dlua_tensor_t *a, int dim) {
   if (!a) return DLUA_ERR(DLUA_ERR_ARG, "%s: input is NULL", op);
+#ifdef DLUA_HAVE_CUDA
+  DLUA_TRY(dlua_require_device(op, a, a->device));  // a live tensor, on the CPU or a CUDA device
+#else
   DLUA_TRY(dlua_require_cpu(op, a));
+#endif
   int nd = a->ndim > 0 ? a->ndim : 1;
   if (dim < 0 || dim >= nd) {
     char b[200];
@@ -363,15 +353,34 @@ static dlua_status_t open_outputs(const char *op, dlua_tensor_t **values, dlua_t
   const dlua_tensor_t *ins[1] = {a};
   pv->dst = pi->dst = NULL;
   pv->allocated = pi->allocated = 0;
-  if (values) DLUA_TRY(dlua_cpu_out_begin(op, values, a->ndim, osizes, a->dtype, ins, 1, pv));
+  if (values) DLUA_TRY(dlua_cpu_out_begin_on(op, values, a->ndim, osizes, a->dtype, ins, 1, a->device, pv));
   if (indices) {
-    dlua_status_t s = dlua_cpu_out_begin(op, indices, a->ndim, osizes, DLUA_DTYPE_I64, ins, 1, pi);
+    dlua_status_t s = dlua_cpu_out_begin_on(op, indices, a->ndim, osizes, DLUA_DTYPE_I64, ins, 1, a->device, pi);
     if (s != DLUA_OK) {
       if (values) dlua_cpu_out_finish(values, pv, s);
       return s;
     }
   }
   return DLUA_OK;
+}
+
+/* The CUDA path of sort (topk 0) and topk (1), into the opened outputs. */
+static dlua_status_t cuda_rows(const char *op, int topk, const dlua_tensor_t *a, const rows_t *rw, int64_t len,
+                               int desc_or_largest, int by_magnitude, int sorted, char *vals, int64_t *idx,
+                               int64_t index_base) {
+#ifdef DLUA_HAVE_CUDA
+  dlua_cuda_layout_t lay;
+  memset(&lay, 0, sizeof lay);
+  lay.ndim = rw->nd;
+  memcpy(lay.sizes, rw->sizes, sizeof(int64_t) * (size_t)rw->nd);
+  memcpy(lay.strides, rw->strides, sizeof(int64_t) * (size_t)rw->nd);
+  return dlua_cuda_sort(op, topk, (int)a->dtype, dlua_tensor_ptr(a), &lay, rw->dim, len, desc_or_largest, by_magnitude,
+                        sorted, vals, idx, index_base, a->device);
+#else
+  (void)topk, (void)rw, (void)len, (void)desc_or_largest, (void)by_magnitude, (void)sorted, (void)vals, (void)idx,
+      (void)index_base;
+  return dlua_require_cpu(op, a);
+#endif
 }
 
 static dlua_status_t close_outputs(dlua_tensor_t **values, dlua_tensor_t **indices, dlua_cpu_out_t *pv,
@@ -403,6 +412,9 @@ dlua_status_t dlua_tensor_topk(dlua_tensor_t **values, dlua_tensor_t **indices, 
   DLUA_TRY(open_outputs(op, values, indices, a, dim, k, &pv, &pi));
   char *vals = pv.dst ? (char *)dlua_tensor_ptr(pv.dst) : NULL;
   int64_t *idx = pi.dst ? (int64_t *)dlua_tensor_ptr(pi.dst) : NULL;
+  if (a->device != DLUA_CPU)
+    return close_outputs(values, indices, &pv, &pi,
+                         cuda_rows(op, 1, a, &rw, k, largest, by_magnitude, sorted, vals, idx, index_base));
   key_kind_t kk = key_kind(a->dtype, by_magnitude);
   uint64_t mask = width_mask(kk.bits);
   uint64_t flip = largest ? 0 : mask;
@@ -462,6 +474,8 @@ dlua_status_t dlua_tensor_sort(dlua_tensor_t **values, dlua_tensor_t **indices, 
   DLUA_TRY(open_outputs(op, values, indices, a, dim, rw.n, &pv, &pi));
   char *vals = pv.dst ? (char *)dlua_tensor_ptr(pv.dst) : NULL;
   int64_t *idx = pi.dst ? (int64_t *)dlua_tensor_ptr(pi.dst) : NULL;
+  if (a->device != DLUA_CPU)
+    return close_outputs(values, indices, &pv, &pi, cuda_rows(op, 0, a, &rw, rw.n, descending, 0, 1, vals, idx, index_base));
   key_kind_t kk = key_kind(a->dtype, 0);
   uint64_t flip = descending ? width_mask(kk.bits) : 0;
   int64_t rows = rw.outer * rw.inner, n = rw.n;
