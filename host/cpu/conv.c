@@ -11,6 +11,9 @@
 #include "core/error.h"
 #include "core/tensor.h"
 #include "cpu/conv.h"
+#ifdef DLUA_HAVE_CUDA
+#include "cuda/conv_cuda.h" /* plain C: the cuDNN side of the entry points below */
+#endif
 
 /* ---- geometry and memory formats ------------------------------------------------------------ */
 
@@ -113,10 +116,11 @@ static dlua_status_t check_params(const char *op, int sh, int sw, int ph, int pw
   return DLUA_OK;
 }
 
-/* t must be a CPU floating-point tensor of ndim dimensions; `what` names it, `dims` spells its layout. */
+/* t must be a live floating-point tensor of ndim dimensions; `what` names it, `dims` spells its layout. The
+   entry points check devices (same_device) and send CUDA calls to host/cuda/conv_cudnn.c. */
 static dlua_status_t check_rank(const char *op, const char *what, const char *dims, const dlua_tensor_t *t, int ndim) {
   char b[200];
-  DLUA_TRY(dlua_require_cpu(op, t));
+  if (!t->storage) return dlua_require_cpu(op, t);  // "the tensor is NULL (freed, or never created)"
   if (t->ndim != ndim)
     return DLUA_ERR(DLUA_ERR_ARG, "%s: %s must have %d dimensions %s, got %s", op, what, ndim, dims,
                     dlua_tensor_describe(t, b, sizeof b));
@@ -772,6 +776,13 @@ static conv_key_t make_key(conv_dir_t dir, const geom_t *g, int src_fmt, int dst
 
 /* ---- public entry points --------------------------------------------------------------------- */
 
+static dlua_status_t same_device(const char *op, const dlua_tensor_t *a, const dlua_tensor_t *b) {
+  if (!b || a->device == b->device) return DLUA_OK;
+  char b1[200], b2[200];
+  return DLUA_ERR(DLUA_ERR_ARG, "%s: expected tensors on one device, got %s and %s", op,
+                  dlua_tensor_describe(a, b1, sizeof b1), dlua_tensor_describe(b, b2, sizeof b2));
+}
+
 static dlua_status_t check_same_dtype(const char *op, const dlua_tensor_t *a, const char *an, const dlua_tensor_t *b,
                                       const char *bn) {
   if (!b || a->dtype == b->dtype) return DLUA_OK;
@@ -788,12 +799,14 @@ dlua_status_t dlua_conv2d_forward(dlua_tensor_t **out, const dlua_tensor_t *x, c
   if (!x || !w) return DLUA_ERR(DLUA_ERR_ARG, "%s: %s is NULL", op, x ? "weight" : "input");
   DLUA_TRY(check_rank(op, "input", "(N, C, H, W)", x, 4));
   DLUA_TRY(check_rank(op, "weight", "(O, C/groups, kH, kW)", w, 4));
+  DLUA_TRY(same_device(op, x, w));
   DLUA_TRY(check_same_dtype(op, x, "input", w, "weight"));
   char bx[200], bw[200];
   dlua_tensor_describe(x, bx, sizeof bx);
   dlua_tensor_describe(w, bw, sizeof bw);
   if (bias) {
     DLUA_TRY(check_rank(op, "bias", "(O)", bias, 1));
+    DLUA_TRY(same_device(op, x, bias));
     DLUA_TRY(check_same_dtype(op, x, "input", bias, "bias"));
     if (bias->sizes[0] != w->sizes[0]) {
       char bb[200];
@@ -803,6 +816,13 @@ dlua_status_t dlua_conv2d_forward(dlua_tensor_t **out, const dlua_tensor_t *x, c
   }
   geom_t g;
   DLUA_TRY(geometry(op, x->sizes, bx, w->sizes, bw, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, groups, &g));
+  if (x->device != DLUA_CPU) {
+#ifdef DLUA_HAVE_CUDA
+    return dlua_cuda_conv2d_forward(out, x, w, bias, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, groups);
+#else
+    return dlua_require_cpu(op, x);
+#endif
+  }
   int64_t ys[4] = {g.n, g.o, g.oh, g.ow};
   int xf = memory_format(x);
   int allocated = 0;
@@ -859,6 +879,7 @@ dlua_status_t dlua_conv2d_backward_data(dlua_tensor_t **grad_x, const dlua_tenso
     return DLUA_ERR(DLUA_ERR_ARG, "%s: %s is NULL", op, !grad_y ? "grad_output" : !w ? "weight" : "input size");
   DLUA_TRY(check_rank(op, "grad_output", "(N, O, OH, OW)", grad_y, 4));
   DLUA_TRY(check_rank(op, "weight", "(O, C/groups, kH, kW)", w, 4));
+  DLUA_TRY(same_device(op, grad_y, w));
   DLUA_TRY(check_same_dtype(op, grad_y, "grad_output", w, "weight"));
   char bx[200], bw[200];
   for (int d = 0; d < 4; d++)
@@ -869,6 +890,14 @@ dlua_status_t dlua_conv2d_backward_data(dlua_tensor_t **grad_x, const dlua_tenso
   geom_t g;
   DLUA_TRY(geometry(op, x_sizes, bx, w->sizes, bw, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, groups, &g));
   DLUA_TRY(check_grad_y(op, grad_y, &g));
+  if (grad_y->device != DLUA_CPU) {
+#ifdef DLUA_HAVE_CUDA
+    return dlua_cuda_conv2d_backward_data(grad_x, grad_y, w, x_sizes, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
+                                          groups);
+#else
+    return dlua_require_cpu(op, grad_y);
+#endif
+  }
   int yf = memory_format(grad_y);
   int allocated = 0;
   if (!*grad_x) {
@@ -928,12 +957,15 @@ dlua_status_t dlua_conv2d_backward_weights(dlua_tensor_t *grad_w, dlua_tensor_t 
   DLUA_TRY(check_rank(op, "input", "(N, C, H, W)", x, 4));
   DLUA_TRY(check_rank(op, "grad_output", "(N, O, OH, OW)", grad_y, 4));
   DLUA_TRY(check_rank(op, "grad_weight", "(O, C/groups, kH, kW)", grad_w, 4));
+  DLUA_TRY(same_device(op, x, grad_y));
+  DLUA_TRY(same_device(op, x, grad_w));
   DLUA_TRY(check_same_dtype(op, x, "input", grad_y, "grad_output"));
   char bx[200], bw[200];
   dlua_tensor_describe(x, bx, sizeof bx);
   dlua_tensor_describe(grad_w, bw, sizeof bw);
   if (grad_bias) {
     DLUA_TRY(check_rank(op, "grad_bias", "(O)", grad_bias, 1));
+    DLUA_TRY(same_device(op, x, grad_bias));
     if (grad_bias->sizes[0] != grad_w->sizes[0]) {
       char bb[200];
       return DLUA_ERR(DLUA_ERR_ARG, "%s: grad_bias %s does not have one entry per output channel of grad_weight %s",
@@ -943,6 +975,14 @@ dlua_status_t dlua_conv2d_backward_weights(dlua_tensor_t *grad_w, dlua_tensor_t 
   geom_t g;
   DLUA_TRY(geometry(op, x->sizes, bx, grad_w->sizes, bw, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, groups, &g));
   DLUA_TRY(check_grad_y(op, grad_y, &g));
+  if (x->device != DLUA_CPU) {
+#ifdef DLUA_HAVE_CUDA
+    return dlua_cuda_conv2d_backward_weights(grad_w, grad_bias, x, grad_y, stride_h, stride_w, pad_h, pad_w, dil_h,
+                                             dil_w, groups, accumulate);
+#else
+    return dlua_require_cpu(op, x);
+#endif
+  }
   dlua_dtype_t ct = compute_dtype(x->dtype, &g);
   accumulate = accumulate != 0;
 
