@@ -211,6 +211,8 @@ __global__ void __launch_bounds__(kBlk) k_rows(Op op, int64_t M, int64_t C, int 
     typename Op::Ch h[V];
 #pragma unroll
     for (int j = 0; j < V; j++) h[j] = op.chan(j < nv ? c0 + j : c0);
+    // Unrolled so that several rows' loads are in flight per thread.
+#pragma unroll 4
     for (int64_t r = (int64_t)blockIdx.x * TY + ty; r < M; r += (int64_t)gridDim.x * TY)
       op.template run<VEC, V>(r * C + c0, nv, h);
   }
@@ -254,6 +256,7 @@ __global__ void __launch_bounds__(kBlk) k_red_rows(Op op, int64_t M, int64_t C, 
       typename Op::Ch h[V];
 #pragma unroll
       for (int j = 0; j < V; j++) h[j] = op.chan(j < nv ? c0 + j : c0);
+#pragma unroll 4
       for (int64_t r = r0 + ty; r < r1; r += TY) op.template acc<VEC, V>(r * C + c0, nv, h, s, q);
     }
 #pragma unroll
@@ -316,33 +319,27 @@ __global__ void __launch_bounds__(kBlk) k_red_planes(Op op, int64_t P, int64_t C
   }
 }
 
-/* Each channel's partials (nparts, C) added by 8 lanes and a fixed tree, then the per-channel epilogue.
-   Blocks of 32 channels x 8 lanes; ps NULL: nothing was reduced (sums 0). */
+/* Each channel's partials (nparts, C) added by one warp (lane l takes parts l, l + 32, ...) and a fixed
+   shuffle tree, then the per-channel epilogue on lane 0. ps NULL: nothing was reduced (sums 0). */
 template <typename Fin>
 __global__ void __launch_bounds__(kBlk) k_final(Fin f, int64_t C, const double *ps, const double *pq, int64_t nparts) {
-  __shared__ double shs[8][32], shq[8][32];
-  const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
   if (blockIdx.x == 0 && threadIdx.x == 0) f.once();
-  for (int64_t cb = (int64_t)blockIdx.x * 32; cb < C; cb += (int64_t)gridDim.x * 32) {
-    const int64_t c = cb + tx;
+  const int64_t nw = ((int64_t)gridDim.x * blockDim.x) >> 5;
+  for (int64_t c = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5; c < C; c += nw) {
     double s = 0, q = 0;
-    if (c < C && ps)
-      for (int64_t p = ty; p < nparts; p += 8) {
+    if (ps) {
+#pragma unroll 8
+      for (int64_t p = lane; p < nparts; p += 32) {
         s += ps[p * C + c];
         q += pq[p * C + c];
       }
-    shs[ty][tx] = s;
-    shq[ty][tx] = q;
-    __syncthreads();
-    for (int w = 4; w > 0; w >>= 1) {
-      if (ty < w) {
-        shs[ty][tx] += shs[ty + w][tx];
-        shq[ty][tx] += shq[ty + w][tx];
-      }
-      __syncthreads();
     }
-    if (ty == 0 && c < C) f.channel(c, shs[0][tx], shq[0][tx]);
-    __syncthreads();
+    for (int o = 16; o > 0; o >>= 1) {
+      s += __shfl_down_sync(0xffffffffu, s, o);
+      q += __shfl_down_sync(0xffffffffu, q, o);
+    }
+    if (lane == 0) f.channel(c, s, q);
   }
 }
 
@@ -510,8 +507,8 @@ int64_t reduce_parts(const dlua_cuda_bn_geom_t &g, int V) { return g.rows ? rows
 
 template <typename Fin> dlua_status_t finalize(const char *op, const Fin &f, int64_t C, const double *ps,
                                                const double *pq, int64_t nparts, cudaStream_t st) {
-  int64_t blocks = (C + 31) / 32;
-  if (blocks > 4096) blocks = 4096;
+  int64_t blocks = (C + 7) / 8;  // a warp per channel
+  if (blocks > 65535) blocks = 65535;
   if (blocks < 1) blocks = 1;
   k_final<Fin><<<(unsigned)blocks, kBlk, 0, st>>>(f, C, ps, pq, nparts);
   return launched(op);

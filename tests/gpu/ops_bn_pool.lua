@@ -388,7 +388,7 @@ if on_gpu then
   local cuda = dlua.cuda
   local N, C, H = 128, 256, 56
   local xb = dlua.randn(N, C, H, H):to { device = dev, dtype = 'bfloat16' }:contiguous('channels_last')
-  local dyb = xb * 0.5
+  local dyb = (xb * 0.5):contiguous('channels_last')
   local gm, bt = dlua.ones(C, { device = dev }), dlua.zeros(C, { device = dev })
   local rmb, rvb = dlua.zeros(C, { device = dev }), dlua.ones(C, { device = dev })
   local ggb, gbb = dlua.zeros(C, { device = dev }), dlua.zeros(C, { device = dev })

@@ -246,7 +246,7 @@ end
 
 ---------------------------------------------------------------------------------------------
 -- BatchNorm2d(C, {eps = 1e-5, momentum = 0.1, affine = true, relu = false, zero_init = false,
--- sync = false, group = nil}): torch.nn.BatchNorm2d (batch statistics in training, running ones
+-- sync = false, group = nil, dtype = 'float32', device = 'cpu'}): torch.nn.BatchNorm2d (batch statistics in training, running ones
 -- in evaluation; running_var updated with the unbiased variance). relu = true fuses a ReLU (the
 -- output is what is kept); zero_init starts gamma at 0 (the last BN of a residual block, "Bag of
 -- Tricks"). sync = true is torch.nn.SyncBatchNorm: in training the statistics are those of the
@@ -269,14 +269,14 @@ function BatchNorm2d:__init(c, opts)
   self.relu = opts.relu or false
   self.sync = opts.sync or false
   self.process_group = check_group(opts.group, self.__name, getmetatable(self) == BatchNorm2d and 3 or 4)  -- the caller's line
-  local dtype = opts.dtype or 'float32'
+  local o = { dtype = opts.dtype or 'float32', device = opts.device }
   if opts.affine ~= false then
-    self:register_parameter('weight', opts.zero_init and dlua.zeros(c, { dtype = dtype }) or dlua.ones(c, { dtype = dtype }))
-    self:register_parameter('bias', dlua.zeros(c, { dtype = dtype }))
+    self:register_parameter('weight', opts.zero_init and dlua.zeros(c, o) or dlua.ones(c, o))
+    self:register_parameter('bias', dlua.zeros(c, o))
   end
-  self:register_buffer('running_mean', dlua.zeros(c, { dtype = dtype }))
-  self:register_buffer('running_var', dlua.ones(c, { dtype = dtype }))
-  self:register_buffer('num_batches_tracked', dlua.zeros({}, { dtype = 'int64' }))
+  self:register_buffer('running_mean', dlua.zeros(c, o))
+  self:register_buffer('running_var', dlua.ones(c, o))
+  self:register_buffer('num_batches_tracked', dlua.zeros({}, { dtype = 'int64', device = opts.device }))
 end
 
 function BatchNorm2d:extra_repr()
@@ -301,6 +301,7 @@ function BatchNorm2d:forward(x, skip)
   self._synced = self.training and self:_sync_size() > 1
   if self._synced then
     -- SyncBatchNorm: [sum x, sum x^2, count] of every rank in one all-reduce, then normalise
+    if self._sums and self._sums.device ~= x.device then self._sums = nil end -- the model moved
     self._sums = K.batch_norm_stats(x, self._sums)
     dlua.dist.all_reduce(self._sums, 'sum', { group = self.process_group })
     self.output, self.save_mean, self.save_invstd = K.batch_norm_apply(x, self.weight, self.bias, skip, self._sums,
