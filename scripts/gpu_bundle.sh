@@ -45,9 +45,10 @@ for bin in "$build/dlua" "$build/tests/test_caching_alloc"; do
   done
 done
 # glibc's stubs that dlopen'd libraries (cuDNN, NCCL) may still name
+cache=$(ldconfig -p)
 for l in libpthread.so.0 libdl.so.2 librt.so.1; do
-  p=$(ldconfig -p | awk -v n="$l" '$1 == n && /x86-64/ {print $NF; exit}')
-  [ -n "$p" ] && [ ! -e "$stage/sys/$l" ] && cp -L "$p" "$stage/sys/"
+  p=$(awk -v n="$l" '$1 == n && /x86-64/ {print $NF; exit}' <<<"$cache")
+  if [ -n "$p" ] && [ ! -e "$stage/sys/$l" ]; then cp -L "$p" "$stage/sys/"; fi
 done
 strip --strip-unneeded "$stage"/lib/*.so* 2>/dev/null || true
 git -C "$root" rev-parse --short HEAD >"$stage/COMMIT" 2>/dev/null || echo unknown >"$stage/COMMIT"
