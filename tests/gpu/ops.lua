@@ -1,6 +1,6 @@
 -- Every op that runs on CUDA against the CPU backend: random inputs at odd shapes (1, primes, empty),
 -- non-contiguous views, broadcasting, special values; error norms per op and dtype; then the error paths
--- (mixed devices, ops not on CUDA yet) and a GEMM / bandwidth benchmark. Run by tests/gpu/run.sh:
+-- (mixed devices) and a GEMM / bandwidth benchmark. Run by tests/gpu/run.sh:
 --   dlua tests/gpu/ops.lua [device]        device: 'cuda' (default), 'cuda:N', or 'cpu'
 -- With 'cpu' the same comparisons run CPU against CPU: that checks the script itself where no GPU is.
 local dlua = require 'dlua'
@@ -307,12 +307,7 @@ end
 -- fused optimizer steps and AMP unscaling over a flat arena range
 
 local nnb = require 'bindings.nn'
--- cat is not on CUDA yet: join on the CPU, then back to the inputs' device.
-local function joined(list)
-  local cpu = {}
-  for i, t in ipairs(list) do cpu[i] = t:cpu() end
-  return dlua.cat(cpu):to(list[1].device)
-end
+local function joined(list) return dlua.cat(list) end
 for _, dt in ipairs({ 'float32', 'float64' }) do
   for _, n in ipairs({ 1, 7, 1031, 100003 }) do
     local P, G = rand(dt, { n + 5 }), rand(dt, { n + 5 })
