@@ -870,6 +870,39 @@ dlua_status_t dlua_conv2d_forward(dlua_tensor_t **out, const dlua_tensor_t *x, c
   return s;
 }
 
+/* With stride 1, no dilation and one group, the input gradient is a forward convolution of the
+   output gradient with the weights' channels swapped and kernels turned 180 degrees, padded by
+   k - 1 - pad. oneDNN 2.6's forward kernels for channels-last activations (brgconv) are faster than
+   its backward-data ones: measured at ResNet-20's shapes on AVX-512, 1 thread, batch 64: 2.1 vs 2.5 ms
+   (32 channels, 14x14) and 1.7 vs 2.2 ms (64 channels, 7x7). Channels-last only, where it was measured. */
+static int bwd_data_as_forward(const geom_t *g, const dlua_tensor_t *gy, const dlua_tensor_t *gx) {
+  return g->sh == 1 && g->sw == 1 && g->dh == 1 && g->dw == 1 && g->g == 1 && g->ph <= g->kh - 1 &&
+         g->pw <= g->kw - 1 && memory_format(gy) == FMT_NHWC && memory_format(gx) == FMT_NHWC && gy->dtype == DLUA_DTYPE_F32;
+}
+
+static dlua_status_t backward_data_by_forward(const char *op, const geom_t *g, const dlua_tensor_t *gy,
+                                              const dlua_tensor_t *w, dlua_tensor_t *gx) {
+  int64_t ts[4] = {g->c, g->o, g->kh, g->kw};
+  dlua_tensor_t *wt = NULL;
+  DLUA_TRY(dlua_tensor_empty(&wt, 4, ts, DLUA_DTYPE_F32, DLUA_CPU));
+  const float *src = (const float *)dlua_tensor_ptr(w);
+  float *dst = (float *)dlua_tensor_ptr(wt);
+  const int64_t *ws = w->strides;  // elements
+  for (int64_t c = 0; c < g->c; c++)
+    for (int64_t o = 0; o < g->o; o++)
+      for (int64_t i = 0; i < g->kh; i++)
+        for (int64_t j = 0; j < g->kw; j++)
+          dst[((c * g->o + o) * g->kh + i) * g->kw + j] =
+              src[o * ws[0] + c * ws[1] + (g->kh - 1 - i) * ws[2] + (g->kw - 1 - j) * ws[3]];
+  geom_t f = {.n = g->n, .c = g->o, .h = g->oh, .w = g->ow, .o = g->c, .kh = g->kh, .kw = g->kw, .sh = 1, .sw = 1,
+              .ph = g->kh - 1 - g->ph, .pw = g->kw - 1 - g->pw, .dh = 1, .dw = 1, .g = 1, .oh = g->h, .ow = g->w};
+  conv_key_t k = make_key(DIR_FWD, &f, FMT_NHWC, FMT_NHWC, FMT_NCHW, 0);
+  void *ptrs[4] = {dlua_tensor_ptr(gy), dlua_tensor_ptr(wt), dlua_tensor_ptr(gx), NULL};
+  dlua_status_t s = onednn_run(op, &k, ptrs);
+  dlua_tensor_free(wt);
+  return s;
+}
+
 dlua_status_t dlua_conv2d_backward_data(dlua_tensor_t **grad_x, const dlua_tensor_t *grad_y, const dlua_tensor_t *w,
                                         const int64_t *x_sizes, int stride_h, int stride_w, int pad_h, int pad_w,
                                         int dil_h, int dil_w, int groups) {
@@ -924,6 +957,8 @@ dlua_status_t dlua_conv2d_backward_data(dlua_tensor_t **grad_x, const dlua_tenso
     if (ct == DLUA_DTYPE_F64) {
       ref_backward_data(&g, (const double *)dlua_tensor_ptr(yv), yv->strides, (const double *)dlua_tensor_ptr(wv),
                         wv->strides, (double *)dlua_tensor_ptr(xv), xv->strides);
+    } else if (bwd_data_as_forward(&g, yv, xv)) {
+      s = backward_data_by_forward(op, &g, yv, wv, xv);
     } else {
       conv_key_t k = make_key(DIR_BWD_DATA, &g, memory_format(xv), memory_format(yv), memory_format(wv), 0);
       void *ptrs[3] = {dlua_tensor_ptr(yv), dlua_tensor_ptr(wv), dlua_tensor_ptr(xv)};
