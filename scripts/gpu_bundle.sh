@@ -12,7 +12,7 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${1:-$root/build-gpu-bundle}
-out=$root/bundle
+out=${DLUA_BUNDLE_OUT:-$root/bundle}  # DLUA_BUNDLE_OUT: elsewhere (tests)
 limit=$((64 * 1024 * 1024))
 cd "$root"
 bash scripts/deps.sh >/dev/null
@@ -63,4 +63,4 @@ if [ "$size" -gt "$limit" ]; then
   exit 1
 fi
 mv "$tmp" "$out/dlua-gpu.tar.xz"
-echo "bundle/dlua-gpu.tar.xz: $((size / 1024 / 1024)) MiB ($(ls "$stage/lib" | wc -l) libraries, glibc $(ldd --version | awk 'NR==1 {print $NF}'), commit $(cat "$stage/COMMIT"))"
+echo "$out/dlua-gpu.tar.xz: $((size / 1024 / 1024)) MiB ($(ls "$stage/lib" | wc -l) libraries, glibc $(ldd --version | awk 'NR==1 {print $NF}'), commit $(cat "$stage/COMMIT"))"

@@ -27,18 +27,30 @@ export LD_LIBRARY_PATH="${libs#:}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 # A bundle from scripts/gpu_bundle.sh (bundle/dlua-gpu.tar.xz) stands in for a build: binaries and their
 # non-CUDA libraries; if this machine's glibc is older than the binary needs, dlua runs through the
 # bundle's own dynamic loader and glibc (sys/), behind a wrapper that --nproc also uses (DLUA_EXE).
-bundle=$root/bundle/dlua-gpu.tar.xz
+# DLUA_BUNDLE: another bundle file; DLUA_BUNDLE_LOADER=1: use the bundled glibc even if not needed (tests).
+bundle=${DLUA_BUNDLE:-$root/bundle/dlua-gpu.tar.xz}
 if [ ! -x "$build/dlua" ] && [ -f "$bundle" ]; then
   say "unpacking $bundle into $build (commit $(tar -xJOf "$bundle" ./COMMIT 2>/dev/null))"
   tar -C "$build" -xJf "$bundle" || { echo "cannot unpack the bundle"; exit 1; }
 fi
 if [ -d "$build/lib" ] && [ -d "$build/sys" ]; then
   export LD_LIBRARY_PATH="$build/lib:$LD_LIBRARY_PATH"
-  if ! "$build/dlua" -v >/dev/null 2>"$build/native.err" && [ -x "$build/sys/ld-linux-x86-64.so.2" ]; then
-    echo "the bundled binary does not start with this machine's libraries ($(head -c 300 "$build/native.err"));"
-    echo "running it through the bundle's glibc"
+  why=""
+  if [ -x "$build/sys/ld-linux-x86-64.so.2" ]; then
+    if [ -e "$build/dlua.bin" ]; then
+      why="set up by an earlier run"
+    elif [ "${DLUA_BUNDLE_LOADER:-0}" = 1 ]; then
+      why="DLUA_BUNDLE_LOADER=1"
+    elif ! "$build/dlua" -v >/dev/null 2>"$build/native.err"; then
+      why="the bundled binary does not start with this machine's libraries: $(head -c 300 "$build/native.err")"
+    fi
+  fi
+  if [ -n "$why" ]; then
+    echo "running dlua through the bundle's glibc ($why)"
     [ -e "$build/dlua.bin" ] || mv "$build/dlua" "$build/dlua.bin"
-    for d in lua bindings models recipes; do ln -sfn "$root/$d" "$build/$d"; done  # dlua's root: the loader's ../
+    # dlua's root is now the loader's ../ (= $build): the Lua tree and the specs' helpers must be seen there
+    for d in lua bindings models recipes; do ln -sfn "$root/$d" "$build/$d"; done
+    mkdir -p "$build/tests" && ln -sfn "$root/tests/lua" "$build/tests/lua"
     cat >"$build/dlua" <<WRAP
 #!/bin/sh
 exec "$build/sys/ld-linux-x86-64.so.2" --library-path "$build/sys:$LD_LIBRARY_PATH" "$build/dlua.bin" "\$@"
