@@ -6,42 +6,23 @@
 --   dlua tests/gpu/ops_bn_pool.lua [device]     device: 'cuda' (default), 'cuda:N', or 'cpu'
 -- With 'cpu' the same comparisons run CPU against CPU: that checks the script itself where no GPU is.
 local dlua = require 'dlua'
+local H = require 'tests.gpu.harness'
 local K = require 'bindings.nn'
-local dev = (arg and arg[1]) or 'cuda'
-local on_gpu = dev ~= 'cpu'
+local dev, on_gpu, want_device = H.device(arg)
 local t_start = os.clock()
 
 dlua.manual_seed(4321)
 
-local FLOATS = { 'float32', 'float64', 'float16', 'bfloat16' }
-local is_float = { float32 = true, float64 = true, float16 = true, bfloat16 = true }
--- Relative error per element, |ref - got| / max(|ref|, 1). 16-bit results are rounded once from f32 on both
--- sides, so a one-ulp difference in the f32 arithmetic shows as at most one 16-bit ulp.
-local TOL = { float64 = 1e-12, float32 = 1e-5, float16 = 2e-3, bfloat16 = 1.6e-2 }
+local FLOATS = H.FLOATS
+local is_float = H.is_float
+local TOL = H.TOL
+local shape_str, rel_error = H.shape_str, H.rel_error
 local SUMS_TOL = 1e-9 -- SyncBatchNorm's float64 sums: the same terms added in another order
 
 local results, failures, checks, both_failed, skipped = {}, {}, 0, {}, {}
-local want_dev = on_gpu and (dev == 'cuda' and 'cuda:0' or dev) or 'cpu'
-
-local function shape_str(t)
-  local s = t:size()
-  local parts = {}
-  for i = 1, #s do parts[i] = tostring(s[i]) end
-  return '(' .. table.concat(parts, ',') .. ')'
-end
+local want_dev = want_device
 
 local function fail(name, msg) failures[#failures + 1] = name .. ': ' .. msg end
-
-local function rel_error(ref, got)
-  if ref:numel() == 0 then return 0 end
-  local r, g = ref:double(), got:double()
-  local same = r:eq(g):logical_or(r:isnan():logical_and(g:isnan()))
-  local diff = dlua.where(same, 0.0, (r - g):abs())
-  if diff:isnan():any():item() then return math.huge end
-  local denom = dlua.where(r:abs():gt(1), r:abs(), 1.0)
-  denom = dlua.where(r:isfinite(), denom, 1.0)
-  return (diff / denom):max():item()
-end
 
 local function layout(t)
   if t:dim() == 4 and t:numel() > 0 and t:is_contiguous('channels_last') and not t:is_contiguous() then return 'cl' end
@@ -427,34 +408,4 @@ end
 ------------------------------------------------------------------------------------------------
 -- report
 
-local by_op = {}
-for _, r in ipairs(results) do
-  local op = r.name:match('^(%S+)')
-  local e = by_op[op] or { n = 0, bad = 0, worst = 0 }
-  e.n = e.n + 1
-  if not r.ok then e.bad = e.bad + 1 end
-  if r.tol > 0 and r.err / r.tol > e.worst then e.worst = r.err / r.tol end
-  if r.tol == 0 and r.err > 0 then e.worst = math.huge end
-  by_op[op] = e
-end
-local ops = {}
-for op in pairs(by_op) do ops[#ops + 1] = op end
-table.sort(ops)
-print(string.format('device %s: %d checks, %d failures (%.1f s)', dev, checks, #failures, os.clock() - t_start))
-print(string.format('%-18s %7s %7s %12s', 'op', 'checks', 'failed', 'worst err/tol'))
-for _, op in ipairs(ops) do
-  local e = by_op[op]
-  print(string.format('%-18s %7d %7d %12.3g', op, e.n, e.bad, e.worst))
-end
-for _, n in ipairs(notes) do print(n) end
-print(string.format('%d checks raised the same error on both backends (expected for invalid inputs):', #both_failed))
-for i, f in ipairs(both_failed) do
-  if i > 60 then print(string.format('  ... and %d more', #both_failed - 60)) break end
-  print('  ' .. f)
-end
-for _, f in ipairs(skipped) do print('SKIP ' .. f) end
-for i, f in ipairs(failures) do
-  if i > 200 then print(string.format('... and %d more', #failures - 200)) break end
-  print('FAIL ' .. f)
-end
-os.exit(#failures == 0 and 0 or 1)
+H.report({ title = 'device ' .. dev, checks = checks, results = results, failures = failures, both_failed = both_failed, notes = notes, skipped = skipped, t_start = t_start })

@@ -6,16 +6,16 @@
 -- With 'cpu' the same comparisons run CPU against CPU: that checks the script itself where no GPU is.
 -- float16/bfloat16 results are compared with the CPU's float32 convolution of the same rounded inputs.
 local dlua = require 'dlua'
+local H = require 'tests.gpu.harness'
 local nnb = require 'bindings.nn'
 local core = require 'bindings.tensor_core'
-local dev = (arg and arg[1]) or 'cuda'
-local on_gpu = dev ~= 'cpu'
-local want_device = on_gpu and (dev == 'cuda' and 'cuda:0' or dev) or 'cpu'
+local dev, on_gpu, want_device = H.device(arg)
 local t_start = os.clock()
 
 dlua.manual_seed(4321)
 
-local FLOATS = { 'float32', 'float64', 'float16', 'bfloat16' }
+local FLOATS = H.FLOATS
+local shape_str = H.shape_str
 local HALF = { float16 = true, bfloat16 = true }
 -- Error = max |ref - got| / max |ref| (the tensor's scale: cuDNN's FFT and Winograd algorithms err relative to it,
 -- not per element). Allowed: floor + per_term * sqrt(reduction length). The floor is the output's rounding (16-bit
@@ -24,13 +24,6 @@ local FLOOR = { float64 = 1e-13, float32 = 1e-6, float16 = 1.5e-3, bfloat16 = 1e
 local PER_TERM = { float64 = 1e-14, float32 = 5e-6, float16 = 2e-4, bfloat16 = 1.5e-3 }
 
 local results, failures, checks, both_failed, notes = {}, {}, 0, {}, {}
-
-local function shape_str(t)
-  local s = t:size()
-  local parts = {}
-  for i = 1, #s do parts[i] = tostring(s[i]) end
-  return '(' .. table.concat(parts, ',') .. ')'
-end
 
 local function fail(name, msg) failures[#failures + 1] = name .. ': ' .. msg end
 
@@ -306,16 +299,7 @@ if on_gpu then
   if not ok then checks = checks + 1; fail('forward tf32', 'device failed: ' .. tostring(err)) end
 
   -- ResNet-50's 3x3 convolution of stage 3 (256 -> 256 at 14x14), batch 128, bfloat16 channels-last.
-  local function time_ms(fn, reps)
-    fn()
-    cuda.synchronize()
-    local e0, e1 = cuda.Event { enable_timing = true }, cuda.Event { enable_timing = true }
-    e0:record()
-    for _ = 1, reps do fn() end
-    e1:record()
-    e1:synchronize()
-    return e0:elapsed_time(e1) / reps
-  end
+  local time_ms = H.time_ms
   ok, err = pcall(function()
     local N, C, H = 128, 256, 14
     local cc = { 1, 1, 1, 1, 1, 1, 1 }
@@ -341,30 +325,4 @@ end
 ------------------------------------------------------------------------------------------------
 -- report
 
-local by_op = {}
-for _, r in ipairs(results) do
-  local op = r.name:match('^(%S+)')
-  if r.dtype then op = op .. ' ' .. r.dtype end
-  local e = by_op[op] or { n = 0, bad = 0, worst = 0 }
-  e.n = e.n + 1
-  if not r.ok then e.bad = e.bad + 1 end
-  if r.tol > 0 and r.err / r.tol > e.worst then e.worst = r.err / r.tol end
-  by_op[op] = e
-end
-local ops = {}
-for op in pairs(by_op) do ops[#ops + 1] = op end
-table.sort(ops)
-print(string.format('conv on %s: %d checks, %d failures (%.1f s)', dev, checks, #failures, os.clock() - t_start))
-print(string.format('%-28s %7s %7s %12s', 'op', 'checks', 'failed', 'worst err/tol'))
-for _, op in ipairs(ops) do
-  local e = by_op[op]
-  print(string.format('%-28s %7d %7d %12.3g', op, e.n, e.bad, e.worst))
-end
-for _, n in ipairs(notes) do print(n) end
-print(string.format('%d invalid inputs rejected by both backends:', #both_failed))
-for _, f in ipairs(both_failed) do print('  ' .. f) end
-for i, f in ipairs(failures) do
-  if i > 200 then print(string.format('... and %d more', #failures - 200)) break end
-  print('FAIL ' .. f)
-end
-os.exit(#failures == 0 and 0 or 1)
+H.report({ title = 'conv on ' .. dev, checks = checks, results = results, failures = failures, both_failed = both_failed, notes = notes, by_dtype = true, t_start = t_start })

@@ -50,7 +50,7 @@ if [ -d "$build/lib" ] && [ -d "$build/sys" ]; then
     [ -e "$build/dlua.bin" ] || mv "$build/dlua" "$build/dlua.bin"
     # dlua's root is now the loader's ../ (= $build): the Lua tree and the specs' helpers must be seen there
     for d in lua bindings models recipes; do ln -sfn "$root/$d" "$build/$d"; done
-    mkdir -p "$build/tests" && ln -sfn "$root/tests/lua" "$build/tests/lua"
+    mkdir -p "$build/tests" && ln -sfn "$root/tests/lua" "$build/tests/lua" && ln -sfn "$root/tests/gpu" "$build/tests/gpu"
     cat >"$build/dlua" <<WRAP
 #!/bin/sh
 exec "$build/sys/ld-linux-x86-64.so.2" --library-path "$build/sys:$LD_LIBRARY_PATH" "$build/dlua.bin" "\$@"
