@@ -347,6 +347,13 @@ dlua_status_t dlua_require_device(const char *op, const dlua_tensor_t *t, int de
   return DLUA_OK;
 }
 
+dlua_status_t dlua_same_device(const char *op, const dlua_tensor_t *a, const dlua_tensor_t *b) {
+  if (!a || !b || !a->storage || !b->storage || a->device == b->device) return DLUA_OK;
+  char b1[200], b2[200];
+  return DLUA_ERR(DLUA_ERR_ARG, "%s: expected tensors on one device, got %s and %s", op,
+                  dlua_tensor_describe(a, b1, sizeof b1), dlua_tensor_describe(b, b2, sizeof b2));
+}
+
 dlua_status_t dlua_prepare_out(const char *op, dlua_tensor_t **out, int ndim, const int64_t *sizes, dlua_dtype_t dtype,
                                int *allocated) {
   return dlua_prepare_out_on(op, out, ndim, sizes, dtype, DLUA_CPU, allocated);

@@ -47,6 +47,9 @@ void dlua_contiguous_strides(int ndim, const int64_t *sizes, int64_t *strides);
 dlua_status_t dlua_require_cpu(const char *op, const dlua_tensor_t *t);
 /* Errors unless t is a live tensor on `device` (DLUA_CPU or a CUDA ordinal), naming both devices. */
 dlua_status_t dlua_require_device(const char *op, const dlua_tensor_t *t, int device);
+/* Operands on two devices: "<op>: expected tensors on one device, got <a> and <b>". NULL or freed
+   tensors pass (their own checks report them). */
+dlua_status_t dlua_same_device(const char *op, const dlua_tensor_t *a, const dlua_tensor_t *b);
 
 /* Resolves the `out` convention: if *out is NULL allocates (ndim, sizes, dtype) on the
    CPU; otherwise checks that *out has exactly that shape (any dtype: the caller casts). */

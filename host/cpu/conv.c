@@ -776,13 +776,6 @@ static conv_key_t make_key(conv_dir_t dir, const geom_t *g, int src_fmt, int dst
 
 /* ---- public entry points --------------------------------------------------------------------- */
 
-static dlua_status_t same_device(const char *op, const dlua_tensor_t *a, const dlua_tensor_t *b) {
-  if (!b || a->device == b->device) return DLUA_OK;
-  char b1[200], b2[200];
-  return DLUA_ERR(DLUA_ERR_ARG, "%s: expected tensors on one device, got %s and %s", op,
-                  dlua_tensor_describe(a, b1, sizeof b1), dlua_tensor_describe(b, b2, sizeof b2));
-}
-
 static dlua_status_t check_same_dtype(const char *op, const dlua_tensor_t *a, const char *an, const dlua_tensor_t *b,
                                       const char *bn) {
   if (!b || a->dtype == b->dtype) return DLUA_OK;
@@ -799,14 +792,14 @@ dlua_status_t dlua_conv2d_forward(dlua_tensor_t **out, const dlua_tensor_t *x, c
   if (!x || !w) return DLUA_ERR(DLUA_ERR_ARG, "%s: %s is NULL", op, x ? "weight" : "input");
   DLUA_TRY(check_rank(op, "input", "(N, C, H, W)", x, 4));
   DLUA_TRY(check_rank(op, "weight", "(O, C/groups, kH, kW)", w, 4));
-  DLUA_TRY(same_device(op, x, w));
+  DLUA_TRY(dlua_same_device(op, x, w));
   DLUA_TRY(check_same_dtype(op, x, "input", w, "weight"));
   char bx[200], bw[200];
   dlua_tensor_describe(x, bx, sizeof bx);
   dlua_tensor_describe(w, bw, sizeof bw);
   if (bias) {
     DLUA_TRY(check_rank(op, "bias", "(O)", bias, 1));
-    DLUA_TRY(same_device(op, x, bias));
+    DLUA_TRY(dlua_same_device(op, x, bias));
     DLUA_TRY(check_same_dtype(op, x, "input", bias, "bias"));
     if (bias->sizes[0] != w->sizes[0]) {
       char bb[200];
@@ -912,7 +905,7 @@ dlua_status_t dlua_conv2d_backward_data(dlua_tensor_t **grad_x, const dlua_tenso
     return DLUA_ERR(DLUA_ERR_ARG, "%s: %s is NULL", op, !grad_y ? "grad_output" : !w ? "weight" : "input size");
   DLUA_TRY(check_rank(op, "grad_output", "(N, O, OH, OW)", grad_y, 4));
   DLUA_TRY(check_rank(op, "weight", "(O, C/groups, kH, kW)", w, 4));
-  DLUA_TRY(same_device(op, grad_y, w));
+  DLUA_TRY(dlua_same_device(op, grad_y, w));
   DLUA_TRY(check_same_dtype(op, grad_y, "grad_output", w, "weight"));
   char bx[200], bw[200];
   for (int d = 0; d < 4; d++)
@@ -992,15 +985,15 @@ dlua_status_t dlua_conv2d_backward_weights(dlua_tensor_t *grad_w, dlua_tensor_t 
   DLUA_TRY(check_rank(op, "input", "(N, C, H, W)", x, 4));
   DLUA_TRY(check_rank(op, "grad_output", "(N, O, OH, OW)", grad_y, 4));
   DLUA_TRY(check_rank(op, "grad_weight", "(O, C/groups, kH, kW)", grad_w, 4));
-  DLUA_TRY(same_device(op, x, grad_y));
-  DLUA_TRY(same_device(op, x, grad_w));
+  DLUA_TRY(dlua_same_device(op, x, grad_y));
+  DLUA_TRY(dlua_same_device(op, x, grad_w));
   DLUA_TRY(check_same_dtype(op, x, "input", grad_y, "grad_output"));
   char bx[200], bw[200];
   dlua_tensor_describe(x, bx, sizeof bx);
   dlua_tensor_describe(grad_w, bw, sizeof bw);
   if (grad_bias) {
     DLUA_TRY(check_rank(op, "grad_bias", "(O)", grad_bias, 1));
-    DLUA_TRY(same_device(op, x, grad_bias));
+    DLUA_TRY(dlua_same_device(op, x, grad_bias));
     if (grad_bias->sizes[0] != grad_w->sizes[0]) {
       char bb[200];
       return DLUA_ERR(DLUA_ERR_ARG, "%s: grad_bias %s does not have one entry per output channel of grad_weight %s",

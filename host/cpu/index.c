@@ -175,14 +175,6 @@ static dlua_status_t require_backend(const char *op, const dlua_tensor_t *t) {
 #endif
 }
 
-/* Operands on two devices: an error naming both. */
-static dlua_status_t same_device(const char *op, const dlua_tensor_t *a, const dlua_tensor_t *b) {
-  if (!a || !b || !a->storage || !b->storage || a->device == b->device) return DLUA_OK;
-  char b1[200], b2[200];
-  return DLUA_ERR(DLUA_ERR_ARG, "%s: expected tensors on one device, got %s and %s", op,
-                  dlua_tensor_describe(a, b1, sizeof b1), dlua_tensor_describe(b, b2, sizeof b2));
-}
-
 #ifdef DLUA_HAVE_CUDA
 /* The layout kernels address: ndim dims of (sizes, strides). */
 static dlua_cuda_layout_t cuda_layout(int ndim, const int64_t *sizes, const int64_t *strides) {
@@ -205,7 +197,7 @@ dlua_status_t dlua_tensor_index_select(dlua_tensor_t **out, const dlua_tensor_t 
   DLUA_TRY(require_backend(op, a));
   int nd = a->ndim;
   DLUA_TRY(check_dim(op, a, dim, nd > 0 ? nd : 1));
-  DLUA_TRY(same_device(op, a, index));
+  DLUA_TRY(dlua_same_device(op, a, index));
   dlua_tensor_t *idx = NULL;
   DLUA_TRY(dlua_index_contiguous_on(op, "index", index, a->device, &idx));
   char b1[200], b2[200];
@@ -312,7 +304,7 @@ dlua_status_t dlua_tensor_gather(dlua_tensor_t **out, const dlua_tensor_t *a, in
     if (d != dim && index->sizes[d] > av.sizes[d])
       return DLUA_ERR(DLUA_ERR_ARG, "%s: index %s is larger than input %s at dimension %d", op,
                       dlua_tensor_describe(index, b1, sizeof b1), dlua_tensor_describe(a, b2, sizeof b2), d);
-  DLUA_TRY(same_device(op, a, index));
+  DLUA_TRY(dlua_same_device(op, a, index));
   dlua_tensor_t *idx = NULL;
   DLUA_TRY(dlua_index_contiguous_on(op, "index", index, a->device, &idx));
   snprintf(b1, sizeof b1, "dimension %" PRId64, (int64_t)dim + index_base);
@@ -411,8 +403,8 @@ dlua_status_t dlua_tensor_scatter_add_(dlua_tensor_t *t, int dim, const dlua_ten
   if (!t || !index || !src) return DLUA_ERR(DLUA_ERR_ARG, "%s: a tensor argument is NULL", op);
   DLUA_TRY(require_backend(op, t));
   DLUA_TRY(require_backend(op, src));
-  DLUA_TRY(same_device(op, t, src));
-  DLUA_TRY(same_device(op, t, index));
+  DLUA_TRY(dlua_same_device(op, t, src));
+  DLUA_TRY(dlua_same_device(op, t, index));
   DLUA_TRY(check_dim(op, t, dim, t->ndim > 0 ? t->ndim : 1));
   if (t->dtype == DLUA_DTYPE_BOOL)
     return DLUA_ERR(DLUA_ERR_ARG, "%s: cannot add into %s", op, dlua_tensor_describe(t, b1, sizeof b1));
@@ -504,7 +496,7 @@ dlua_status_t dlua_tensor_cat(dlua_tensor_t **out, int n, dlua_tensor_t *const *
   for (int i = 0; i < n; i++) {
     if (!ts[i]) return DLUA_ERR(DLUA_ERR_ARG, "%s: tensor %d of %d is NULL", op, i + 1, n);
     DLUA_TRY(require_backend(op, ts[i]));
-    DLUA_TRY(same_device(op, ts[0], ts[i]));
+    DLUA_TRY(dlua_same_device(op, ts[0], ts[i]));
     dtype = i == 0 ? ts[i]->dtype : dlua_dtype_promote(dtype, ts[i]->dtype);
     if (!ref && !cat_skipped(ts[i])) ref = ts[i];
   }
@@ -567,7 +559,7 @@ dlua_status_t dlua_tensor_stack(dlua_tensor_t **out, int n, dlua_tensor_t *const
   for (int i = 0; i < n; i++) {
     if (!ts[i]) return DLUA_ERR(DLUA_ERR_ARG, "%s: tensor %d of %d is NULL", op, i + 1, n);
     DLUA_TRY(require_backend(op, ts[i]));
-    DLUA_TRY(same_device(op, ts[0], ts[i]));
+    DLUA_TRY(dlua_same_device(op, ts[0], ts[i]));
   }
   const dlua_tensor_t *ref = ts[0];
   if (ref->ndim >= DLUA_MAX_DIMS)

@@ -43,14 +43,6 @@ static dlua_status_t check_tensor(const char *op, const char *what, const dlua_t
   return DLUA_OK;
 }
 
-/* Every operand of an op on one device (b may be NULL). */
-static dlua_status_t check_same_device(const char *op, const dlua_tensor_t *a, const dlua_tensor_t *b) {
-  if (!b || a->device == b->device) return DLUA_OK;
-  char b1[200], b2[200];
-  return DLUA_ERR(DLUA_ERR_ARG, "%s: expected tensors on one device, got %s and %s", op,
-                  dlua_tensor_describe(a, b1, sizeof b1), dlua_tensor_describe(b, b2, sizeof b2));
-}
-
 static int same_shape(const dlua_tensor_t *a, const dlua_tensor_t *b) {
   if (a->ndim != b->ndim) return 0;
   for (int d = 0; d < a->ndim; d++)
@@ -333,7 +325,7 @@ dlua_status_t dlua_nn_softmax_backward(dlua_tensor_t **grad_input, const dlua_te
   const char *op = log ? "log_softmax_backward" : "softmax_backward";
   DLUA_TRY(check_tensor(op, "grad_output", grad_output, 1));
   DLUA_TRY(check_tensor(op, "output", output, 1));
-  DLUA_TRY(check_same_device(op, grad_output, output));
+  DLUA_TRY(dlua_same_device(op, grad_output, output));
   DLUA_TRY(check_same_shape(op, "grad_output", grad_output, "output", output));
   int64_t outer = 0, K = 0, inner = 0;
   DLUA_TRY(softmax_dims(op, output, dim, &outer, &K, &inner));
@@ -456,7 +448,7 @@ static dlua_status_t ce_prepare(const char *op, const dlua_tensor_t *labels, con
   }
   if (weight) {
     DLUA_TRY(check_tensor(op, "weight", weight, 1));
-    DLUA_TRY(check_same_device(op, labels, weight));
+    DLUA_TRY(dlua_same_device(op, labels, weight));
     if (weight->ndim != 1 || weight->sizes[0] != pl->K) {
       char b[200];
       return DLUA_ERR(DLUA_ERR_ARG, "%s: weight %s must be one value per class: (%" PRId64 ")", op,
@@ -577,7 +569,7 @@ dlua_status_t dlua_nn_cross_entropy(dlua_tensor_t **out, dlua_tensor_t **log_pro
   const char *op = "cross_entropy";
   DLUA_TRY(check_tensor(op, "logits", logits, 1));
   DLUA_TRY(check_tensor(op, "labels", labels, 0));
-  DLUA_TRY(check_same_device(op, logits, labels));
+  DLUA_TRY(dlua_same_device(op, logits, labels));
   DLUA_TRY(check_reduction(op, reduction));
   ce_plan_t pl;
   DLUA_TRY(ce_shapes(op, logits, labels, "logits", &pl));
@@ -645,13 +637,13 @@ dlua_status_t dlua_nn_cross_entropy_backward(dlua_tensor_t **grad_logits, const 
   const char *op = "cross_entropy_backward";
   DLUA_TRY(check_tensor(op, "log_probs", log_probs, 1));
   DLUA_TRY(check_tensor(op, "labels", labels, 0));
-  DLUA_TRY(check_same_device(op, log_probs, labels));
+  DLUA_TRY(dlua_same_device(op, log_probs, labels));
   DLUA_TRY(check_reduction(op, reduction));
   ce_plan_t pl;
   DLUA_TRY(ce_shapes(op, log_probs, labels, "log_probs", &pl));
   if (grad_output) {
     DLUA_TRY(check_tensor(op, "grad_output", grad_output, 1));
-    DLUA_TRY(check_same_device(op, log_probs, grad_output));
+    DLUA_TRY(dlua_same_device(op, log_probs, grad_output));
     if (reduction == DLUA_LOSS_NONE) {
       DLUA_TRY(check_same_shape(op, "grad_output", grad_output, "labels", labels));
     } else if (dlua_tensor_numel(grad_output) != 1) {
@@ -710,7 +702,7 @@ dlua_status_t dlua_nn_mse_loss(dlua_tensor_t **out, const dlua_tensor_t *input, 
   const char *op = "mse_loss";
   DLUA_TRY(check_tensor(op, "input", input, 1));
   DLUA_TRY(check_tensor(op, "target", target, 1));
-  DLUA_TRY(check_same_device(op, input, target));
+  DLUA_TRY(dlua_same_device(op, input, target));
   DLUA_TRY(check_reduction(op, reduction));
   DLUA_TRY(check_same_shape(op, "input", input, "target", target));
   dlua_dtype_t rt = dlua_dtype_promote(input->dtype, target->dtype), ct = compute_dtype(rt);
@@ -760,13 +752,13 @@ dlua_status_t dlua_nn_mse_loss_backward(dlua_tensor_t **grad_input, const dlua_t
   const char *op = "mse_loss_backward";
   DLUA_TRY(check_tensor(op, "input", input, 1));
   DLUA_TRY(check_tensor(op, "target", target, 1));
-  DLUA_TRY(check_same_device(op, input, target));
+  DLUA_TRY(dlua_same_device(op, input, target));
   DLUA_TRY(check_reduction(op, reduction));
   DLUA_TRY(check_same_shape(op, "input", input, "target", target));
   dlua_dtype_t rt = dlua_dtype_promote(input->dtype, target->dtype);
   if (grad_output) {
     DLUA_TRY(check_tensor(op, "grad_output", grad_output, 1));
-    DLUA_TRY(check_same_device(op, input, grad_output));
+    DLUA_TRY(dlua_same_device(op, input, grad_output));
     if (reduction == DLUA_LOSS_NONE) {
       DLUA_TRY(check_same_shape(op, "grad_output", grad_output, "input", input));
       rt = dlua_dtype_promote(rt, grad_output->dtype);
@@ -841,7 +833,7 @@ static dlua_status_t threshold_backward(const char *op, dlua_tensor_t **grad_inp
                                         const dlua_tensor_t *x, const char *xname, double threshold) {
   DLUA_TRY(check_tensor(op, "grad_output", grad_output, 1));
   DLUA_TRY(check_tensor(op, xname, x, 1));
-  DLUA_TRY(check_same_device(op, grad_output, x));
+  DLUA_TRY(dlua_same_device(op, grad_output, x));
   DLUA_TRY(check_same_shape(op, "grad_output", grad_output, xname, x));
   dlua_dtype_t rt = grad_output->dtype, ct = compute_dtype(dlua_dtype_promote(rt, x->dtype));
   in_buf_t in[2] = {{0}, {0}};
@@ -947,7 +939,7 @@ dlua_status_t dlua_nn_dropout_backward(dlua_tensor_t **grad_input, const dlua_te
   const char *op = "dropout_backward";
   DLUA_TRY(check_tensor(op, "grad_output", grad_output, 1));
   DLUA_TRY(check_tensor(op, "mask", mask, 0));
-  DLUA_TRY(check_same_device(op, grad_output, mask));
+  DLUA_TRY(dlua_same_device(op, grad_output, mask));
   DLUA_TRY(check_same_shape(op, "grad_output", grad_output, "mask", mask));
   if (!(p >= 0 && p <= 1)) return DLUA_ERR(DLUA_ERR_ARG, "dropout_backward: p must be in [0, 1], got %g", p);
   return apply_mask(op, grad_input, grad_output, mask, p < 1 ? 1.0 / (1.0 - p) : 0.0);

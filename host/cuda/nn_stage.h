@@ -11,12 +11,7 @@
 /* Errors unless every tensor of ts (entries may be NULL) lives on x's device, naming x and the first that does not. */
 static inline dlua_status_t act_same_device(const char *op, const dlua_tensor_t *x, const dlua_tensor_t *const *ts,
                                             int n) {
-  for (int i = 0; i < n; i++)
-    if (ts[i] && ts[i]->storage && ts[i]->device != x->device) {
-      char b1[200], b2[200];
-      return DLUA_ERR(DLUA_ERR_ARG, "%s: expected tensors on one device, got %s and %s", op,
-                      dlua_tensor_describe(x, b1, sizeof b1), dlua_tensor_describe(ts[i], b2, sizeof b2));
-    }
+  for (int i = 0; i < n; i++) DLUA_TRY(dlua_same_device(op, x, ts[i]));
   return DLUA_OK;
 }
 
