@@ -174,16 +174,17 @@ end
 local step, acc = 0, 0
 local t_start = dlua.perf_counter()
 for epoch = 1, opt.epochs do
-  local t0, loss_sum, seen = dlua.perf_counter(), 0, 0
+  local t0, seen = dlua.perf_counter(), 0
+  local loss_sum = dlua.zeros({}, { dtype = 'float64', device = device })  -- read back only when printing: no sync per step
   sgd:zero_grad()
   for i, x, y in train_batches(epoch) do
     if i > steps_per_epoch * opt.accumulate then break end
     x, y = x:to(device), y:to(device)
     local out = model:forward(x)
-    local loss = criterion:forward(out, y)  -- read back only when printing: no device sync per step
+    local loss = criterion:forward(out, y)
     model:backward(x, criterion:backward(out, y))
-    loss = loss:double() * y:numel()
-    loss_sum, seen = loss_sum + (device == 'cpu' and loss:item() or loss), seen + y:numel()
+    loss_sum:add_(loss:double() * y:numel())
+    seen = seen + y:numel()
     if i % opt.accumulate == 0 then
       sgd:set_lr(schedule(step))
       sgd:step()
@@ -192,15 +193,13 @@ for epoch = 1, opt.epochs do
       local s = i / opt.accumulate
       if s % opt.print_every == 0 or s == steps_per_epoch then
         local dt = dlua.perf_counter() - t0
-        if type(loss_sum) ~= 'number' then loss_sum = loss_sum:item() end
-        log('epoch %d  step %d/%d  loss %.4f  lr %.4g  %.1f img/s', epoch, s, steps_per_epoch, loss_sum / seen,
+        log('epoch %d  step %d/%d  loss %.4f  lr %.4g  %.1f img/s', epoch, s, steps_per_epoch, loss_sum:item() / seen,
           schedule(step - 1), seen * world / dt)
       end
     end
   end
-  if device ~= 'cpu' and type(loss_sum) ~= 'number' then loss_sum = loss_sum:item() end
   local dt = dlua.perf_counter() - t0
-  local ips = dlua.tensor({ seen / dt, loss_sum, seen }, { dtype = 'float64' })
+  local ips = dlua.tensor({ seen / dt, loss_sum:item(), seen }, { dtype = 'float64' })
   dist.all_reduce(ips, 'sum')  -- img/s summed over ranks, loss averaged over every image
   local n_eval
   acc, n_eval = evaluate()
