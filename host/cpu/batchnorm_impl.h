@@ -51,7 +51,6 @@ static inline __attribute__((always_inline)) T FN(relu_mask)(T y, T d) {
 #define VW ((int)(64 / sizeof(T)))
 typedef T FN(vT) __attribute__((vector_size(64)));
 typedef UT FN(vU) __attribute__((vector_size(64)));
-typedef double FN(vD) __attribute__((vector_size(64 / sizeof(T) * sizeof(double))));
 
 static inline __attribute__((always_inline)) FN(vT) FN(vload)(const T *p) {
   FN(vT) v;
@@ -64,29 +63,59 @@ static inline __attribute__((always_inline)) FN(vT) FN(vkeep)(FN(vT) v, FN(vU) k
   return (FN(vT))((FN(vU))v & keep);
 }
 
+/* Double-precision accumulators are native 8-lane vectors, a float chunk's two halves each in
+   its own: a 16-double generic vector has no machine mode, so GCC keeps it on the stack and
+   every add goes through a store and a reload. */
+typedef double FN(vN) __attribute__((vector_size(64)));
+#define NH (VW / 8)
+static inline __attribute__((always_inline)) FN(vN) FN(lo8)(FN(vT) v) {
+  return __builtin_convertvector(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7), FN(vN));
+}
+/* (for double, NH is 1 and this is never called) */
+static inline __attribute__((always_inline)) FN(vN) FN(hi8)(FN(vT) v) {
+  return __builtin_convertvector(__builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15), FN(vN));
+}
+/* a += v in double: a##l takes lanes 0-7, a##h lanes 8-15 (float only). */
+#define BN_ACC(a, v)                  \
+  do {                                \
+    const FN(vT) v_ = (v);            \
+    a##l += FN(lo8)(v_);              \
+    if (NH == 2) a##h += FN(hi8)(v_); \
+  } while (0)
+
 /* The grouped sums of stats_rows and reduce_rows_k: rows go in groups of G, and each
    VW-channel chunk of a group is summed in registers, in two chains that hide the add latency,
-   onto the running totals in bs/bq. TERM(row, s, q) adds one row's chunk at channel c;
-   CHUNK_SETUP declares what TERM needs per chunk. */
-#define BN_GROUPED_SUMS(CHUNK_SETUP, TERM)                         \
-  for (int64_t g0 = 0; g0 < n; g0 += G) {                          \
-    const int64_t g1 = g0 + G < n ? g0 + G : n;                    \
-    for (int64_t c = 0; c < cv; c += VW) {                         \
-      CHUNK_SETUP;                                                 \
-      FN(vD) s0, q0, s1 = {0}, q1 = {0};                           \
-      memcpy(&s0, bs + c, sizeof s0);                              \
-      memcpy(&q0, bq + c, sizeof q0);                              \
-      int64_t r = g0;                                              \
-      for (; r + 2 <= g1; r += 2) {                                \
-        TERM(r, s0, q0);                                           \
-        TERM(r + 1, s1, q1);                                       \
-      }                                                            \
-      if (r < g1) TERM(r, s0, q0);                                 \
-      s0 += s1;                                                    \
-      q0 += q1;                                                    \
-      memcpy(bs + c, &s0, sizeof s0);                              \
-      memcpy(bq + c, &q0, sizeof q0);                              \
-    }                                                              \
+   onto the running totals in bs/bq. TERM(row, s, q) adds one row's chunk at channel c into
+   s##l/s##h and q##l/q##h; CHUNK_SETUP declares what TERM needs per chunk. */
+#define BN_GROUPED_SUMS(CHUNK_SETUP, TERM)                                                    \
+  for (int64_t g0 = 0; g0 < n; g0 += G) {                                                     \
+    const int64_t g1 = g0 + G < n ? g0 + G : n;                                               \
+    for (int64_t c = 0; c < cv; c += VW) {                                                    \
+      CHUNK_SETUP;                                                                            \
+      FN(vN) s0l, s0h = {0}, q0l, q0h = {0}, s1l = {0}, s1h = {0}, q1l = {0}, q1h = {0};      \
+      memcpy(&s0l, bs + c, sizeof s0l);                                                       \
+      memcpy(&q0l, bq + c, sizeof q0l);                                                       \
+      if (NH == 2) {                                                                          \
+        memcpy(&s0h, bs + c + 8, sizeof s0h);                                                 \
+        memcpy(&q0h, bq + c + 8, sizeof q0h);                                                 \
+      }                                                                                       \
+      int64_t r = g0;                                                                         \
+      for (; r + 2 <= g1; r += 2) {                                                           \
+        TERM(r, s0, q0);                                                                      \
+        TERM(r + 1, s1, q1);                                                                  \
+      }                                                                                       \
+      if (r < g1) TERM(r, s0, q0);                                                            \
+      s0l += s1l;                                                                             \
+      q0l += q1l;                                                                             \
+      memcpy(bs + c, &s0l, sizeof s0l);                                                       \
+      memcpy(bq + c, &q0l, sizeof q0l);                                                       \
+      if (NH == 2) {                                                                          \
+        s0h += s1h;                                                                           \
+        q0h += q1h;                                                                           \
+        memcpy(bs + c + 8, &s0h, sizeof s0h);                                                 \
+        memcpy(bq + c + 8, &q0h, sizeof q0h);                                                 \
+      }                                                                                       \
+    }                                                                                         \
   }
 
 /* Sums of (x - shift) and its square per channel over n rows, in double. Groups of about 8 KiB
@@ -96,14 +125,21 @@ static DLUA_CPU_CLONES void FN(stats_rows)(int64_t C, int64_t n, const T *x, con
                                            double *bq) {
   const int64_t cv = C - C % VW, G = BN_GROUP(C);
   for (int64_t c = 0; c < C; c++) bs[c] = bq[c] = 0;
-#define BN_STATS_SETUP \
-  FN(vD) k;             \
-  memcpy(&k, shift + c, sizeof k)
-#define BN_TERM(row, s, q)                                                        \
-  do {                                                                            \
-    FN(vD) d = __builtin_convertvector(FN(vload)(x + (row) * C + c), FN(vD)) - k; \
-    s += d;                                                                       \
-    q += d * d;                                                                   \
+#define BN_STATS_SETUP               \
+  FN(vN) kl, kh = {0};               \
+  memcpy(&kl, shift + c, sizeof kl); \
+  if (NH == 2) memcpy(&kh, shift + c + 8, sizeof kh)
+#define BN_TERM(row, s, q)                         \
+  do {                                             \
+    const FN(vT) v = FN(vload)(x + (row) * C + c); \
+    const FN(vN) dl = FN(lo8)(v) - kl;             \
+    s##l += dl;                                    \
+    q##l += dl * dl;                               \
+    if (NH == 2) {                                 \
+      const FN(vN) dh = FN(hi8)(v) - kh;           \
+      s##h += dh;                                  \
+      q##h += dh * dh;                             \
+    }                                              \
   } while (0)
   BN_GROUPED_SUMS(BN_STATS_SETUP, BN_TERM)
 #undef BN_TERM
@@ -158,12 +194,12 @@ static inline __attribute__((always_inline)) void FN(reduce_rows_k)(int64_t C, i
   const FN(vT) zero = {0};
   for (int64_t c = 0; c < C; c++) bs[c] = bq[c] = 0;
 #define BN_REDUCE_SETUP const FN(vT) vm = FN(vload)(m + c)
-#define BN_TERM(row, s, q)                                                         \
-  do {                                                                             \
-    FN(vT) d = FN(vload)(dy + (row) * C + c);                                      \
-    if (mask) d = FN(vkeep)(d, (FN(vU))(FN(vload)(y + (row) * C + c) > zero));     \
-    s += __builtin_convertvector(d, FN(vD));                                       \
-    q += __builtin_convertvector(d * (FN(vload)(x + (row) * C + c) - vm), FN(vD)); \
+#define BN_TERM(row, s, q)                                                     \
+  do {                                                                         \
+    FN(vT) d = FN(vload)(dy + (row) * C + c);                                  \
+    if (mask) d = FN(vkeep)(d, (FN(vU))(FN(vload)(y + (row) * C + c) > zero)); \
+    BN_ACC(s, d);                                                              \
+    BN_ACC(q, d * (FN(vload)(x + (row) * C + c) - vm));                        \
   } while (0)
   BN_GROUPED_SUMS(BN_REDUCE_SETUP, BN_TERM)
 #undef BN_TERM
@@ -391,3 +427,5 @@ static void FN(bn_bwd_apply)(const bn_geom_t *g, const T *x, const T *dy, const 
 #undef VW
 #undef BN_GROUP
 #undef BN_GROUPED_SUMS
+#undef BN_ACC
+#undef NH
