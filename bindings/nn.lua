@@ -88,12 +88,22 @@ function M.conv2d(x, w, b, c)
     b and handle('Conv2d', b) or nil, c[1], c[2], c[3], c[4], c[5], c[6], c[7])
 end
 
-function M.conv2d_backward_data(grad_y, w, x, c)
-  local p = handle('Conv2d.backward', x)
+-- -> the input gradient; with add_to (x's shape), added to it in place and add_to returned
+function M.conv2d_backward_data(grad_y, w, x, c, add_to)
+  local op = 'Conv2d.backward'
+  local p = handle(op, x)
   local s = C.dlua_tensor_sizes(p)
   for i = 0, 3 do sizes4[i] = s[i] end
-  return with_out('Conv2d.backward', C.dlua_conv2d_backward_data, handle('Conv2d.backward', grad_y),
-    handle('Conv2d.backward', w), sizes4, c[1], c[2], c[3], c[4], c[5], c[6], c[7])
+  if add_to == nil then
+    return with_out(op, C.dlua_conv2d_backward_data, handle(op, grad_y), handle(op, w), sizes4, c[1], c[2], c[3], c[4],
+      c[5], c[6], c[7], 0)
+  end
+  out1[0] = handle(op, add_to)
+  local st = C.dlua_conv2d_backward_data(out1, handle(op, grad_y), handle(op, w), sizes4, c[1], c[2], c[3], c[4], c[5],
+    c[6], c[7], 1)
+  out1[0] = nil
+  if st ~= 0 then core.check(st, op) end
+  return add_to
 end
 
 function M.conv2d_backward_weights(grad_w, grad_b, x, grad_y, c)

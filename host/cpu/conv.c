@@ -382,6 +382,7 @@ typedef struct {
   int32_t src_fmt, dst_fmt, w_fmt; /* x / grad_x, y / grad_y, weight / grad_weight */
   int32_t has_bias;
   int32_t acc_w, acc_b;            /* backward weights: += into grad_weight / grad_bias */
+  int32_t acc_y;                   /* forward: += into y (a sum post-op on the convolution itself) */
   geom_t g;
 } conv_key_t;
 
@@ -477,7 +478,7 @@ typedef struct {
 static dlua_status_t entry_build(const char *op, const conv_key_t *k, conv_entry_t **out) {
   const geom_t *g = &k->g;
   dlua_status_t s = DLUA_OK;
-  dnnl_primitive_attr_t attr = NULL, racc = NULL;
+  dnnl_primitive_attr_t attr = NULL, racc = NULL, afwd = NULL;
   dnnl_post_ops_t sum = NULL;
   dnnl_primitive_desc_t fpd = NULL, pd = NULL;
   conv_entry_t *e = calloc(1, sizeof *e);
@@ -524,7 +525,24 @@ static dlua_status_t entry_build(const char *op, const conv_key_t *k, conv_entry
                                                         &w_any, k->has_bias ? &b_md : NULL, &y_any, strides, dil,
                                                         pad, pad),
              "convolution descriptor");
-  DNNL_CHECK(dnnl_primitive_desc_create(&fpd, &fd, attr, dnnl_eng, NULL), "forward convolution");
+  DNNL_CHECK(dnnl_post_ops_create(&sum), "post-op creation");
+  DNNL_CHECK(dnnl_post_ops_append_sum(sum, 1.0f), "sum post-op");
+  // A forward accumulating into y adds in the convolution (a sum post-op: y is read where it is
+  // written) when the primitive works on the caller's y directly; otherwise in y's reorder.
+  int fused_sum = 0;
+  if (k->dir == DIR_FWD && k->acc_y) {
+    DNNL_CHECK(dnnl_primitive_attr_create(&afwd), "attribute creation");
+    DNNL_CHECK(dnnl_primitive_attr_set_scratchpad_mode(afwd, dnnl_scratchpad_mode_user), "scratchpad mode");
+    DNNL_CHECK(dnnl_primitive_attr_set_post_ops(afwd, sum), "sum post-op");
+    DNNL_CHECK(dnnl_primitive_desc_create(&fpd, &fd, afwd, dnnl_eng, NULL), "forward convolution");
+    const dnnl_memory_desc_t *dmd = dnnl_primitive_desc_query_md(fpd, dnnl_query_dst_md, 0);
+    fused_sum = dmd && dnnl_memory_desc_equal(dmd, &y_user);
+    if (!fused_sum) {
+      dnnl_primitive_desc_destroy(fpd);
+      fpd = NULL;
+    }
+  }
+  if (!fpd) DNNL_CHECK(dnnl_primitive_desc_create(&fpd, &fd, attr, dnnl_eng, NULL), "forward convolution");
   if (k->dir == DIR_FWD) {
     pd = fpd;
     fpd = NULL;
@@ -550,7 +568,7 @@ static dlua_status_t entry_build(const char *op, const conv_key_t *k, conv_entry
   if (k->dir == DIR_FWD) {
     spec[ns++] = (slot_spec_t){DNNL_ARG_SRC, 0, 0, &x_user, dnnl_query_src_md, 0};
     spec[ns++] = (slot_spec_t){DNNL_ARG_WEIGHTS, 0, 0, &w_user, dnnl_query_weights_md, 0};
-    spec[ns++] = (slot_spec_t){DNNL_ARG_DST, 1, 0, &y_user, dnnl_query_dst_md, 0};
+    spec[ns++] = (slot_spec_t){DNNL_ARG_DST, 1, k->acc_y && !fused_sum, &y_user, dnnl_query_dst_md, 0};
     if (k->has_bias) spec[ns++] = (slot_spec_t){DNNL_ARG_BIAS, 0, 0, &b_md, dnnl_query_weights_md, 1};
   } else if (k->dir == DIR_BWD_DATA) {
     spec[ns++] = (slot_spec_t){DNNL_ARG_DIFF_DST, 0, 0, &y_user, dnnl_query_diff_dst_md, 0};
@@ -566,8 +584,6 @@ static dlua_status_t entry_build(const char *op, const conv_key_t *k, conv_entry
 
   const dnnl_memory_desc_t *smd = dnnl_primitive_desc_query_md(pd, dnnl_query_scratchpad_md, 0);
   e->scratch_bytes = smd ? dnnl_memory_desc_get_size(smd) : 0;
-  DNNL_CHECK(dnnl_post_ops_create(&sum), "post-op creation");
-  DNNL_CHECK(dnnl_post_ops_append_sum(sum, 1.0f), "sum post-op");
   DNNL_CHECK(dnnl_primitive_attr_create(&racc), "attribute creation");
   DNNL_CHECK(dnnl_primitive_attr_set_scratchpad_mode(racc, dnnl_scratchpad_mode_user), "scratchpad mode");
   DNNL_CHECK(dnnl_primitive_attr_set_post_ops(racc, sum), "sum post-op");
@@ -608,6 +624,7 @@ static dlua_status_t entry_build(const char *op, const conv_key_t *k, conv_entry
 done:
   if (sum) dnnl_post_ops_destroy(sum);
   if (racc) dnnl_primitive_attr_destroy(racc);
+  if (afwd) dnnl_primitive_attr_destroy(afwd);
   if (attr) dnnl_primitive_attr_destroy(attr);
   if (fpd) dnnl_primitive_desc_destroy(fpd);
   if (pd) dnnl_primitive_desc_destroy(pd);
@@ -874,7 +891,7 @@ static int bwd_data_as_forward(const geom_t *g, const dlua_tensor_t *gy, const d
 }
 
 static dlua_status_t backward_data_by_forward(const char *op, const geom_t *g, const dlua_tensor_t *gy,
-                                              const dlua_tensor_t *w, dlua_tensor_t *gx) {
+                                              const dlua_tensor_t *w, dlua_tensor_t *gx, int accumulate) {
   int64_t ts[4] = {g->c, g->o, g->kh, g->kw};
   dlua_tensor_t *wt = NULL;
   DLUA_TRY(dlua_tensor_empty(&wt, 4, ts, DLUA_DTYPE_F32, DLUA_CPU));
@@ -890,17 +907,27 @@ static dlua_status_t backward_data_by_forward(const char *op, const geom_t *g, c
   geom_t f = {.n = g->n, .c = g->o, .h = g->oh, .w = g->ow, .o = g->c, .kh = g->kh, .kw = g->kw, .sh = 1, .sw = 1,
               .ph = g->kh - 1 - g->ph, .pw = g->kw - 1 - g->pw, .dh = 1, .dw = 1, .g = 1, .oh = g->h, .ow = g->w};
   conv_key_t k = make_key(DIR_FWD, &f, FMT_NHWC, FMT_NHWC, FMT_NCHW, 0);
+  k.acc_y = accumulate != 0;
   void *ptrs[4] = {dlua_tensor_ptr(gy), dlua_tensor_ptr(wt), dlua_tensor_ptr(gx), NULL};
   dlua_status_t s = onednn_run(op, &k, ptrs);
   dlua_tensor_free(wt);
   return s;
 }
 
+/* Folds a gradient computed into a temporary back into the caller's tensor. */
+static dlua_status_t fold_back(dlua_tensor_t *dst, const dlua_tensor_t *tmp, int accumulate) {
+  if (!accumulate) return dlua_tensor_copy_(dst, tmp);
+  dlua_tensor_t *d = dst;
+  return dlua_tensor_binary(&d, dst, tmp, DLUA_BINARY_ADD, 1.0);
+}
+
 dlua_status_t dlua_conv2d_backward_data(dlua_tensor_t **grad_x, const dlua_tensor_t *grad_y, const dlua_tensor_t *w,
                                         const int64_t *x_sizes, int stride_h, int stride_w, int pad_h, int pad_w,
-                                        int dil_h, int dil_w, int groups) {
+                                        int dil_h, int dil_w, int groups, int accumulate) {
   const char *op = "conv2d_backward_data";
   if (!grad_x) return DLUA_ERR(DLUA_ERR_ARG, "%s: grad_input is NULL", op);
+  if (accumulate && !*grad_x)
+    return DLUA_ERR(DLUA_ERR_ARG, "%s: accumulate needs a grad_input to add to, got none", op);
   if (!grad_y || !w || !x_sizes)
     return DLUA_ERR(DLUA_ERR_ARG, "%s: %s is NULL", op, !grad_y ? "grad_output" : !w ? "weight" : "input size");
   DLUA_TRY(check_rank(op, "grad_output", "(N, O, OH, OW)", grad_y, 4));
@@ -919,7 +946,7 @@ dlua_status_t dlua_conv2d_backward_data(dlua_tensor_t **grad_x, const dlua_tenso
   if (grad_y->device != DLUA_CPU) {
 #ifdef DLUA_HAVE_CUDA
     return dlua_cuda_conv2d_backward_data(grad_x, grad_y, w, x_sizes, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
-                                          groups);
+                                          groups, accumulate);
 #else
     return dlua_require_cpu(op, grad_y);
 #endif
@@ -938,6 +965,10 @@ dlua_status_t dlua_conv2d_backward_data(dlua_tensor_t **grad_x, const dlua_tenso
   int direct = (*grad_x)->dtype == ct && of != FMT_OTHER;
   dlua_status_t s = operand4(grad_y, ct, &yv);
   if (s == DLUA_OK) s = operand4(w, ct, &wv);
+  // Accumulating, only the forward-convolution route adds in place (a sum post-op); the others
+  // compute into a temporary and add it.
+  if (s == DLUA_OK && accumulate && !(direct && ct == DLUA_DTYPE_F32 && bwd_data_as_forward(&g, yv, *grad_x)))
+    direct = 0;
   if (s == DLUA_OK) {
     if (direct) {
       xv = dlua_tensor_alias(*grad_x);
@@ -951,14 +982,14 @@ dlua_status_t dlua_conv2d_backward_data(dlua_tensor_t **grad_x, const dlua_tenso
       ref_backward_data(&g, (const double *)dlua_tensor_ptr(yv), yv->strides, (const double *)dlua_tensor_ptr(wv),
                         wv->strides, (double *)dlua_tensor_ptr(xv), xv->strides);
     } else if (bwd_data_as_forward(&g, yv, xv)) {
-      s = backward_data_by_forward(op, &g, yv, wv, xv);
+      s = backward_data_by_forward(op, &g, yv, wv, xv, accumulate && direct);
     } else {
       conv_key_t k = make_key(DIR_BWD_DATA, &g, memory_format(xv), memory_format(yv), memory_format(wv), 0);
       void *ptrs[3] = {dlua_tensor_ptr(yv), dlua_tensor_ptr(wv), dlua_tensor_ptr(xv)};
       s = onednn_run(op, &k, ptrs);
     }
   }
-  if (s == DLUA_OK && !direct) s = dlua_tensor_copy_(*grad_x, xv);
+  if (s == DLUA_OK && !direct) s = fold_back(*grad_x, xv, accumulate);
   dlua_tensor_free(yv);
   dlua_tensor_free(wv);
   dlua_tensor_free(xv);
@@ -967,13 +998,6 @@ dlua_status_t dlua_conv2d_backward_data(dlua_tensor_t **grad_x, const dlua_tenso
     *grad_x = NULL;
   }
   return s;
-}
-
-/* Folds a gradient computed into a temporary back into the caller's tensor. */
-static dlua_status_t fold_back(dlua_tensor_t *dst, const dlua_tensor_t *tmp, int accumulate) {
-  if (!accumulate) return dlua_tensor_copy_(dst, tmp);
-  dlua_tensor_t *d = dst;
-  return dlua_tensor_binary(&d, dst, tmp, DLUA_BINARY_ADD, 1.0);
 }
 
 dlua_status_t dlua_conv2d_backward_weights(dlua_tensor_t *grad_w, dlua_tensor_t *grad_bias, const dlua_tensor_t *x,

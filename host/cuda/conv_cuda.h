@@ -12,7 +12,8 @@ dlua_status_t dlua_cuda_conv2d_forward(dlua_tensor_t **out, const dlua_tensor_t 
                                        int dil_h, int dil_w, int groups);
 dlua_status_t dlua_cuda_conv2d_backward_data(dlua_tensor_t **grad_x, const dlua_tensor_t *grad_y,
                                              const dlua_tensor_t *w, const int64_t *x_sizes, int stride_h,
-                                             int stride_w, int pad_h, int pad_w, int dil_h, int dil_w, int groups);
+                                             int stride_w, int pad_h, int pad_w, int dil_h, int dil_w, int groups,
+                                             int accumulate);
 dlua_status_t dlua_cuda_conv2d_backward_weights(dlua_tensor_t *grad_w, dlua_tensor_t *grad_bias,
                                                 const dlua_tensor_t *x, const dlua_tensor_t *grad_y, int stride_h,
                                                 int stride_w, int pad_h, int pad_w, int dil_h, int dil_w, int groups,

@@ -634,8 +634,10 @@ dlua_status_t dlua_cuda_conv2d_forward(dlua_tensor_t **out, const dlua_tensor_t 
 
 dlua_status_t dlua_cuda_conv2d_backward_data(dlua_tensor_t **grad_x, const dlua_tensor_t *grad_y,
                                              const dlua_tensor_t *w, const int64_t *x_sizes, int stride_h,
-                                             int stride_w, int pad_h, int pad_w, int dil_h, int dil_w, int groups) {
+                                             int stride_w, int pad_h, int pad_w, int dil_h, int dil_w, int groups,
+                                             int accumulate) {
   const char *op = "conv2d_backward_data";
+  accumulate = accumulate != 0;
   const params_t pp = {stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, groups};
   const int fmt = act_format(grad_y);
   int allocated = 0;
@@ -648,11 +650,11 @@ dlua_status_t dlua_cuda_conv2d_backward_data(dlua_tensor_t **grad_x, const dlua_
   dlua_status_t s = DLUA_OK;
   if (dlua_shape_numel(4, x_sizes) > 0) {
     if (w->sizes[0] == 0) {
-      s = dlua_tensor_fill_(*grad_x, 0.0);  // no output channel: nothing flows back
+      if (!accumulate) s = dlua_tensor_fill_(*grad_x, 0.0);  // no output channel: nothing flows back
     } else {
       char ctx[600];
       s = convolve_any(op, context(ctx, sizeof ctx, "grad_output", grad_y, "weight", w, &pp), DIR_BWD_DATA, fmt,
-                       grad_y, w, *grad_x, 0, &pp);
+                       grad_y, w, *grad_x, accumulate, &pp);
     }
   }
   if (s != DLUA_OK && allocated) {

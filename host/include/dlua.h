@@ -584,8 +584,10 @@ int64_t dlua_conv2d_output_size(int64_t in, int64_t kernel, int stride, int pad,
 /* out (N, O, OH, OW) = conv(x (N, C, H, W), w (O, C/groups, kH, kW)) + bias (O) (bias may be NULL). */
 dlua_status_t dlua_conv2d_forward(dlua_tensor_t **out, const dlua_tensor_t *x, const dlua_tensor_t *w, const dlua_tensor_t *bias, int stride_h, int stride_w, int pad_h, int pad_w, int dil_h, int dil_w, int groups);
 /* grad_x (x_sizes: 4 entries, N, C, H, W) from grad_y (N, O, OH, OW) and w (O, C/groups, kH, kW);
-   written, not accumulated; allocated in grad_y's memory format. */
-dlua_status_t dlua_conv2d_backward_data(dlua_tensor_t **grad_x, const dlua_tensor_t *grad_y, const dlua_tensor_t *w, const int64_t *x_sizes, int stride_h, int stride_w, int pad_h, int pad_w, int dil_h, int dil_w, int groups);
+   `out` convention (allocated in grad_y's memory format). accumulate 1 adds to the given *grad_x
+   instead of overwriting it (a residual block's shortcut gradient: channels-last float32 with
+   stride 1 adds inside the convolution, without a pass of its own). */
+dlua_status_t dlua_conv2d_backward_data(dlua_tensor_t **grad_x, const dlua_tensor_t *grad_y, const dlua_tensor_t *w, const int64_t *x_sizes, int stride_h, int stride_w, int pad_h, int pad_w, int dil_h, int dil_w, int groups, int accumulate);
 /* Parameter gradients from x (N, C, H, W) and grad_y (N, O, OH, OW) into grad_w (O, C/groups, kH, kW)
    and grad_bias (O) (may be NULL): accumulate 1 adds to what they hold (Torch7's backward), 0
    overwrites. They may have another floating dtype than x (a float32 gradient arena). */

@@ -183,13 +183,33 @@ static void check_cfg(const cfg_t *k, dlua_dtype_t dt, int layout, double tol) {
   free(v);
 
   dlua_tensor_t *gx = NULL;
-  s = dlua_conv2d_backward_data(&gx, gy, w, p.xs, k->sh, k->sw, k->ph, k->pw, k->dh, k->dw, k->g);
+  s = dlua_conv2d_backward_data(&gx, gy, w, p.xs, k->sh, k->sw, k->ph, k->pw, k->dh, k->dw, k->g, 0);
   if (s != DLUA_OK) ck_abort_msg("%s: backward data failed: %s", what, dlua_last_error());
   if ((layout & 1) && k->c > 1) ck_assert_msg(is_channels_last(gx), "%s: grad_input is not channels-last", what);
   v = tu_values(gx);
   snprintf(w2, sizeof w2, "%s backward data", what);
   tu_expect_close(v, p.gx, p.xn, tol, w2);
   free(v);
+
+  // accumulate = 1 adds the input gradient to what the given tensor holds (in gx's layout: the
+  // channels-last float32 stride-1 case adds inside the convolution, the others through a temporary)
+  double *junk_x = tu_rand_vals(tu_xorshift, &rng_state, p.xn, 1.0);
+  dlua_tensor_t *acc = tu_make(4, p.xs, dt, junk_x);
+  if (layout & 1) {
+    dlua_tensor_t *t = to_channels_last(acc);
+    dlua_tensor_free(acc), acc = t;
+  }
+  dlua_tensor_t *acc_in = acc;
+  s = dlua_conv2d_backward_data(&acc, gy, w, p.xs, k->sh, k->sw, k->ph, k->pw, k->dh, k->dw, k->g, 1);
+  if (s != DLUA_OK) ck_abort_msg("%s: accumulating backward data failed: %s", what, dlua_last_error());
+  ck_assert_ptr_eq(acc, acc_in);
+  v = tu_values(acc);
+  double *want = malloc((size_t)p.xn * sizeof(double));
+  for (int64_t i = 0; i < p.xn; i++) want[i] = junk_x[i] + p.gx[i];
+  snprintf(w2, sizeof w2, "%s backward data, accumulated", what);
+  tu_expect_close(v, want, p.xn, tol, w2);
+  free(v), free(want), free(junk_x);
+  dlua_tensor_free(acc);
 
   // Parameter gradients accumulate onto what the tensors hold: start from known junk.
   double *junk_w = tu_rand_vals(tu_xorshift, &rng_state, p.wn, 1.0), *junk_b = tu_rand_vals(tu_xorshift, &rng_state, k->o, 1.0);
@@ -266,7 +286,7 @@ static void check_fd(const cfg_t *k, int layout) {
     dlua_tensor_free(r), r = t;
   }
   dlua_tensor_t *gx = NULL, *gw = NULL, *gb = NULL;
-  ck_assert_int_eq(dlua_conv2d_backward_data(&gx, r, w, p.xs, k->sh, k->sw, k->ph, k->pw, k->dh, k->dw, k->g), DLUA_OK);
+  ck_assert_int_eq(dlua_conv2d_backward_data(&gx, r, w, p.xs, k->sh, k->sw, k->ph, k->pw, k->dh, k->dw, k->g, 0), DLUA_OK);
   ck_assert_int_eq(dlua_tensor_zeros(&gw, 4, p.ws, DLUA_DTYPE_F64, DLUA_CPU), DLUA_OK);
   ck_assert_int_eq(dlua_tensor_zeros(&gb, 1, p.bs, DLUA_DTYPE_F64, DLUA_CPU), DLUA_OK);
   ck_assert_int_eq(dlua_conv2d_backward_weights(gw, gb, x, r, k->sh, k->sw, k->ph, k->pw, k->dh, k->dw, k->g, 1), DLUA_OK);
@@ -422,7 +442,7 @@ START_TEST(test_empty) {
     int64_t want[4] = {0, 4, 3, 3};
     for (int d = 0; d < 4; d++) ck_assert_int_eq(dlua_tensor_sizes(y)[d], want[d]);
     dlua_tensor_t *gx = NULL;
-    ck_assert_int_eq(dlua_conv2d_backward_data(&gx, y, w, xs, 2, 2, 1, 1, 1, 1, 1), DLUA_OK);
+    ck_assert_int_eq(dlua_conv2d_backward_data(&gx, y, w, xs, 2, 2, 1, 1, 1, 1, 1, 0), DLUA_OK);
     ck_assert_int_eq(dlua_tensor_numel(gx), 0);
     dlua_tensor_t *gw = NULL, *gb = NULL;
     ck_assert_int_eq(dlua_tensor_zeros(&gw, 4, ws, dt, DLUA_CPU), DLUA_OK);
@@ -486,7 +506,7 @@ START_TEST(test_f64_thread_independent) {
     ck_assert_int_eq(dlua_set_num_threads(t ? 2 : 1), DLUA_OK);
     dlua_tensor_t *y = NULL, *gx = NULL, *gw = NULL;
     ck_assert_int_eq(dlua_conv2d_forward(&y, x, w, b, 1, 2, 1, 1, 1, 1, 2), DLUA_OK);
-    ck_assert_int_eq(dlua_conv2d_backward_data(&gx, gy, w, p.xs, 1, 2, 1, 1, 1, 1, 2), DLUA_OK);
+    ck_assert_int_eq(dlua_conv2d_backward_data(&gx, gy, w, p.xs, 1, 2, 1, 1, 1, 1, 2, 0), DLUA_OK);
     ck_assert_int_eq(dlua_tensor_zeros(&gw, 4, p.ws, DLUA_DTYPE_F64, DLUA_CPU), DLUA_OK);
     ck_assert_int_eq(dlua_conv2d_backward_weights(gw, NULL, x, gy, 1, 2, 1, 1, 1, 1, 2, 1), DLUA_OK);
     res[t][0] = tu_values(y), res[t][1] = tu_values(gx), res[t][2] = tu_values(gw);
@@ -579,10 +599,12 @@ START_TEST(test_errors) {
   expect_error(dlua_conv2d_forward(&bad_out, x, w, NULL, 1, 1, 0, 0, 1, 1, 2), "conv2d:", "(2, 6, 3, 3)", NULL);
 
   dlua_tensor_t *gx = NULL;
-  expect_error(dlua_conv2d_backward_data(&gx, gy, w, xs, 1, 1, 0, 0, 1, 1, 2), "conv2d_backward_data:", "(2, 6, 4, 5)",
+  expect_error(dlua_conv2d_backward_data(&gx, gy, w, xs, 1, 1, 0, 0, 1, 1, 1, 1), "conv2d_backward_data:",
+               "accumulate needs a grad_input", NULL);
+  expect_error(dlua_conv2d_backward_data(&gx, gy, w, xs, 1, 1, 0, 0, 1, 1, 2, 0), "conv2d_backward_data:", "(2, 6, 4, 5)",
                "(2, 6, 3, 3)");
   int64_t xs_bad[4] = {2, 3, 5, 5};
-  expect_error(dlua_conv2d_backward_data(&gx, gy, w, xs_bad, 1, 1, 0, 0, 1, 1, 2), "conv2d_backward_data:",
+  expect_error(dlua_conv2d_backward_data(&gx, gy, w, xs_bad, 1, 1, 0, 0, 1, 1, 2, 0), "conv2d_backward_data:",
                "(2, 3, 5, 5)", "(6, 2, 3, 3)");
   expect_error(dlua_conv2d_backward_weights(w, NULL, x, gy, 1, 1, 0, 0, 1, 1, 2, 1), "conv2d_backward_weights:",
                "(2, 6, 4, 5)", NULL);

@@ -238,9 +238,15 @@ function Conv2d:forward(x)
   return self.output
 end
 
-function Conv2d:backward(x, grad)
+-- add_to (optional, x's shape): the input gradient is added to it in place and it is returned (a
+-- residual block's shortcut gradient; channels-last float32 adds inside the convolution).
+function Conv2d:backward(x, grad, add_to)
   K.conv2d_backward_weights(self.grad_weight, self.grad_bias, x, grad, self.c)
-  self.grad_input = self.needs_input_grad ~= false and K.conv2d_backward_data(grad, self.weight, x, self.c) or nil
+  if self.needs_input_grad == false then
+    self.grad_input = nil
+  else
+    self.grad_input = K.conv2d_backward_data(grad, self.weight, x, self.c, add_to)
+  end
   return self.grad_input
 end
 
