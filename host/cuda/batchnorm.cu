@@ -15,6 +15,7 @@
    plane. Reductions write per-block (rows) or per-plane partials to a workspace; a second kernel adds
    each channel's partials in a fixed tree and computes the statistics. */
 #include "cuda/ew_common.cuh"
+#include "cuda/device_guard.cuh"
 #include "cuda/nn_cuda.h"
 
 namespace dlua_cu {
@@ -610,26 +611,11 @@ template <int DT> dlua_status_t backward(const char *op, const dlua_cuda_bn_bwd_
   return sc.put(s);
 }
 
-struct DeviceGuard {
-  int prev = 0, dev = 0;
-  cudaError_t err = cudaSuccess;
-  explicit DeviceGuard(int d) : dev(d) {
-    err = cudaGetDevice(&prev);
-    if (err == cudaSuccess && prev != dev) err = cudaSetDevice(dev);
-    if (err != cudaSuccess) cudaGetLastError();
-  }
-  ~DeviceGuard() {
-    if (err == cudaSuccess && prev != dev) cudaSetDevice(prev);
-  }
-};
-
 }  // namespace
 }  // namespace dlua_cu
 
-#define BN_SELECT(op, dev)                                                                                         \
-  DeviceGuard guard(dev);                                                                                           \
-  if (guard.err != cudaSuccess)                                                                                     \
-    return DLUA_ERR(DLUA_ERR_BACKEND, "%s: cannot select cuda:%d: %s", op, dev, cudaGetErrorString(guard.err));   \
+#define BN_SELECT(op, dev)     \
+  DLUA_CU_SELECT(guard, op, dev); \
   cudaStream_t st = (cudaStream_t)dlua_cuda_raw_stream(dev)
 
 extern "C" dlua_status_t dlua_cuda_bn_forward(const char *op, const dlua_cuda_bn_fwd_t *a) {

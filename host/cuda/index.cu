@@ -261,11 +261,6 @@ void launch_one_hot(void *out, uint64_t one, const void *lab, int is64, int64_t 
   k_one_hot<ES><<<grid_for(n * classes), kThreads, 0, s>>>((T *)out, (T)one, lab, is64, n, classes, base);
 }
 
-dlua_status_t select_error(const char *op, int device, const DeviceScope &g) {
-  return DLUA_ERR(DLUA_ERR_BACKEND, "%s: cannot select cuda:%d: %s (CUDA error %d)", op, device,
-                  cudaGetErrorString(g.err), (int)g.err);
-}
-
 dlua_status_t cuda_failed(const char *op, cudaError_t e) {
   cudaGetLastError();
   return DLUA_ERR(DLUA_ERR_BACKEND, "%s: %s (CUDA error %d)", op, cudaGetErrorString(e), (int)e);
@@ -281,8 +276,7 @@ extern "C" dlua_status_t dlua_cuda_index_first_bad(const char *op, const void *i
   *first = -1;
   *value = 0;
   if (n <= 0) return DLUA_OK;
-  DeviceScope g(device);
-  if (g.err != cudaSuccess) return select_error(op, device, g);
+  DLUA_CU_SELECT(g, op, device);
   cudaStream_t s = (cudaStream_t)dlua_cuda_raw_stream(device);
   void *mem = NULL;
   DLUA_TRY(dlua_cuda_malloc(&mem, device, 2 * sizeof(unsigned long long), NULL));
@@ -316,8 +310,7 @@ extern "C" dlua_status_t dlua_cuda_index_gather(const char *op, int mode, int el
   if (numel <= 0) return DLUA_OK;
   if (lay->ndim < 1 || lay->ndim > DLUA_MAX_DIMS || dim < 0 || dim >= lay->ndim)
     return DLUA_ERR(DLUA_ERR_INTERNAL, "%s: malformed CUDA gather", op);
-  DeviceScope g(device);
-  if (g.err != cudaSuccess) return select_error(op, device, g);
+  DLUA_CU_SELECT(g, op, device);
   cudaStream_t s = (cudaStream_t)dlua_cuda_raw_stream(device);
   const Lay l = make_lay(lay);
   switch (elsize) {
@@ -355,8 +348,7 @@ extern "C" dlua_status_t dlua_cuda_scatter_add(const char *op, int dtype, void *
   fb.tdim = t_dim_size;
   fb.nfib = nfib;
   if (nfib <= 0 || fb.L <= 0) return DLUA_OK;
-  DeviceScope g(device);
-  if (g.err != cudaSuccess) return select_error(op, device, g);
+  DLUA_CU_SELECT(g, op, device);
   cudaStream_t s = (cudaStream_t)dlua_cuda_raw_stream(device);
   switch (dtype) {
     case DLUA_DTYPE_F32: return scatter<DLUA_DTYPE_F32>(op, t, src, fb, index, is64, base, device, s);
@@ -373,8 +365,7 @@ extern "C" dlua_status_t dlua_cuda_scatter_add(const char *op, int dtype, void *
 extern "C" dlua_status_t dlua_cuda_one_hot(const char *op, int elsize, uint64_t one, void *out, const void *labels,
                                            int is64, int64_t n, int64_t classes, int64_t base, int device) {
   if (n <= 0 || classes <= 0) return DLUA_OK;
-  DeviceScope g(device);
-  if (g.err != cudaSuccess) return select_error(op, device, g);
+  DLUA_CU_SELECT(g, op, device);
   cudaStream_t s = (cudaStream_t)dlua_cuda_raw_stream(device);
   switch (elsize) {
     case 1: launch_one_hot<1>(out, one, labels, is64, n, classes, base, s); break;

@@ -61,20 +61,8 @@ dlua_status_t dlua_cuda_reduce_p(const char *op, int kind, int dtype, int out_dt
 
 #ifdef __CUDACC__
 #include <cuda_runtime_api.h>
+#include "cuda/device_guard.cuh"
 namespace dlua_cu {
-/* Selects `device` for the scope of a launch and restores the caller's device after. */
-struct DeviceScope {
-  int prev = 0, dev = 0;
-  cudaError_t err = cudaSuccess;
-  explicit DeviceScope(int d) : dev(d) {
-    err = cudaGetDevice(&prev);
-    if (err == cudaSuccess && prev != dev) err = cudaSetDevice(dev);
-    if (err != cudaSuccess) cudaGetLastError();
-  }
-  ~DeviceScope() {
-    if (err == cudaSuccess && prev != dev) cudaSetDevice(prev);
-  }
-};
 /* Stable radix sorts of n (key, value) pairs on bits [0, end_bit) of the keys, on stream s of `device`
    (host/cuda/index.cu; CUB's DeviceRadixSort, scratch from the caching allocator). */
 dlua_status_t sort_pairs(const char *op, const uint64_t *kin, uint64_t *kout, const uint32_t *vin, uint32_t *vout,

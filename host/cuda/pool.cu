@@ -7,6 +7,7 @@
    any position lies from its output's centre (oh * H / OH, ow * W / OW), and the gather visits the outputs
    within that distance (the window's own extent for positions that came from a forward). */
 #include "cuda/ew_common.cuh"
+#include "cuda/device_guard.cuh"
 #include "cuda/nn_cuda.h"
 
 namespace dlua_cu {
@@ -206,19 +207,6 @@ template <int DT> __global__ void k_avg_bwd(Pool p, const void *gy_, void *gx_, 
   }
 }
 
-struct DeviceGuard {
-  int prev = 0, dev = 0;
-  cudaError_t err = cudaSuccess;
-  explicit DeviceGuard(int d) : dev(d) {
-    err = cudaGetDevice(&prev);
-    if (err == cudaSuccess && prev != dev) err = cudaSetDevice(dev);
-    if (err != cudaSuccess) cudaGetLastError();
-  }
-  ~DeviceGuard() {
-    if (err == cudaSuccess && prev != dev) cudaSetDevice(prev);
-  }
-};
-
 template <int DT> dlua_status_t forward(const char *op, const Pool &p, const void *x, void *y, int64_t *ind, cudaStream_t st) {
   const int64_t total = p.N * p.C * p.OH * p.OW;
   if (total <= 0) return DLUA_OK;
@@ -287,9 +275,7 @@ template <int DT> dlua_status_t backward(const char *op, const Pool &p, const vo
 extern "C" dlua_status_t dlua_cuda_pool_forward(const char *op, const dlua_cuda_pool_t *p, const void *x, void *y,
                                                 int64_t *ind) {
   using namespace dlua_cu;
-  DeviceGuard g(p->device);
-  if (g.err != cudaSuccess)
-    return DLUA_ERR(DLUA_ERR_BACKEND, "%s: cannot select cuda:%d: %s", op, p->device, cudaGetErrorString(g.err));
+  DLUA_CU_SELECT(g, op, p->device);
   cudaStream_t st = (cudaStream_t)dlua_cuda_raw_stream(p->device);
 #define POOL_FWD(DT) forward<DT>(op, *p, x, y, ind, st)
   POOL_DISPATCH(POOL_FWD)
@@ -300,9 +286,7 @@ extern "C" dlua_status_t dlua_cuda_pool_backward(const char *op, const dlua_cuda
                                                  const int64_t *ind, void *gx, int *bad) {
   using namespace dlua_cu;
   *bad = 0;
-  DeviceGuard g(p->device);
-  if (g.err != cudaSuccess)
-    return DLUA_ERR(DLUA_ERR_BACKEND, "%s: cannot select cuda:%d: %s", op, p->device, cudaGetErrorString(g.err));
+  DLUA_CU_SELECT(g, op, p->device);
   cudaStream_t st = (cudaStream_t)dlua_cuda_raw_stream(p->device);
 #define POOL_BWD(DT) backward<DT>(op, *p, gy, ind, gx, bad, st)
   POOL_DISPATCH(POOL_BWD)

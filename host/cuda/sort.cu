@@ -240,10 +240,7 @@ extern "C" dlua_status_t dlua_cuda_sort(const char *op, int topk, int dtype, con
   if (rows * n > (int64_t)UINT32_MAX)
     return DLUA_ERR(DLUA_ERR_ARG, "%s: not implemented on cuda:%d for more than %u elements (got %lld)", op, device,
                     UINT32_MAX, (long long)(rows * n));
-  DeviceScope g(device);
-  if (g.err != cudaSuccess)
-    return DLUA_ERR(DLUA_ERR_BACKEND, "%s: cannot select cuda:%d: %s (CUDA error %d)", op, device,
-                    cudaGetErrorString(g.err), (int)g.err);
+  DLUA_CU_SELECT(g, op, device);
   cudaStream_t s = (cudaStream_t)dlua_cuda_raw_stream(device);
   return run(op, topk, dtype, a, l, rows, n, inner, len, descending_or_largest, by_magnitude, sorted, values, indices,
              index_base, device, s);
