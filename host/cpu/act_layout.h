@@ -12,11 +12,13 @@ enum { ACT_CONTIG = 0, ACT_CL = 1, ACT_OTHER = 2 };
 
 static inline void act_strides(int ndim, const int64_t *s, int fmt, int64_t *st) {
   if (fmt == ACT_CL && ndim >= 2) {
-    int64_t acc = s[1];
+    // as dlua_contiguous_strides: a zero size does not zero the outer strides (an empty
+    // tensor allocated channels-last must not look expanded)
+    int64_t acc = s[1] > 1 ? s[1] : 1;
     st[1] = 1;
     for (int d = ndim - 1; d >= 2; d--) {
       st[d] = acc;
-      acc *= s[d];
+      if (s[d] > 1) acc *= s[d];
     }
     st[0] = acc;
   } else {
@@ -61,26 +63,38 @@ static inline int act_is_format(const dlua_tensor_t *t, int fmt) {
   return act_strides_match(t, st, 0);
 }
 
-/* A new tensor of sizes laid out in fmt (ACT_OTHER allocates contiguous). */
-static inline dlua_status_t act_alloc(dlua_tensor_t **out, int ndim, const int64_t *sizes, dlua_dtype_t dt, int fmt) {
-  if (fmt != ACT_CL) return dlua_tensor_empty(out, ndim, sizes, dt, DLUA_CPU);
+/* A new tensor of sizes on `device` laid out in fmt (ACT_OTHER allocates contiguous). */
+static inline dlua_status_t act_alloc_on(dlua_tensor_t **out, int ndim, const int64_t *sizes, dlua_dtype_t dt, int fmt,
+                                         int device) {
+  if (fmt != ACT_CL) return dlua_tensor_empty(out, ndim, sizes, dt, device);
   int64_t n = dlua_shape_numel(ndim, sizes), st[DLUA_MAX_DIMS];
   act_strides(ndim, sizes, ACT_CL, st);
   dlua_tensor_t *flat = NULL;
-  DLUA_TRY(dlua_tensor_empty(&flat, 1, &n, dt, DLUA_CPU));
+  DLUA_TRY(dlua_tensor_empty(&flat, 1, &n, dt, device));
   dlua_status_t s = dlua_tensor_as_strided(out, flat, ndim, sizes, st, 0);
   dlua_tensor_free(flat);
   return s;
 }
 
-/* t as dtype ct laid out in fmt: a new handle on t when it already is, else a converted copy. */
+static inline dlua_status_t act_alloc(dlua_tensor_t **out, int ndim, const int64_t *sizes, dlua_dtype_t dt, int fmt) {
+  return act_alloc_on(out, ndim, sizes, dt, fmt, DLUA_CPU);
+}
+
+/* Errors unless every tensor of ts (entries may be NULL) lives on x's device, naming x and the first that does not. */
+static inline dlua_status_t act_same_device(const char *op, const dlua_tensor_t *x, const dlua_tensor_t *const *ts,
+                                            int n) {
+  for (int i = 0; i < n; i++) DLUA_TRY(dlua_same_device(op, x, ts[i]));
+  return DLUA_OK;
+}
+
+/* t as dtype ct laid out in fmt, on t's device: a new handle on t when it already is, else a converted copy. */
 static inline dlua_status_t act_stage(const dlua_tensor_t *t, dlua_dtype_t ct, int fmt, dlua_tensor_t **v) {
   *v = NULL;
   if (t->dtype == ct && act_is_format(t, fmt)) {
     *v = dlua_tensor_alias(t);
     return *v ? DLUA_OK : dlua_last_status();
   }
-  DLUA_TRY(act_alloc(v, t->ndim, t->sizes, ct, fmt));
+  DLUA_TRY(act_alloc_on(v, t->ndim, t->sizes, ct, fmt, t->device));
   dlua_status_t s = dlua_tensor_copy_(*v, t);
   if (s != DLUA_OK) {
     dlua_tensor_free(*v);
@@ -105,22 +119,23 @@ static inline int act_same_view(const dlua_tensor_t *a, const dlua_tensor_t *b) 
   return 1;
 }
 
-/* alloc_dt: the dtype a NULL *out gets. inputs (entries may be NULL) are the tensors the kernel
-   reads; a caller's tensor sharing memory with one of them is written directly only when it is
-   exactly that input and the kernel is elementwise (reads element i before writing it). */
-static inline dlua_status_t act_out_begin(const char *op, act_out_t *o, dlua_tensor_t **out, int ndim,
-                                          const int64_t *sizes, dlua_dtype_t alloc_dt, dlua_dtype_t ct, int fmt,
-                                          const dlua_tensor_t *const *inputs, int ninputs, int elementwise) {
+/* alloc_dt: the dtype a NULL *out gets (on `device`). inputs (entries may be NULL) are the tensors
+   the kernel reads; a caller's tensor sharing memory with one of them is written directly only when
+   it is exactly that input and the kernel is elementwise (reads element i before writing it). */
+static inline dlua_status_t act_out_begin_on(const char *op, act_out_t *o, dlua_tensor_t **out, int ndim,
+                                             const int64_t *sizes, dlua_dtype_t alloc_dt, dlua_dtype_t ct, int fmt,
+                                             const dlua_tensor_t *const *inputs, int ninputs, int elementwise,
+                                             int device) {
   o->out = out;
   o->work = NULL;
   o->work_owned = 0;
   o->allocated = 0;
   if (!out) return DLUA_OK;
   if (!*out) {
-    DLUA_TRY(act_alloc(out, ndim, sizes, alloc_dt, fmt));
+    DLUA_TRY(act_alloc_on(out, ndim, sizes, alloc_dt, fmt, device));
     o->allocated = 1;
   } else {
-    DLUA_TRY(dlua_prepare_out(op, out, ndim, sizes, alloc_dt, NULL));
+    DLUA_TRY(dlua_prepare_out_on(op, out, ndim, sizes, alloc_dt, device, NULL));
   }
   int direct = (*out)->dtype == ct && act_is_format(*out, fmt);
   for (int i = 0; direct && i < ninputs; i++)
@@ -130,7 +145,7 @@ static inline dlua_status_t act_out_begin(const char *op, act_out_t *o, dlua_ten
     o->work = *out;
     return DLUA_OK;
   }
-  dlua_status_t s = act_alloc(&o->work, ndim, sizes, ct, fmt);
+  dlua_status_t s = act_alloc_on(&o->work, ndim, sizes, ct, fmt, device);
   if (s != DLUA_OK) {
     if (o->allocated) {
       dlua_tensor_free(*out);
@@ -141,6 +156,12 @@ static inline dlua_status_t act_out_begin(const char *op, act_out_t *o, dlua_ten
   }
   o->work_owned = 1;
   return DLUA_OK;
+}
+
+static inline dlua_status_t act_out_begin(const char *op, act_out_t *o, dlua_tensor_t **out, int ndim,
+                                          const int64_t *sizes, dlua_dtype_t alloc_dt, dlua_dtype_t ct, int fmt,
+                                          const dlua_tensor_t *const *inputs, int ninputs, int elementwise) {
+  return act_out_begin_on(op, o, out, ndim, sizes, alloc_dt, ct, fmt, inputs, ninputs, elementwise, DLUA_CPU);
 }
 
 /* Copies work into the caller's tensor when they differ (s == DLUA_OK) and releases the

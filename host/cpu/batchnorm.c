@@ -12,7 +12,6 @@
 #include "cpu/act_layout.h"
 #include "cpu/clones.h"
 #include "cuda/nn_cuda.h"  /* plain C: only CUDA builds call into it */
-#include "cuda/nn_stage.h"
 
 /* Below this many elements a pass runs on one thread: waking the pool costs more. */
 enum { BN_PAR_MIN = 32768 };
@@ -293,8 +292,8 @@ static dlua_status_t cuda_bn_forward(const char *op, dlua_tensor_t **out, dlua_t
   act_out_t o = {0};
   int am = 0, ai = 0;
   const dlua_tensor_t *ins[2] = {x, skip};
-  dlua_status_t s = act_stage_on(x, kt, fmt, &xs);
-  if (s == DLUA_OK && skip) s = act_stage_on(skip, kt, fmt, &ss);
+  dlua_status_t s = act_stage(x, kt, fmt, &xs);
+  if (s == DLUA_OK && skip) s = act_stage(skip, kt, fmt, &ss);
   if (s == DLUA_OK && out) s = act_out_begin_on(op, &o, out, x->ndim, x->sizes, x->dtype, kt, fmt, ins, 2, 1, dev);
   if (s == DLUA_OK) s = cuda_save(op, save_mean, g->C, ct, dev, &am);
   if (s == DLUA_OK) s = cuda_save(op, save_invstd, g->C, ct, dev, &ai);
@@ -342,9 +341,9 @@ static dlua_status_t cuda_bn_backward(const char *op, dlua_tensor_t **grad_input
   dlua_tensor_t *xs = NULL, *ds = NULL, *ys = NULL;
   act_out_t odx = {0}, osk = {0};
   const dlua_tensor_t *ins[3] = {grad_output, x, relu ? output : NULL};
-  dlua_status_t s = act_stage_on(x, kt, fmt, &xs);
-  if (s == DLUA_OK) s = act_stage_on(grad_output, kt, fmt, &ds);
-  if (s == DLUA_OK && relu) s = act_stage_on(output, kt, fmt, &ys);
+  dlua_status_t s = act_stage(x, kt, fmt, &xs);
+  if (s == DLUA_OK) s = act_stage(grad_output, kt, fmt, &ds);
+  if (s == DLUA_OK && relu) s = act_stage(output, kt, fmt, &ys);
   if (s == DLUA_OK)
     s = act_out_begin_on(op, &odx, grad_input, x->ndim, x->sizes, grad_output->dtype, kt, fmt, ins, 3, 1, dev);
   if (s == DLUA_OK)

@@ -10,6 +10,7 @@
 #include "core/api.h"
 #include "core/error.h"
 #include "core/tensor.h"
+#include "cpu/act_layout.h"
 #include "cpu/conv.h"
 #ifdef DLUA_HAVE_CUDA
 #include "cuda/conv_cuda.h" /* plain C: the cuDNN side of the entry points below */
@@ -24,66 +25,19 @@ typedef struct {
   int64_t sh, sw, ph, pw, dh, dw, g;
 } geom_t;
 
-/* Memory formats of a logically (N, C, H, W) tensor; weights (O, C/g, kH, kW) use the same
-   two: OIHW is the NCHW pattern, OHWI the NHWC one. */
-enum { FMT_NCHW = 0, FMT_NHWC = 1, FMT_OTHER = 2 };
-
-static void fmt_strides(const int64_t *s, int fmt, int64_t *st) {
-  if (fmt == FMT_NHWC) {
-    st[1] = 1;
-    st[3] = s[1];
-    st[2] = s[3] * s[1];
-    st[0] = s[2] * st[2];
-  } else {
-    st[3] = 1;
-    st[2] = s[3];
-    st[1] = s[2] * s[3];
-    st[0] = s[1] * st[1];
-  }
-}
-
-static int strides_match(const dlua_tensor_t *t, const int64_t *st, int exact) {
-  for (int d = 0; d < 4; d++)
-    if (t->sizes[d] == 0) return 1;
-  for (int d = 0; d < 4; d++)
-    if (t->strides[d] != st[d] && (exact || t->sizes[d] != 1)) return 0;
-  return 1;
-}
-
-/* A size-1 channel (or 1x1 image) makes NCHW and NHWC the same bytes; exact canonical strides
-   then tell which one the caller built, so a channels-last network stays channels-last. */
-static int memory_format(const dlua_tensor_t *t) {
-  int64_t nchw[4], nhwc[4];
-  fmt_strides(t->sizes, FMT_NCHW, nchw);
-  fmt_strides(t->sizes, FMT_NHWC, nhwc);
-  if (strides_match(t, nchw, 1)) return FMT_NCHW;
-  if (strides_match(t, nhwc, 1)) return FMT_NHWC;
-  if (strides_match(t, nchw, 0)) return FMT_NCHW;
-  if (strides_match(t, nhwc, 0)) return FMT_NHWC;
-  return FMT_OTHER;
-}
-
-/* A new (N, C, H, W) tensor laid out in fmt. */
-static dlua_status_t alloc_fmt(dlua_tensor_t **out, const int64_t *sizes, dlua_dtype_t dtype, int fmt) {
-  if (fmt != FMT_NHWC) return dlua_tensor_empty(out, 4, sizes, dtype, DLUA_CPU);
-  int64_t phys[4] = {sizes[0], sizes[2], sizes[3], sizes[1]};
-  static const int to_nchw[4] = {0, 3, 1, 2};
-  dlua_tensor_t *p = NULL;
-  DLUA_TRY(dlua_tensor_empty(&p, 4, phys, dtype, DLUA_CPU));
-  dlua_status_t s = dlua_tensor_permute(out, p, to_nchw);
-  dlua_tensor_free(p);
-  return s;
-}
+/* Memory formats of a logically (N, C, H, W) tensor: act_layout.h's, named for images; weights
+   (O, C/g, kH, kW) use the same two: OIHW is the NCHW pattern, OHWI the NHWC one. */
+enum { FMT_NCHW = ACT_CONTIG, FMT_NHWC = ACT_CL, FMT_OTHER = ACT_OTHER };
 
 /* t as a tensor of dtype ct in NCHW or NHWC memory: a new handle on t when it already is one,
    otherwise a converted copy that keeps t's format (NCHW when t has neither). */
 static dlua_status_t operand4(const dlua_tensor_t *t, dlua_dtype_t ct, dlua_tensor_t **v) {
-  int f = memory_format(t);
+  int f = act_format(t);
   if (t->dtype == ct && f != FMT_OTHER) {
     *v = dlua_tensor_alias(t);
     return *v ? DLUA_OK : dlua_last_status();
   }
-  DLUA_TRY(alloc_fmt(v, t->sizes, ct, f == FMT_OTHER ? FMT_NCHW : f));
+  DLUA_TRY(act_alloc(v, 4, t->sizes, ct, f == FMT_OTHER ? FMT_NCHW : f));
   dlua_status_t s = dlua_tensor_copy_(*v, t);
   if (s != DLUA_OK) {
     dlua_tensor_free(*v);
@@ -447,7 +401,7 @@ static size_t align64(size_t n) { return (n + 63) & ~(size_t)63; }
 /* The weights' layout as oneDNN sees it: (G, O/G, C/G, kH, kW) when grouped. */
 static dnnl_status_t weights_md(dnnl_memory_desc_t *md, const geom_t *g, int fmt, int any) {
   int64_t ws4[4] = {g->o, g->c / g->g, g->kh, g->kw}, st[4];
-  fmt_strides(ws4, fmt, st);
+  act_strides(4, ws4, fmt, st);
   if (g->g == 1) {
     dnnl_dims_t d = {ws4[0], ws4[1], ws4[2], ws4[3]}, s = {st[0], st[1], st[2], st[3]};
     return any ? dnnl_memory_desc_init_by_tag(md, 4, d, dnnl_f32, dnnl_format_tag_any)
@@ -461,7 +415,7 @@ static dnnl_status_t weights_md(dnnl_memory_desc_t *md, const geom_t *g, int fmt
 
 static dnnl_status_t act_md(dnnl_memory_desc_t *md, const int64_t *sizes, int fmt) {
   int64_t st[4];
-  fmt_strides(sizes, fmt, st);
+  act_strides(4, sizes, fmt, st);
   dnnl_dims_t d = {sizes[0], sizes[1], sizes[2], sizes[3]}, s = {st[0], st[1], st[2], st[3]};
   return dnnl_memory_desc_init_by_strides(md, 4, d, dnnl_f32, s);
 }
@@ -834,17 +788,17 @@ dlua_status_t dlua_conv2d_forward(dlua_tensor_t **out, const dlua_tensor_t *x, c
 #endif
   }
   int64_t ys[4] = {g.n, g.o, g.oh, g.ow};
-  int xf = memory_format(x);
+  int xf = act_format(x);
   int allocated = 0;
   if (!*out) {
-    DLUA_TRY(alloc_fmt(out, ys, x->dtype, xf == FMT_OTHER ? FMT_NCHW : xf));
+    DLUA_TRY(act_alloc(out, 4, ys, x->dtype, xf == FMT_OTHER ? FMT_NCHW : xf));
     allocated = 1;
   } else {
     DLUA_TRY(dlua_prepare_out(op, out, 4, ys, x->dtype, NULL));
   }
   dlua_dtype_t ct = compute_dtype(x->dtype, &g);
   dlua_tensor_t *xv = NULL, *wv = NULL, *bv = NULL, *yv = NULL;
-  int of = memory_format(*out);
+  int of = act_format(*out);
   int direct = (*out)->dtype == ct && of != FMT_OTHER;
   dlua_status_t s = operand4(x, ct, &xv);
   if (s == DLUA_OK) s = operand4(w, ct, &wv);
@@ -854,7 +808,7 @@ dlua_status_t dlua_conv2d_forward(dlua_tensor_t **out, const dlua_tensor_t *x, c
       yv = dlua_tensor_alias(*out);
       if (!yv) s = dlua_last_status();
     } else {
-      s = alloc_fmt(&yv, ys, ct, of == FMT_OTHER ? (xf == FMT_OTHER ? FMT_NCHW : xf) : of);
+      s = act_alloc(&yv, 4, ys, ct, of == FMT_OTHER ? (xf == FMT_OTHER ? FMT_NCHW : xf) : of);
     }
   }
   if (s == DLUA_OK && dlua_shape_numel(4, ys) > 0) {
@@ -863,7 +817,7 @@ dlua_status_t dlua_conv2d_forward(dlua_tensor_t **out, const dlua_tensor_t *x, c
                   bv ? (const double *)dlua_tensor_ptr(bv) : NULL, bv ? bv->strides[0] : 0, (double *)dlua_tensor_ptr(yv),
                   yv->strides);
     } else {
-      conv_key_t k = make_key(DIR_FWD, &g, memory_format(xv), memory_format(yv), memory_format(wv), bv != NULL);
+      conv_key_t k = make_key(DIR_FWD, &g, act_format(xv), act_format(yv), act_format(wv), bv != NULL);
       void *ptrs[4] = {dlua_tensor_ptr(xv), dlua_tensor_ptr(wv), dlua_tensor_ptr(yv), bv ? dlua_tensor_ptr(bv) : NULL};
       s = onednn_run(op, &k, ptrs);
     }
@@ -887,7 +841,7 @@ dlua_status_t dlua_conv2d_forward(dlua_tensor_t **out, const dlua_tensor_t *x, c
    (32 channels, 14x14) and 1.7 vs 2.2 ms (64 channels, 7x7). Channels-last only, where it was measured. */
 static int bwd_data_as_forward(const geom_t *g, const dlua_tensor_t *gy, const dlua_tensor_t *gx) {
   return g->sh == 1 && g->sw == 1 && g->dh == 1 && g->dw == 1 && g->g == 1 && g->ph <= g->kh - 1 &&
-         g->pw <= g->kw - 1 && memory_format(gy) == FMT_NHWC && memory_format(gx) == FMT_NHWC && gy->dtype == DLUA_DTYPE_F32;
+         g->pw <= g->kw - 1 && act_format(gy) == FMT_NHWC && act_format(gx) == FMT_NHWC && gy->dtype == DLUA_DTYPE_F32;
 }
 
 static dlua_status_t backward_data_by_forward(const char *op, const geom_t *g, const dlua_tensor_t *gy,
@@ -951,17 +905,17 @@ dlua_status_t dlua_conv2d_backward_data(dlua_tensor_t **grad_x, const dlua_tenso
     return dlua_require_cpu(op, grad_y);
 #endif
   }
-  int yf = memory_format(grad_y);
+  int yf = act_format(grad_y);
   int allocated = 0;
   if (!*grad_x) {
-    DLUA_TRY(alloc_fmt(grad_x, x_sizes, grad_y->dtype, yf == FMT_OTHER ? FMT_NCHW : yf));
+    DLUA_TRY(act_alloc(grad_x, 4, x_sizes, grad_y->dtype, yf == FMT_OTHER ? FMT_NCHW : yf));
     allocated = 1;
   } else {
     DLUA_TRY(dlua_prepare_out(op, grad_x, 4, x_sizes, grad_y->dtype, NULL));
   }
   dlua_dtype_t ct = compute_dtype(grad_y->dtype, &g);
   dlua_tensor_t *yv = NULL, *wv = NULL, *xv = NULL;
-  int of = memory_format(*grad_x);
+  int of = act_format(*grad_x);
   int direct = (*grad_x)->dtype == ct && of != FMT_OTHER;
   dlua_status_t s = operand4(grad_y, ct, &yv);
   if (s == DLUA_OK) s = operand4(w, ct, &wv);
@@ -974,7 +928,7 @@ dlua_status_t dlua_conv2d_backward_data(dlua_tensor_t **grad_x, const dlua_tenso
       xv = dlua_tensor_alias(*grad_x);
       if (!xv) s = dlua_last_status();
     } else {
-      s = alloc_fmt(&xv, x_sizes, ct, of == FMT_OTHER ? (yf == FMT_OTHER ? FMT_NCHW : yf) : of);
+      s = act_alloc(&xv, 4, x_sizes, ct, of == FMT_OTHER ? (yf == FMT_OTHER ? FMT_NCHW : yf) : of);
     }
   }
   if (s == DLUA_OK && dlua_shape_numel(4, x_sizes) > 0) {
@@ -984,7 +938,7 @@ dlua_status_t dlua_conv2d_backward_data(dlua_tensor_t **grad_x, const dlua_tenso
     } else if (bwd_data_as_forward(&g, yv, xv)) {
       s = backward_data_by_forward(op, &g, yv, wv, xv, accumulate && direct);
     } else {
-      conv_key_t k = make_key(DIR_BWD_DATA, &g, memory_format(xv), memory_format(yv), memory_format(wv), 0);
+      conv_key_t k = make_key(DIR_BWD_DATA, &g, act_format(xv), act_format(yv), act_format(wv), 0);
       void *ptrs[3] = {dlua_tensor_ptr(yv), dlua_tensor_ptr(wv), dlua_tensor_ptr(xv)};
       s = onednn_run(op, &k, ptrs);
     }
@@ -1040,7 +994,7 @@ dlua_status_t dlua_conv2d_backward_weights(dlua_tensor_t *grad_w, dlua_tensor_t 
 
   // The gradients land in the caller's tensors when they have the compute dtype and a layout
   // the kernels take; otherwise in fresh temporaries that are then added (or copied) in.
-  int wf = memory_format(grad_w);
+  int wf = act_format(grad_w);
   int w_direct = grad_w->dtype == ct && wf != FMT_OTHER;
   int b_direct = grad_bias && grad_bias->dtype == ct && (grad_bias->sizes[0] <= 1 || grad_bias->strides[0] == 1);
   dlua_tensor_t *xv = NULL, *yv = NULL, *gwv = NULL, *gbv = NULL;
@@ -1051,7 +1005,7 @@ dlua_status_t dlua_conv2d_backward_weights(dlua_tensor_t *grad_w, dlua_tensor_t 
       gwv = dlua_tensor_alias(grad_w);
       if (!gwv) s = dlua_last_status();
     } else {
-      s = alloc_fmt(&gwv, grad_w->sizes, ct, wf == FMT_OTHER ? FMT_NCHW : wf);
+      s = act_alloc(&gwv, 4, grad_w->sizes, ct, wf == FMT_OTHER ? FMT_NCHW : wf);
     }
   }
   if (s == DLUA_OK && grad_bias) {
@@ -1069,7 +1023,7 @@ dlua_status_t dlua_conv2d_backward_weights(dlua_tensor_t *grad_w, dlua_tensor_t 
                            gbv ? (double *)dlua_tensor_ptr(gbv) : NULL, gbv ? gbv->strides[0] : 0,
                            w_direct && accumulate, b_direct && accumulate);
     } else {
-      conv_key_t k = make_key(DIR_BWD_WEIGHTS, &g, memory_format(xv), memory_format(yv), memory_format(gwv), gbv != NULL);
+      conv_key_t k = make_key(DIR_BWD_WEIGHTS, &g, act_format(xv), act_format(yv), act_format(gwv), gbv != NULL);
       k.acc_w = w_direct && accumulate;
       k.acc_b = b_direct && accumulate;
       void *ptrs[4] = {dlua_tensor_ptr(xv), dlua_tensor_ptr(yv), dlua_tensor_ptr(gwv), gbv ? dlua_tensor_ptr(gbv) : NULL};

@@ -10,7 +10,6 @@
 #include "core/tensor.h"
 #include "cpu/act_layout.h"
 #include "cuda/nn_cuda.h" /* plain C: only CUDA builds call into it */
-#include "cuda/nn_stage.h"
 
 /* Below this much work a loop runs on one thread: waking the pool costs more. */
 enum { POOL_PAR_MIN = 32768 };
@@ -147,7 +146,7 @@ static dlua_status_t cuda_forward(const char *op, dlua_tensor_t **out, dlua_tens
   const int64_t osz[4] = {g->N, g->C, g->OH, g->OW};
   dlua_tensor_t *xs = NULL;
   act_out_t oy = {0}, oi = {0};
-  dlua_status_t s = act_stage_on(x, x->dtype, fmt, &xs);
+  dlua_status_t s = act_stage(x, x->dtype, fmt, &xs);
   if (s == DLUA_OK) s = act_out_begin_on(op, &oy, out, 4, osz, x->dtype, x->dtype, fmt, &x, 1, 0, x->device);
   if (s == DLUA_OK && indices)
     s = act_out_begin_on(op, &oi, indices, 4, osz, DLUA_DTYPE_I64, DLUA_DTYPE_I64, fmt, &x, 1, 0, x->device);
@@ -174,8 +173,8 @@ static dlua_status_t cuda_backward(const char *op, dlua_tensor_t **grad_input, c
   dlua_tensor_t *gs = NULL, *is = NULL;
   act_out_t ox = {0};
   const dlua_tensor_t *ins[2] = {gy, indices};
-  dlua_status_t s = act_stage_on(gy, gy->dtype, fmt, &gs);
-  if (s == DLUA_OK && indices) s = act_stage_on(indices, DLUA_DTYPE_I64, fmt, &is);
+  dlua_status_t s = act_stage(gy, gy->dtype, fmt, &gs);
+  if (s == DLUA_OK && indices) s = act_stage(indices, DLUA_DTYPE_I64, fmt, &is);
   if (s == DLUA_OK) s = act_out_begin_on(op, &ox, grad_input, 4, x_sizes, gy->dtype, gy->dtype, fmt, ins, 2, 0, gy->device);
   if (s == DLUA_OK) {
     const dlua_cuda_pool_t p = cuda_pool(g, kind, gy->dtype, fmt == ACT_CL, gy->device, include_pad, div_override);

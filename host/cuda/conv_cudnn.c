@@ -9,75 +9,28 @@
 #include "core/api.h"
 #include "core/error.h"
 #include "core/tensor.h"
+#include "cpu/act_layout.h"
 #include "cuda/conv_cuda.h"
 #include "cuda/cudnn_api.h"
 
 /* ---- memory formats ---------------------------------------------------------------------------------------------
-   The CPU's two (host/cpu/conv.c): NCHW, and channels-last NHWC for a logically (N, C, H, W) tensor; weights
+   The CPU's two (host/cpu/act_layout.h, as host/cpu/conv.c names them): NCHW, and channels-last NHWC for a logically (N, C, H, W) tensor; weights
    (O, C/groups, kH, kW) use the same patterns (OIHW, OHWI). cuDNN's filter descriptors only take those packed
    layouts, and its fast kernels want activations and weights in the same one, so each call computes in one format
    (its input's, as PyTorch does) and copies any operand that is not in it. */
 
-enum { FMT_NCHW = 0, FMT_NHWC = 1, FMT_OTHER = 2 };
-
-static void fmt_strides(const int64_t *s, int fmt, int64_t *st) {  // s (N, C, H, W)
-  if (fmt == FMT_NHWC) {
-    st[1] = 1, st[3] = s[1], st[2] = s[3] * s[1], st[0] = s[2] * s[3] * s[1];
-  } else {
-    st[3] = 1, st[2] = s[3], st[1] = s[2] * s[3], st[0] = s[1] * s[2] * s[3];
-  }
-}
-
-static int strides_match(const dlua_tensor_t *t, const int64_t *st, int exact) {
-  for (int d = 0; d < 4; d++)
-    if (t->sizes[d] == 0) return 1;
-  for (int d = 0; d < 4; d++)
-    if (t->strides[d] != st[d] && (exact || t->sizes[d] != 1)) return 0;
-  return 1;
-}
-
-/* As the CPU decides it: exact canonical strides first (a size-1 channel is both formats), then up to size-1 dims. */
-static int memory_format(const dlua_tensor_t *t) {
-  int64_t nchw[4], nhwc[4];
-  fmt_strides(t->sizes, FMT_NCHW, nchw);
-  fmt_strides(t->sizes, FMT_NHWC, nhwc);
-  if (strides_match(t, nchw, 1)) return FMT_NCHW;
-  if (strides_match(t, nhwc, 1)) return FMT_NHWC;
-  if (strides_match(t, nchw, 0)) return FMT_NCHW;
-  if (strides_match(t, nhwc, 0)) return FMT_NHWC;
-  return FMT_OTHER;
-}
-
-/* Whether fmt's canonical strides reach t's elements (they may differ on size-1 dims, which are never stepped):
-   cuDNN is then given the canonical ones. */
-static int in_fmt(const dlua_tensor_t *t, int fmt) {
-  int64_t st[4];
-  fmt_strides(t->sizes, fmt, st);
-  return strides_match(t, st, 0);
-}
+enum { FMT_NCHW = ACT_CONTIG, FMT_NHWC = ACT_CL, FMT_OTHER = ACT_OTHER };
 
 /* cuDNN gets 16-byte aligned buffers only (fresh ones are 512-byte aligned; views of them usually are too). */
 static int aligned16(const dlua_tensor_t *t) { return ((uintptr_t)dlua_tensor_ptr(t) & 15) == 0; }
 
-/* A new (N, C, H, W) tensor on `device` laid out in fmt. */
-static dlua_status_t alloc_fmt(dlua_tensor_t **out, const int64_t *sizes, dlua_dtype_t dtype, int fmt, int device) {
-  if (fmt != FMT_NHWC) return dlua_tensor_empty(out, 4, sizes, dtype, device);
-  int64_t phys[4] = {sizes[0], sizes[2], sizes[3], sizes[1]};
-  static const int to_nchw[4] = {0, 3, 1, 2};
-  dlua_tensor_t *p = NULL;
-  DLUA_TRY(dlua_tensor_empty(&p, 4, phys, dtype, device));
-  dlua_status_t s = dlua_tensor_permute(out, p, to_nchw);
-  dlua_tensor_free(p);
-  return s;
-}
-
 /* t as an aligned fmt tensor of dtype dt: a new handle on t when it is one, else a converted copy. */
 static dlua_status_t operand(const dlua_tensor_t *t, dlua_dtype_t dt, int fmt, dlua_tensor_t **v) {
-  if (t->dtype == dt && in_fmt(t, fmt) && aligned16(t)) {
+  if (t->dtype == dt && act_is_format(t, fmt) && aligned16(t)) {
     *v = dlua_tensor_alias(t);
     return *v ? DLUA_OK : dlua_last_status();
   }
-  DLUA_TRY(alloc_fmt(v, t->sizes, dt, fmt, t->device));
+  DLUA_TRY(act_alloc_on(v, 4, t->sizes, dt, fmt, t->device));
   dlua_status_t s = dlua_tensor_copy_(*v, t);
   if (s != DLUA_OK) {
     dlua_tensor_free(*v);
@@ -88,12 +41,12 @@ static dlua_status_t operand(const dlua_tensor_t *t, dlua_dtype_t dt, int fmt, d
 
 /* Where a result is computed: the caller's tensor when it has the dtype, format and alignment, else a temporary. */
 static dlua_status_t target(dlua_tensor_t *t, dlua_dtype_t dt, int fmt, dlua_tensor_t **v, int *direct) {
-  *direct = t->dtype == dt && in_fmt(t, fmt) && aligned16(t);
+  *direct = t->dtype == dt && act_is_format(t, fmt) && aligned16(t);
   if (*direct) {
     *v = dlua_tensor_alias(t);
     return *v ? DLUA_OK : dlua_last_status();
   }
-  return alloc_fmt(v, t->sizes, dt, fmt, t->device);
+  return act_alloc_on(v, 4, t->sizes, dt, fmt, t->device);
 }
 
 /* ---- one cuDNN call -----------------------------------------------------------------------------------------------
@@ -192,7 +145,7 @@ static size_t elsize(int dtype) { return dlua_dtype_size((dlua_dtype_t)dtype); }
 static dlua_status_t set_tensor(call_t *c, cudnnTensorDescriptor_t d, int32_t n, int32_t ch, int32_t hh, int32_t ww) {
   dlua_status_t s = DLUA_OK;
   int64_t sz[4] = {n, ch, hh, ww}, st[4];
-  fmt_strides(sz, c->p.fmt, st);
+  act_strides(4, sz, c->p.fmt, st);
   CUDNN_TRY(c->api->cudnnSetTensor4dDescriptorEx(d, cudnn_dtype(c->p.dtype), n, ch, hh, ww, (int)st[0], (int)st[1],
                                                  (int)st[2], (int)st[3]),
             "cudnnSetTensor4dDescriptorEx");
@@ -585,8 +538,8 @@ static const char *context(char *buf, size_t n, const char *an, const dlua_tenso
 }
 
 /* The format results are allocated in and computed in: the tensor's own, NCHW when it has neither. */
-static int act_format(const dlua_tensor_t *t) {
-  int f = memory_format(t);
+static int compute_format(const dlua_tensor_t *t) {
+  int f = act_format(t);
   return f == FMT_OTHER ? FMT_NCHW : f;
 }
 
@@ -599,10 +552,10 @@ dlua_status_t dlua_cuda_conv2d_forward(dlua_tensor_t **out, const dlua_tensor_t 
   const params_t pp = {stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, groups};
   int64_t ys[4] = {x->sizes[0], w->sizes[0], dlua_conv2d_output_size(x->sizes[2], w->sizes[2], stride_h, pad_h, dil_h),
                    dlua_conv2d_output_size(x->sizes[3], w->sizes[3], stride_w, pad_w, dil_w)};
-  const int fmt = act_format(x);
+  const int fmt = compute_format(x);
   int allocated = 0;
   if (!*out) {
-    DLUA_TRY(alloc_fmt(out, ys, x->dtype, fmt, x->device));
+    DLUA_TRY(act_alloc_on(out, 4, ys, x->dtype, fmt, x->device));
     allocated = 1;
   } else {
     DLUA_TRY(dlua_prepare_out_on(op, out, 4, ys, x->dtype, x->device, NULL));
@@ -639,10 +592,10 @@ dlua_status_t dlua_cuda_conv2d_backward_data(dlua_tensor_t **grad_x, const dlua_
   const char *op = "conv2d_backward_data";
   accumulate = accumulate != 0;
   const params_t pp = {stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, groups};
-  const int fmt = act_format(grad_y);
+  const int fmt = compute_format(grad_y);
   int allocated = 0;
   if (!*grad_x) {
-    DLUA_TRY(alloc_fmt(grad_x, x_sizes, grad_y->dtype, fmt, grad_y->device));
+    DLUA_TRY(act_alloc_on(grad_x, 4, x_sizes, grad_y->dtype, fmt, grad_y->device));
     allocated = 1;
   } else {
     DLUA_TRY(dlua_prepare_out_on(op, grad_x, 4, x_sizes, grad_y->dtype, grad_y->device, NULL));
@@ -680,7 +633,7 @@ dlua_status_t dlua_cuda_conv2d_backward_weights(dlua_tensor_t *grad_w, dlua_tens
       // weights behind NHWC activations): convolve then computes into a temporary and adds (or copies) it in.
       char ctx[600];
       s = convolve_any(op, context(ctx, sizeof ctx, "input", x, "grad_output", grad_y, &pp), DIR_BWD_FILTER,
-                       act_format(x), x, grad_y, grad_w, accumulate, &pp);
+                       compute_format(x), x, grad_y, grad_w, accumulate, &pp);
     }
   }
   // grad_bias = the sum of grad_y over (N, OH, OW): the reduction kernels (fixed order, double sums).
