@@ -1,6 +1,6 @@
 -- What the GPU comparison scripts (tests/gpu/ops*.lua) share: the device argument, dtype lists and
 -- tolerances, shapes as text, the relative error of a device result against the CPU's, CUDA event
--- timing, and the closing report (a table per op, notes, errors both backends raised, failures; exit
+-- timing, random inputs, and the closing report (a table per op, notes, errors both backends raised, failures; exit
 -- status 1 on any failure).
 local dlua = require 'dlua'
 
@@ -12,6 +12,25 @@ H.is_float = { float32 = true, float64 = true, float16 = true, bfloat16 = true }
 -- Relative error allowed per element: |ref - got| / max(|ref|, 1). f16/bf16 results are rounded once
 -- from f32 on both sides, so a one-ulp difference in the f32 math shows as at most one 16-bit ulp.
 H.TOL = { float64 = 1e-12, float32 = 1e-5, float16 = 2e-3, bfloat16 = 1.6e-2 }
+
+-- Random inputs of a dtype and shape (a table of sizes, possibly empty for 0-d), drawn on the CPU
+-- from dlua's generator: floats N(0, 9) (positive: |x| + 0.05), bool 0/1, uint8 0..199 (positive
+-- 1..199), other integers -40..39 (positive 1..39).
+function H.rand(dtype, sizes, positive)
+  local t
+  if H.is_float[dtype] then
+    t = dlua.randn(sizes, { dtype = 'float32' }) * 3
+    if positive then t = t:abs() + 0.05 end
+    t = t:to(dtype)
+  elseif dtype == 'bool' then
+    t = dlua.randint(0, 2, sizes):bool()
+  elseif dtype == 'uint8' then
+    t = dlua.randint(positive and 1 or 0, 200, sizes, { dtype = 'uint8' })
+  else
+    t = dlua.randint(positive and 1 or -40, 40, sizes, { dtype = dtype })
+  end
+  return t
+end
 
 -- dev ('cuda', 'cuda:N' or 'cpu', from the script's first argument), whether it is a GPU, and the
 -- device name results must carry.

@@ -71,22 +71,7 @@ local function check(name, dtype_tol, fn, ...)
   compare(name, r1, r2, dtype_tol and TOL[r1.dtype] and dtype_tol * TOL[r1.dtype] / TOL.float32 or nil)
 end
 
--- Random inputs of a dtype and shape (a table of sizes, possibly empty for 0-d).
-local function rand(dtype, sizes, positive)
-  local t
-  if is_float[dtype] then
-    t = dlua.randn(sizes, { dtype = 'float32' }) * 3
-    if positive then t = t:abs() + 0.05 end
-    t = t:to(dtype)
-  elseif dtype == 'bool' then
-    t = dlua.randint(0, 2, sizes):bool()
-  elseif dtype == 'uint8' then
-    t = dlua.randint(positive and 1 or 0, 200, sizes, { dtype = 'uint8' })
-  else
-    t = dlua.randint(positive and 1 or -40, 40, sizes, { dtype = dtype })
-  end
-  return t
-end
+local rand = H.rand
 
 local SHAPES = { {}, { 1 }, { 7 }, { 0 }, { 13, 17 }, { 3, 1, 5 }, { 1031 }, { 4099 }, { 2, 3, 5, 7 }, { 64, 33 } }
 -- Views that are not contiguous: each maps a fresh tensor of `base` sizes to a view.

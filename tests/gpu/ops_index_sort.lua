@@ -110,21 +110,7 @@ local function same_error(name, fn, ...)
   end
 end
 
-local function rand(dtype, sizes, positive)
-  local t
-  if is_float[dtype] then
-    t = dlua.randn(sizes, { dtype = 'float32' }) * 3
-    if positive then t = t:abs() + 0.05 end
-    t = t:to(dtype)
-  elseif dtype == 'bool' then
-    t = dlua.randint(0, 2, sizes):bool()
-  elseif dtype == 'uint8' then
-    t = dlua.randint(positive and 1 or 0, 200, sizes, { dtype = 'uint8' })
-  else
-    t = dlua.randint(positive and 1 or -40, 40, sizes, { dtype = dtype })
-  end
-  return t
-end
+local rand = H.rand
 
 -- Few distinct values: ties everywhere (stability, first-position rules).
 local function dups(dtype, sizes)
