@@ -13,6 +13,21 @@ H.is_float = { float32 = true, float64 = true, float16 = true, bfloat16 = true }
 -- from f32 on both sides, so a one-ulp difference in the f32 math shows as at most one 16-bit ulp.
 H.TOL = { float64 = 1e-12, float32 = 1e-5, float16 = 2e-3, bfloat16 = 1.6e-2 }
 
+-- The outcomes of one op run on the CPU (ok1, r1) and on the device (ok2, r2), pcall's results:
+-- true when both succeeded (the caller compares r1 and r2); otherwise records the check and returns
+-- false: one side failing goes into failures, both failing (the same behaviour) into both_failed, so
+-- that a check broken on both sides still shows in the report.
+function H.both_ran(name, ok1, r1, ok2, r2, failures, both_failed)
+  if ok1 and ok2 then return true end
+  if ok1 ~= ok2 then
+    failures[#failures + 1] = name .. ': ' ..
+      (ok1 and ('device failed: ' .. tostring(r2)) or ('CPU failed (' .. tostring(r1) .. ') but device succeeded'))
+  else
+    both_failed[#both_failed + 1] = name .. ': ' .. tostring(r1):gsub('\n.*', '')
+  end
+  return false
+end
+
 -- Random inputs of a dtype and shape (a table of sizes, possibly empty for 0-d), drawn on the CPU
 -- from dlua's generator: floats N(0, 9) (positive: |x| + 0.05), bool 0/1, uint8 0..199 (positive
 -- 1..199), other integers -40..39 (positive 1..39).

@@ -75,13 +75,8 @@ local function check(name, tol_factor, fn, ...)
   for i, x in ipairs(cpu_in) do dev_in[i] = x:to(dev) end
   local ok1, r1 = pcall(fn, unpack(cpu_in))
   local ok2, r2 = pcall(fn, unpack(dev_in))
-  if ok1 ~= ok2 then
+  if not H.both_ran(name, ok1, r1, ok2, r2, failures, both_failed) then
     checks = checks + 1
-    return fail(name, ok1 and ('device failed: ' .. tostring(r2)) or ('CPU failed (' .. tostring(r1) .. ') but device succeeded'))
-  end
-  if not ok1 then
-    checks = checks + 1
-    both_failed[#both_failed + 1] = name .. ': ' .. tostring(r1):gsub('\n.*', '')
     return
   end
   local l1, l2 = as_list(r1), as_list(r2)
@@ -239,13 +234,8 @@ local function check_fill(name, fn)
   end
   local ok1, r1, o1, p1 = pcall(run, 'cpu')
   local ok2, r2, o2, p2 = pcall(run, dev)
-  if ok1 ~= ok2 then
+  if not H.both_ran(name, ok1, r1, ok2, r2, failures, both_failed) then
     checks = checks + 1
-    return fail(name, ok1 and ('device failed: ' .. tostring(r2)) or ('CPU failed (' .. tostring(r1) .. ') but device succeeded'))
-  end
-  if not ok1 then
-    checks = checks + 1
-    both_failed[#both_failed + 1] = name .. ': ' .. tostring(r1):gsub('\n.*', '')
     return
   end
   compare(name, r1, r2, nil)
