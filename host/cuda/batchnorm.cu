@@ -621,25 +621,17 @@ template <int DT> dlua_status_t backward(const char *op, const dlua_cuda_bn_bwd_
 extern "C" dlua_status_t dlua_cuda_bn_forward(const char *op, const dlua_cuda_bn_fwd_t *a) {
   using namespace dlua_cu;
   BN_SELECT(op, a->g.device);
-  switch (a->g.dtype) {
-    case DLUA_DTYPE_F32: return forward<DLUA_DTYPE_F32>(op, *a, st);
-    case DLUA_DTYPE_F64: return forward<DLUA_DTYPE_F64>(op, *a, st);
-    case DLUA_DTYPE_F16: return forward<DLUA_DTYPE_F16>(op, *a, st);
-    case DLUA_DTYPE_BF16: return forward<DLUA_DTYPE_BF16>(op, *a, st);
-    default: return DLUA_ERR(DLUA_ERR_INTERNAL, "%s: no CUDA batch-norm kernel for dtype %d", op, a->g.dtype);
-  }
+#define BN_FWD_DT(DT) forward<DT>(op, *a, st)
+  DLUA_CU_FLOAT_DISPATCH(a->g.dtype, BN_FWD_DT, op, "batch-norm")
+#undef BN_FWD_DT
 }
 
 extern "C" dlua_status_t dlua_cuda_bn_backward(const char *op, const dlua_cuda_bn_bwd_t *a) {
   using namespace dlua_cu;
   BN_SELECT(op, a->g.device);
-  switch (a->g.dtype) {
-    case DLUA_DTYPE_F32: return backward<DLUA_DTYPE_F32>(op, *a, st);
-    case DLUA_DTYPE_F64: return backward<DLUA_DTYPE_F64>(op, *a, st);
-    case DLUA_DTYPE_F16: return backward<DLUA_DTYPE_F16>(op, *a, st);
-    case DLUA_DTYPE_BF16: return backward<DLUA_DTYPE_BF16>(op, *a, st);
-    default: return DLUA_ERR(DLUA_ERR_INTERNAL, "%s: no CUDA batch-norm kernel for dtype %d", op, a->g.dtype);
-  }
+#define BN_BWD_DT(DT) backward<DT>(op, *a, st)
+  DLUA_CU_FLOAT_DISPATCH(a->g.dtype, BN_BWD_DT, op, "batch-norm")
+#undef BN_BWD_DT
 }
 
 extern "C" dlua_status_t dlua_cuda_nn_read(const char *op, void *host, const void *src, size_t bytes, int device) {

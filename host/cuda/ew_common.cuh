@@ -164,4 +164,15 @@ dlua_status_t run_binary(const char *op, const Ew &e, cudaStream_t s);
 
 }  // namespace dlua_cu
 
+/* In a launcher: `return CALL(DT);` for the floating dtype dt (a run-time value), else an internal
+   error naming the kernel family. */
+#define DLUA_CU_FLOAT_DISPATCH(dt, CALL, op, family)                                                         \
+  switch (dt) {                                                                                             \
+    case DLUA_DTYPE_F32: return CALL(DLUA_DTYPE_F32);                                                       \
+    case DLUA_DTYPE_F64: return CALL(DLUA_DTYPE_F64);                                                       \
+    case DLUA_DTYPE_F16: return CALL(DLUA_DTYPE_F16);                                                       \
+    case DLUA_DTYPE_BF16: return CALL(DLUA_DTYPE_BF16);                                                     \
+    default: return DLUA_ERR(DLUA_ERR_INTERNAL, "%s: no CUDA " family " kernel for dtype %d", op, (int)(dt)); \
+  }
+
 #endif

@@ -263,22 +263,13 @@ template <int DT> dlua_status_t backward(const char *op, const Pool &p, const vo
 }  // namespace
 }  // namespace dlua_cu
 
-#define POOL_DISPATCH(call)                                                                               \
-  switch (p->dtype) {                                                                                     \
-    case DLUA_DTYPE_F32: return call(DLUA_DTYPE_F32);                                                     \
-    case DLUA_DTYPE_F64: return call(DLUA_DTYPE_F64);                                                     \
-    case DLUA_DTYPE_F16: return call(DLUA_DTYPE_F16);                                                     \
-    case DLUA_DTYPE_BF16: return call(DLUA_DTYPE_BF16);                                                   \
-    default: return DLUA_ERR(DLUA_ERR_INTERNAL, "%s: no CUDA pooling kernel for dtype %d", op, p->dtype); \
-  }
-
 extern "C" dlua_status_t dlua_cuda_pool_forward(const char *op, const dlua_cuda_pool_t *p, const void *x, void *y,
                                                 int64_t *ind) {
   using namespace dlua_cu;
   DLUA_CU_SELECT(g, op, p->device);
   cudaStream_t st = (cudaStream_t)dlua_cuda_raw_stream(p->device);
 #define POOL_FWD(DT) forward<DT>(op, *p, x, y, ind, st)
-  POOL_DISPATCH(POOL_FWD)
+  DLUA_CU_FLOAT_DISPATCH(p->dtype, POOL_FWD, op, "pooling")
 #undef POOL_FWD
 }
 
@@ -289,6 +280,6 @@ extern "C" dlua_status_t dlua_cuda_pool_backward(const char *op, const dlua_cuda
   DLUA_CU_SELECT(g, op, p->device);
   cudaStream_t st = (cudaStream_t)dlua_cuda_raw_stream(p->device);
 #define POOL_BWD(DT) backward<DT>(op, *p, gy, ind, gx, bad, st)
-  POOL_DISPATCH(POOL_BWD)
+  DLUA_CU_FLOAT_DISPATCH(p->dtype, POOL_BWD, op, "pooling")
 #undef POOL_BWD
 }
