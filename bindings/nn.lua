@@ -140,17 +140,30 @@ function M.batch_norm(x, gamma, beta, skip, running_mean, running_var, train, mo
   return core.wrap(a), b ~= nil and core.wrap(b) or nil, c ~= nil and core.wrap(c) or nil
 end
 
--- -> grad_input, grad_skip (when want_skip); grad_gamma/grad_beta accumulate
-function M.batch_norm_backward(grad_out, x, output, gamma, save_mean, save_invstd, grad_gamma, grad_beta, train, relu,
-                               want_skip)
-  local op = 'BatchNorm2d.backward'
+-- The outputs of the two backwards: `over` (optional) is grad_out itself, given up by the caller and
+-- written over with grad_skip (when want_skip) or grad_input, which saves a fresh buffer's traffic.
+local function bn_grads_begin(op, want_skip, over)
   outs3[0], outs3[1] = nil, nil
-  status(op, C.dlua_nn_batch_norm_backward, outs3, want_skip and outs3 + 1 or nil, opt_handle(op, grad_gamma),
-    opt_handle(op, grad_beta), handle(op, grad_out), handle(op, x), opt_handle(op, output), opt_handle(op, gamma),
-    handle(op, save_mean), handle(op, save_invstd), train and 1 or 0, relu and 1 or 0, 1)
+  if over ~= nil then outs3[want_skip and 1 or 0] = handle(op, over) end
+end
+local function bn_grads_end(want_skip, over)
   local a, b = outs3[0], outs3[1]
   outs3[0], outs3[1] = nil, nil
-  return core.wrap(a), b ~= nil and core.wrap(b) or nil
+  local gi = (over ~= nil and not want_skip) and over or core.wrap(a)
+  if not want_skip then return gi end
+  return gi, over ~= nil and over or core.wrap(b)
+end
+
+-- -> grad_input, grad_skip (when want_skip); grad_gamma/grad_beta accumulate. beta: the forward's,
+-- given only when it ran without a skip (the ReLU mask is then recomputed from x; dlua.h)
+function M.batch_norm_backward(grad_out, x, output, gamma, beta, save_mean, save_invstd, grad_gamma, grad_beta, train,
+                               relu, want_skip, over)
+  local op = 'BatchNorm2d.backward'
+  bn_grads_begin(op, want_skip, over)
+  status(op, C.dlua_nn_batch_norm_backward, outs3, want_skip and outs3 + 1 or nil, opt_handle(op, grad_gamma),
+    opt_handle(op, grad_beta), handle(op, grad_out), handle(op, x), opt_handle(op, output), opt_handle(op, gamma),
+    opt_handle(op, beta), handle(op, save_mean), handle(op, save_invstd), train and 1 or 0, relu and 1 or 0, 1)
+  return bn_grads_end(want_skip, over)
 end
 
 -- SyncBatchNorm's halves (docs/ddp.md). The packed (2C+1) float64 sums go into `into` when
@@ -181,23 +194,23 @@ function M.batch_norm_apply(x, gamma, beta, skip, stats, running_mean, running_v
 end
 
 -- -> this rank's backward sums; grad_gamma/grad_beta accumulate the local ones
-function M.batch_norm_backward_reduce(grad_out, x, output, save_mean, save_invstd, grad_gamma, grad_beta, relu, into)
+function M.batch_norm_backward_reduce(grad_out, x, output, gamma, beta, save_mean, save_invstd, grad_gamma, grad_beta,
+                                      relu, into)
   local op = 'SyncBatchNorm.backward'
   return into_sums(op, into, C.dlua_nn_batch_norm_backward_reduce, opt_handle(op, grad_gamma), opt_handle(op, grad_beta),
-    handle(op, grad_out), handle(op, x), opt_handle(op, output), handle(op, save_mean), handle(op, save_invstd),
-    relu and 1 or 0, 1)
+    handle(op, grad_out), handle(op, x), opt_handle(op, output), opt_handle(op, gamma), opt_handle(op, beta),
+    handle(op, save_mean), handle(op, save_invstd), relu and 1 or 0, 1)
 end
 
 -- -> grad_input, grad_skip (when want_skip), from sums summed over the ranks
-function M.batch_norm_backward_apply(grad_out, x, output, gamma, save_mean, save_invstd, sums, relu, want_skip)
+function M.batch_norm_backward_apply(grad_out, x, output, gamma, beta, save_mean, save_invstd, sums, relu, want_skip,
+                                     over)
   local op = 'SyncBatchNorm.backward'
-  outs3[0], outs3[1] = nil, nil
+  bn_grads_begin(op, want_skip, over)
   status(op, C.dlua_nn_batch_norm_backward_apply, outs3, want_skip and outs3 + 1 or nil, handle(op, grad_out),
-    handle(op, x), opt_handle(op, output), opt_handle(op, gamma), handle(op, save_mean), handle(op, save_invstd),
-    handle(op, sums), relu and 1 or 0)
-  local a, b = outs3[0], outs3[1]
-  outs3[0], outs3[1] = nil, nil
-  return core.wrap(a), b ~= nil and core.wrap(b) or nil
+    handle(op, x), opt_handle(op, output), opt_handle(op, gamma), opt_handle(op, beta), handle(op, save_mean),
+    handle(op, save_invstd), handle(op, sums), relu and 1 or 0)
+  return bn_grads_end(want_skip, over)
 end
 
 -- Calls f(out1, ...) writing into a new gradient laid out like the forward input x when x is

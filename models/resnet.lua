@@ -38,11 +38,13 @@ end
 
 -- The shortcut's gradient gs is fresh (bn2's or the downsample's), so conv1's input gradient
 -- is added into it: inside the convolution for stride 1 channels-last, without a pass of its own.
+-- A gradient made inside the block and used once (conv2's input gradient) is given up to the
+-- batch-norm before it, which writes its own over it.
 function BasicBlock:backward(x, grad)
   local gy, gs = self.bn2:backward(self.conv2.output, grad)
   local gh = self.conv2:backward(self._h, gy)
   if self.downsample then gs = self.downsample:backward(x, gs) end
-  self.grad_input = self.conv1:backward(x, self.bn1:backward(self.conv1.output, gh), gs)
+  self.grad_input = self.conv1:backward(x, self.bn1:backward(self.conv1.output, gh, true), gs)
   return self.grad_input
 end
 
@@ -73,9 +75,9 @@ end
 function Bottleneck:backward(x, grad)
   local gy, gs = self.bn3:backward(self.conv3.output, grad)
   local g2 = self.conv3:backward(self._h2, gy)
-  local g1 = self.conv2:backward(self._h1, self.bn2:backward(self.conv2.output, g2))
+  local g1 = self.conv2:backward(self._h1, self.bn2:backward(self.conv2.output, g2, true))
   if self.downsample then gs = self.downsample:backward(x, gs) end
-  self.grad_input = self.conv1:backward(x, self.bn1:backward(self.conv1.output, g1), gs)
+  self.grad_input = self.conv1:backward(x, self.bn1:backward(self.conv1.output, g1, true), gs)
   return self.grad_input
 end
 

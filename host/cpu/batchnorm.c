@@ -46,6 +46,11 @@ static void bn_combine(const double *ps, const double *pq, int64_t rows, int64_t
 /* The block kernels pass 64-byte vectors between always-inline helpers, never across a call. */
 #pragma GCC diagnostic ignored "-Wpsabi"
 
+/* The ReLU mask of the backward passes: none, read from the forward's output y (y > 0), or
+   recomputed from x as the forward computed it ((x - m) * fa + fb > 0, no skip): one stream
+   less to read. */
+enum { BN_NO_MASK, BN_MASK_Y, BN_MASK_X };
+
 #define T float
 #define UT uint32_t
 #define BN_SFX _f32
@@ -493,6 +498,10 @@ static dlua_status_t bn_forward(const char *op, dlua_tensor_t **out, dlua_tensor
     vec_read(running_var, C, run, 0.0);
     for (int64_t c = 0; c < C; c++) invstd[c] = 1.0 / sqrt(run[c] + eps);
   }
+  // Normalise with the invstd that is saved (in ct), so that the backward, from the saved values,
+  // recomputes this pass's ReLU mask exactly (dlua_nn_batch_norm_backward's beta).
+  if (ct == DLUA_DTYPE_F32)
+    for (int64_t c = 0; c < C; c++) invstd[c] = (double)(float)invstd[c];
   const void *sp = ss ? dlua_tensor_ptr(ss) : NULL;
   void *yp = dlua_tensor_ptr(o.work);
   void *tm = tv, *ta = (char *)tv + C * es, *tb = (char *)tv + 2 * C * es;
@@ -600,8 +609,9 @@ static dlua_status_t param_grad(const char *op, const char *what, dlua_tensor_t 
 static dlua_status_t bn_backward(const char *op, dlua_tensor_t **grad_input, dlua_tensor_t **grad_skip,
                                  dlua_tensor_t *grad_gamma, dlua_tensor_t *grad_beta, const dlua_tensor_t *grad_output,
                                  const dlua_tensor_t *x, const dlua_tensor_t *output, const dlua_tensor_t *gamma,
-                                 const dlua_tensor_t *save_mean, const dlua_tensor_t *save_invstd, int train, int relu,
-                                 int accumulate, dlua_tensor_t **sums_out, const dlua_tensor_t *sums_in) {
+                                 const dlua_tensor_t *beta, const dlua_tensor_t *save_mean,
+                                 const dlua_tensor_t *save_invstd, int train, int relu, int accumulate,
+                                 dlua_tensor_t **sums_out, const dlua_tensor_t *sums_in) {
   DLUA_TRY(check_input(op, "input", x));
   DLUA_TRY(check_like(op, "grad_output", grad_output, "input", x));
   if (relu) {
@@ -609,14 +619,15 @@ static dlua_status_t bn_backward(const char *op, dlua_tensor_t **grad_input, dlu
     DLUA_TRY(check_like(op, "output", output, "input", x));
   }
   DLUA_TRY(check_vec(op, "gamma", gamma, x));
+  DLUA_TRY(check_vec(op, "beta", beta, x));
   if (!save_mean || !save_invstd) return DLUA_ERR(DLUA_ERR_ARG, "%s: save_mean and save_invstd are required", op);
   DLUA_TRY(check_vec(op, "save_mean", save_mean, x));
   DLUA_TRY(check_vec(op, "save_invstd", save_invstd, x));
   DLUA_TRY(param_grad(op, "grad_gamma", grad_gamma, x));
   DLUA_TRY(param_grad(op, "grad_beta", grad_beta, x));
-  const dlua_tensor_t *peers[8] = {grad_output, relu ? output : NULL, gamma, save_mean, save_invstd,
+  const dlua_tensor_t *peers[9] = {grad_output, relu ? output : NULL, gamma, beta, save_mean, save_invstd,
                                    grad_gamma, grad_beta, sums_in};
-  DLUA_TRY(act_same_device(op, x, peers, 8));
+  DLUA_TRY(act_same_device(op, x, peers, 9));
   if (grad_input && grad_skip && *grad_input && *grad_input == *grad_skip)
     return DLUA_ERR(DLUA_ERR_ARG, "%s: grad_input and grad_skip must be different tensors", op);
 
@@ -660,15 +671,19 @@ static dlua_status_t bn_backward(const char *op, dlua_tensor_t **grad_input, dlu
   void *tv = NULL;
   act_out_t odx = {0}, osk = {0};
   const dlua_tensor_t *ins[3] = {grad_output, x, relu ? output : NULL};
+  // With beta, the ReLU mask is the forward's own test redone from x, one stream less than reading
+  // the output; an output in a narrower dtype than ct may have rounded a tiny value to 0, so then
+  // the output decides as before.
+  const int mask_x = relu && beta && output->dtype == ct;
   s = act_stage(x, ct, fmt, &xs);
   if (s == DLUA_OK) s = act_stage(grad_output, ct, fmt, &ds);
-  if (s == DLUA_OK && relu) s = act_stage(output, ct, fmt, &ys);
+  if (s == DLUA_OK && relu && !mask_x) s = act_stage(output, ct, fmt, &ys);
   if (s == DLUA_OK)
     s = act_out_begin(op, &odx, grad_input, x->ndim, x->sizes, grad_output->dtype, ct, fmt, ins, 3, 1);
   if (s == DLUA_OK) s = act_out_begin(op, &osk, grad_skip, x->ndim, x->sizes, grad_output->dtype, ct, fmt, ins, 3, 1);
-  // mean, invstd, gamma, sum dy, sum dy (x - mean): 5 doubles per channel.
-  if (s == DLUA_OK) dbl = xmalloc((size_t)(5 * C) * sizeof(double), &s, op);
-  if (s == DLUA_OK) tv = xmalloc((size_t)(4 * C) * es, &s, op);
+  // mean, invstd, gamma, sum dy, sum dy (x - mean), and a scratch row: 6 doubles per channel.
+  if (s == DLUA_OK) dbl = xmalloc((size_t)(6 * C) * sizeof(double), &s, op);
+  if (s == DLUA_OK) tv = xmalloc((size_t)(6 * C) * es, &s, op);
   if (s == DLUA_OK && reduce && g.N * g.S > 0) scratch = xmalloc((size_t)scratch_len(&g) * sizeof(double), &s, op);
   if (s != DLUA_OK) goto done;
   double *mean = dbl, *invstd = dbl + C, *gm = dbl + 2 * C, *sdy = dbl + 3 * C, *sdx = dbl + 4 * C;
@@ -676,13 +691,24 @@ static dlua_status_t bn_backward(const char *op, dlua_tensor_t **grad_input, dlu
   vec_read(save_invstd, C, invstd, 1.0);
   vec_read(gamma, C, gm, 1.0);
   const void *xp = dlua_tensor_ptr(xs), *dp = dlua_tensor_ptr(ds), *yp = ys ? dlua_tensor_ptr(ys) : NULL;
-  // Per-channel coefficients in the compute type: mean, then A, B, D of the elementwise pass.
+  // Per-channel coefficients in the compute type: mean, then A, B, D of the elementwise pass, then
+  // the forward's scale gamma * invstd and shift beta when the mask is recomputed.
   void *tm = tv, *ta = (char *)tv + C * es, *tb = (char *)tv + 2 * C * es, *td = (char *)tv + 3 * C * es;
+  void *fa = NULL, *fb = NULL;
   put_t(ct, tm, mean, C);
+  if (mask_x) {
+    double *row = dbl + 5 * C;
+    fa = (char *)tv + 4 * C * es;
+    fb = (char *)tv + 5 * C * es;
+    for (int64_t c = 0; c < C; c++) row[c] = gm[c] * invstd[c];
+    put_t(ct, fa, row, C);
+    vec_read(beta, C, row, 0.0);
+    put_t(ct, fb, row, C);
+  }
   for (int64_t c = 0; c < C; c++) sdy[c] = sdx[c] = 0;
   if (reduce && g.N * g.S > 0) {
-    if (ct == DLUA_DTYPE_F64) bn_bwd_reduce_f64(&g, xp, dp, yp, tm, scratch, sdy, sdx);
-    else bn_bwd_reduce_f32(&g, xp, dp, yp, tm, scratch, sdy, sdx);
+    if (ct == DLUA_DTYPE_F64) bn_bwd_reduce_f64(&g, xp, dp, yp, tm, fa, fb, scratch, sdy, sdx);
+    else bn_bwd_reduce_f32(&g, xp, dp, yp, tm, fa, fb, scratch, sdy, sdx);
   }
   if (sums_in) {
     const double *si = (const double *)dlua_tensor_ptr(sums_in);
@@ -713,8 +739,8 @@ static dlua_status_t bn_backward(const char *op, dlua_tensor_t **grad_input, dlu
     put_t(ct, ta, A, C);
     put_t(ct, tb, B, C);
     put_t(ct, td, D, C);
-    if (ct == DLUA_DTYPE_F64) bn_bwd_apply_f64(&g, xp, dp, yp, gxp, gsp, tm, ta, tb, td);
-    else bn_bwd_apply_f32(&g, xp, dp, yp, gxp, gsp, tm, ta, tb, td);
+    if (ct == DLUA_DTYPE_F64) bn_bwd_apply_f64(&g, xp, dp, yp, gxp, gsp, tm, fa, fb, ta, tb, td);
+    else bn_bwd_apply_f32(&g, xp, dp, yp, gxp, gsp, tm, fa, fb, ta, tb, td);
   }
 done:
   s = act_out_end(&odx, s);
@@ -733,30 +759,31 @@ dlua_status_t dlua_nn_batch_norm_backward(dlua_tensor_t **grad_input, dlua_tenso
                                           dlua_tensor_t *grad_gamma, dlua_tensor_t *grad_beta,
                                           const dlua_tensor_t *grad_output, const dlua_tensor_t *x,
                                           const dlua_tensor_t *output, const dlua_tensor_t *gamma,
-                                          const dlua_tensor_t *save_mean, const dlua_tensor_t *save_invstd, int train,
-                                          int relu, int accumulate) {
+                                          const dlua_tensor_t *beta, const dlua_tensor_t *save_mean,
+                                          const dlua_tensor_t *save_invstd, int train, int relu, int accumulate) {
   return bn_backward("batch_norm_backward", grad_input, grad_skip, grad_gamma, grad_beta, grad_output, x, output, gamma,
-                     save_mean, save_invstd, train, relu, accumulate, NULL, NULL);
+                     beta, save_mean, save_invstd, train, relu, accumulate, NULL, NULL);
 }
 
 dlua_status_t dlua_nn_batch_norm_backward_reduce(dlua_tensor_t **sums, dlua_tensor_t *grad_gamma,
                                                  dlua_tensor_t *grad_beta, const dlua_tensor_t *grad_output,
                                                  const dlua_tensor_t *x, const dlua_tensor_t *output,
+                                                 const dlua_tensor_t *gamma, const dlua_tensor_t *beta,
                                                  const dlua_tensor_t *save_mean, const dlua_tensor_t *save_invstd,
                                                  int relu, int accumulate) {
   const char *op = "batch_norm_backward_reduce";
   if (!sums) return DLUA_ERR(DLUA_ERR_ARG, "%s: sums is NULL", op);
-  return bn_backward(op, NULL, NULL, grad_gamma, grad_beta, grad_output, x, output, NULL, save_mean, save_invstd, 1,
-                     relu, accumulate, sums, NULL);
+  return bn_backward(op, NULL, NULL, grad_gamma, grad_beta, grad_output, x, output, gamma, beta, save_mean, save_invstd,
+                     1, relu, accumulate, sums, NULL);
 }
 
 dlua_status_t dlua_nn_batch_norm_backward_apply(dlua_tensor_t **grad_input, dlua_tensor_t **grad_skip,
                                                 const dlua_tensor_t *grad_output, const dlua_tensor_t *x,
                                                 const dlua_tensor_t *output, const dlua_tensor_t *gamma,
-                                                const dlua_tensor_t *save_mean, const dlua_tensor_t *save_invstd,
-                                                const dlua_tensor_t *sums, int relu) {
+                                                const dlua_tensor_t *beta, const dlua_tensor_t *save_mean,
+                                                const dlua_tensor_t *save_invstd, const dlua_tensor_t *sums, int relu) {
   const char *op = "batch_norm_backward_apply";
   if (!sums) return DLUA_ERR(DLUA_ERR_ARG, "%s: sums is NULL", op);
-  return bn_backward(op, grad_input, grad_skip, NULL, NULL, grad_output, x, output, gamma, save_mean, save_invstd, 1,
-                     relu, 0, NULL, sums);
+  return bn_backward(op, grad_input, grad_skip, NULL, NULL, grad_output, x, output, gamma, beta, save_mean, save_invstd,
+                     1, relu, 0, NULL, sums);
 }

@@ -16,17 +16,21 @@ static inline __attribute__((always_inline)) T FN(relu_mask)(T y, T d) {
   return d;
 }
 
-#define BN_BWD_DISPATCH(call, mask, gx, gs) \
-  do {                                      \
-    if (mask) {                             \
-      if (gx && gs) call(1, 1, 1);          \
-      else if (gx) call(1, 1, 0);           \
-      else call(1, 0, 1);                   \
-    } else {                                \
-      if (gx && gs) call(0, 1, 1);          \
-      else if (gx) call(0, 1, 0);           \
-      else call(0, 0, 1);                   \
-    }                                       \
+#define BN_BWD_DISPATCH(call, mask, gx, gs)                                    \
+  do {                                                                         \
+    if (mask == BN_MASK_X) {                                                   \
+      if (gx && gs) call(BN_MASK_X, 1, 1);                                     \
+      else if (gx) call(BN_MASK_X, 1, 0);                                      \
+      else call(BN_MASK_X, 0, 1);                                              \
+    } else if (mask == BN_MASK_Y) {                                            \
+      if (gx && gs) call(BN_MASK_Y, 1, 1);                                     \
+      else if (gx) call(BN_MASK_Y, 1, 0);                                      \
+      else call(BN_MASK_Y, 0, 1);                                              \
+    } else {                                                                   \
+      if (gx && gs) call(BN_NO_MASK, 1, 1);                                    \
+      else if (gx) call(BN_NO_MASK, 1, 0);                                     \
+      else call(BN_NO_MASK, 0, 1);                                             \
+    }                                                                          \
   } while (0)
 
 #define BN_APPLY_DISPATCH(call, skip, relu) \
@@ -185,21 +189,26 @@ static DLUA_CPU_CLONES void FN(apply_rows)(int64_t C, int64_t n, const T *x, con
 #undef BN_CALL
 }
 
-/* Sums of d and d * (x - m) per channel over n rows, in double; d = dy, masked by y > 0 when y.
-   Grouped like stats_rows. */
+/* Sums of d and d * (x - m) per channel over n rows, in double; d = dy, masked as `mask` says
+   (fa, fb: the forward's scale and shift for BN_MASK_X). Grouped like stats_rows. */
 static inline __attribute__((always_inline)) void FN(reduce_rows_k)(int64_t C, int64_t n, const T *x, const T *dy,
-                                                                    const T *y, const T *m, double *bs, double *bq,
-                                                                    int mask) {
+                                                                    const T *y, const T *m, const T *fa, const T *fb,
+                                                                    double *bs, double *bq, int mask) {
   const int64_t cv = C - C % VW, G = BN_GROUP(C);
   const FN(vT) zero = {0};
   for (int64_t c = 0; c < C; c++) bs[c] = bq[c] = 0;
-#define BN_REDUCE_SETUP const FN(vT) vm = FN(vload)(m + c)
-#define BN_TERM(row, s, q)                                                     \
-  do {                                                                         \
-    FN(vT) d = FN(vload)(dy + (row) * C + c);                                  \
-    if (mask) d = FN(vkeep)(d, (FN(vU))(FN(vload)(y + (row) * C + c) > zero)); \
-    BN_ACC(s, d);                                                              \
-    BN_ACC(q, d * (FN(vload)(x + (row) * C + c) - vm));                        \
+#define BN_REDUCE_SETUP                                             \
+  const FN(vT) vm = FN(vload)(m + c);                               \
+  const FN(vT) va = mask == BN_MASK_X ? FN(vload)(fa + c) : zero;   \
+  const FN(vT) vb = mask == BN_MASK_X ? FN(vload)(fb + c) : zero
+#define BN_TERM(row, s, q)                                                                  \
+  do {                                                                                      \
+    FN(vT) d = FN(vload)(dy + (row) * C + c);                                               \
+    const FN(vT) xm = FN(vload)(x + (row) * C + c) - vm;                                    \
+    if (mask == BN_MASK_Y) d = FN(vkeep)(d, (FN(vU))(FN(vload)(y + (row) * C + c) > zero)); \
+    if (mask == BN_MASK_X) d = FN(vkeep)(d, (FN(vU))(xm * va + vb > zero));                 \
+    BN_ACC(s, d);                                                                           \
+    BN_ACC(q, d * xm);                                                                      \
   } while (0)
   BN_GROUPED_SUMS(BN_REDUCE_SETUP, BN_TERM)
 #undef BN_TERM
@@ -208,9 +217,11 @@ static inline __attribute__((always_inline)) void FN(reduce_rows_k)(int64_t C, i
     double s = 0, q = 0;
     for (int64_t r = 0; r < n; r++) {
       T d = dy[r * C + c];
-      if (mask) d = FN(relu_mask)(y[r * C + c], d);
+      const T xm = x[r * C + c] - m[c];
+      if (mask == BN_MASK_Y) d = FN(relu_mask)(y[r * C + c], d);
+      if (mask == BN_MASK_X) d = FN(relu_mask)(xm * fa[c] + fb[c], d);
       s += d;
-      q += d * (x[r * C + c] - m[c]);
+      q += d * xm;
     }
     bs[c] = s;
     bq[c] = q;
@@ -218,41 +229,46 @@ static inline __attribute__((always_inline)) void FN(reduce_rows_k)(int64_t C, i
 }
 
 static DLUA_CPU_CLONES void FN(reduce_rows)(int64_t C, int64_t n, const T *x, const T *dy, const T *y, const T *m,
-                                            double *bs, double *bq) {
-  if (y) FN(reduce_rows_k)(C, n, x, dy, y, m, bs, bq, 1);
-  else FN(reduce_rows_k)(C, n, x, dy, y, m, bs, bq, 0);
+                                            const T *fa, const T *fb, double *bs, double *bq) {
+  if (y) FN(reduce_rows_k)(C, n, x, dy, y, m, fa, fb, bs, bq, BN_MASK_Y);
+  else if (fa) FN(reduce_rows_k)(C, n, x, dy, y, m, fa, fb, bs, bq, BN_MASK_X);
+  else FN(reduce_rows_k)(C, n, x, dy, y, m, fa, fb, bs, bq, BN_NO_MASK);
 }
 
-/* dx = d * A + (x - m) * B + D and ds = d over n rows (d = dy, masked by y > 0 when mask). */
+/* dx = d * A + (x - m) * B + D and ds = d over n rows (d = dy, masked as `mask` says). */
 static inline __attribute__((always_inline)) void FN(bwd_rows_k)(int64_t C, int64_t n, const T *x, const T *dy,
-                                                                 const T *y, T *dx, T *ds, const T *m, const T *A,
-                                                                 const T *B, const T *D, int mask, int want_dx,
-                                                                 int want_ds) {
+                                                                 const T *y, T *dx, T *ds, const T *m, const T *fa,
+                                                                 const T *fb, const T *A, const T *B, const T *D,
+                                                                 int mask, int want_dx, int want_ds) {
   const FN(vT) zero = {0};
   const int64_t cv = C - C % VW;
   for (int64_t r = 0; r < n; r++)
     for (int64_t c = 0; c < cv; c += VW) {
       FN(vT) d = FN(vload)(dy + r * C + c);
-      if (mask) d = FN(vkeep)(d, (FN(vU))(FN(vload)(y + r * C + c) > zero));
-      FN(vT) v = d * FN(vload)(A + c) + (FN(vload)(x + r * C + c) - FN(vload)(m + c)) * FN(vload)(B + c) +
-                 FN(vload)(D + c);
+      const FN(vT) xm = FN(vload)(x + r * C + c) - FN(vload)(m + c);
+      if (mask == BN_MASK_Y) d = FN(vkeep)(d, (FN(vU))(FN(vload)(y + r * C + c) > zero));
+      if (mask == BN_MASK_X) d = FN(vkeep)(d, (FN(vU))(xm * FN(vload)(fa + c) + FN(vload)(fb + c) > zero));
+      FN(vT) v = d * FN(vload)(A + c) + xm * FN(vload)(B + c) + FN(vload)(D + c);
       if (want_ds) FN(vstore)(ds + r * C + c, d);
       if (want_dx) FN(vstore)(dx + r * C + c, v);
     }
   for (int64_t c = cv; c < C; c++)
     for (int64_t r = 0; r < n; r++) {
       T d = dy[r * C + c];
-      if (mask) d = FN(relu_mask)(y[r * C + c], d);
-      T v = d * A[c] + (x[r * C + c] - m[c]) * B[c] + D[c];
+      const T xm = x[r * C + c] - m[c];
+      if (mask == BN_MASK_Y) d = FN(relu_mask)(y[r * C + c], d);
+      if (mask == BN_MASK_X) d = FN(relu_mask)(xm * fa[c] + fb[c], d);
+      T v = d * A[c] + xm * B[c] + D[c];
       if (want_ds) ds[r * C + c] = d;
       if (want_dx) dx[r * C + c] = v;
     }
 }
 
 static DLUA_CPU_CLONES void FN(bwd_rows)(int64_t C, int64_t n, const T *x, const T *dy, const T *y, T *dx, T *ds,
-                                         const T *m, const T *A, const T *B, const T *D) {
-#define BN_CALL(mk, wx, ws) FN(bwd_rows_k)(C, n, x, dy, y, dx, ds, m, A, B, D, mk, wx, ws)
-  BN_BWD_DISPATCH(BN_CALL, y, dx, ds);
+                                         const T *m, const T *fa, const T *fb, const T *A, const T *B, const T *D) {
+  const int mask = y ? BN_MASK_Y : fa ? BN_MASK_X : BN_NO_MASK;
+#define BN_CALL(mk, wx, ws) FN(bwd_rows_k)(C, n, x, dy, y, dx, ds, m, fa, fb, A, B, D, mk, wx, ws)
+  BN_BWD_DISPATCH(BN_CALL, mask, dx, ds);
 #undef BN_CALL
 }
 
@@ -337,35 +353,42 @@ static void FN(bn_apply)(const bn_geom_t *g, const T *x, const T *skip, T *y, co
 
 /* ---- backward ------------------------------------------------------------------------------------- */
 
-/* Sums of d and d * (x - m) over a run of one channel, d = dy masked by y > 0 when mask. */
+/* Sums of d and d * (x - m) over a run of one channel, d = dy masked as `mask` says (fa, fb: the
+   forward's scale and shift of this channel). */
 static inline __attribute__((always_inline)) void FN(reduce_run)(int64_t n, const T *x, const T *dy, const T *y, T m,
-                                                                 double *s_out, double *q_out, int mask) {
+                                                                 T fa, T fb, double *s_out, double *q_out, int mask) {
   double s = 0, q = 0;
 #pragma omp simd reduction(+ : s, q)
   for (int64_t i = 0; i < n; i++) {
     T d = dy[i];
-    if (mask) d = FN(relu_mask)(y[i], d);
+    const T xm = x[i] - m;
+    if (mask == BN_MASK_Y) d = FN(relu_mask)(y[i], d);
+    if (mask == BN_MASK_X) d = FN(relu_mask)(xm * fa + fb, d);
     // The product in T, the sums in double: GCC keeps a float select feeding double
     // arithmetic scalar (it may trap), and one rounding per term is harmless here.
     s += d;
-    q += d * (x[i] - m);
+    q += d * xm;
   }
   *s_out = s;
   *q_out = q;
 }
 
-/* Per-channel sum(d) and sum(d * (x - mean)) in double, d = masked dy; blocked like bn_stats. */
-static void FN(bn_bwd_reduce)(const bn_geom_t *g, const T *x, const T *dy, const T *y, const T *mean,
-                              double *scratch, double *sdy, double *sdx) {
+/* Per-channel sum(d) and sum(d * (x - mean)) in double, d = dy masked by y > 0 when y, else by
+   the forward's (x - mean) * fa + fb > 0 when fa; blocked like bn_stats. */
+static void FN(bn_bwd_reduce)(const bn_geom_t *g, const T *x, const T *dy, const T *y, const T *mean, const T *fa,
+                              const T *fb, double *scratch, double *sdy, double *sdx) {
   const int64_t C = g->C, S = g->S;
   if (!g->rows) {
     const int64_t P = g->N * C;
     double *ps = scratch, *pq = scratch + P;
 #pragma omp parallel for schedule(static) if (P * S > BN_PAR_MIN)
     for (int64_t p = 0; p < P; p++) {
+      const int64_t c = p % C;
       const T *xp = x + p * S, *dp = dy + p * S, *yp = y ? y + p * S : NULL;
-      if (yp) FN(reduce_run)(S, xp, dp, yp, mean[p % C], &ps[p], &pq[p], 1);
-      else FN(reduce_run)(S, xp, dp, yp, mean[p % C], &ps[p], &pq[p], 0);
+      const T a = fa ? fa[c] : 0, b = fa ? fb[c] : 0;
+      if (yp) FN(reduce_run)(S, xp, dp, yp, mean[c], a, b, &ps[p], &pq[p], BN_MASK_Y);
+      else if (fa) FN(reduce_run)(S, xp, dp, yp, mean[c], a, b, &ps[p], &pq[p], BN_MASK_X);
+      else FN(reduce_run)(S, xp, dp, yp, mean[c], a, b, &ps[p], &pq[p], BN_NO_MASK);
     }
     bn_combine(ps, pq, g->N, C, sdy, sdx);
     return;
@@ -375,7 +398,7 @@ static void FN(bn_bwd_reduce)(const bn_geom_t *g, const T *x, const T *dy, const
 #pragma omp parallel for schedule(static) if (M * C > BN_PAR_MIN)
   for (int64_t b = 0; b < nb; b++) {
     const int64_t r1 = b * R + R < M ? b * R + R : M, o = b * R * C;
-    FN(reduce_rows)(C, r1 - b * R, x + o, dy + o, y ? y + o : NULL, mean, ps + b * C, pq + b * C);
+    FN(reduce_rows)(C, r1 - b * R, x + o, dy + o, y ? y + o : NULL, mean, fa, fb, ps + b * C, pq + b * C);
   }
   bn_combine(ps, pq, nb, C, sdy, sdx);
 }
@@ -383,22 +406,26 @@ static void FN(bn_bwd_reduce)(const bn_geom_t *g, const T *x, const T *dy, const
 /* dx = d * A + (x - m) * B + D and ds = d over a run of one channel (d = masked dy). Each
    element is read before either output is written, so dx or ds may be dy itself. */
 static inline __attribute__((always_inline)) void FN(bwd_run)(int64_t n, const T *x, const T *dy, const T *y, T *dx,
-                                                              T *ds, T m, T A, T B, T D, int mask, int want_dx,
-                                                              int want_ds) {
+                                                              T *ds, T m, T fa, T fb, T A, T B, T D, int mask,
+                                                              int want_dx, int want_ds) {
 #pragma omp simd
   for (int64_t i = 0; i < n; i++) {
     T d = dy[i];
-    if (mask) d = FN(relu_mask)(y[i], d);
-    T v = d * A + (x[i] - m) * B + D;
+    const T xm = x[i] - m;
+    if (mask == BN_MASK_Y) d = FN(relu_mask)(y[i], d);
+    if (mask == BN_MASK_X) d = FN(relu_mask)(xm * fa + fb, d);
+    T v = d * A + xm * B + D;
     if (want_ds) ds[i] = d;
     if (want_dx) dx[i] = v;
   }
 }
 
-/* dx = d * A + (x - mean) * B + D and dskip = d, d = masked dy; one of dx, dskip may be NULL. */
+/* dx = d * A + (x - mean) * B + D and dskip = d, d = dy masked as bn_bwd_reduce's; one of dx,
+   dskip may be NULL. */
 static void FN(bn_bwd_apply)(const bn_geom_t *g, const T *x, const T *dy, const T *y, T *dx, T *dskip,
-                             const T *mean, const T *A, const T *B, const T *D) {
+                             const T *mean, const T *fa, const T *fb, const T *A, const T *B, const T *D) {
   const int64_t C = g->C, S = g->S;
+  const int mask = y ? BN_MASK_Y : fa ? BN_MASK_X : BN_NO_MASK;
   if (!g->rows) {
     const int64_t P = g->N * C;
 #pragma omp parallel for schedule(static) if (P * S > BN_PAR_MIN)
@@ -406,8 +433,9 @@ static void FN(bn_bwd_apply)(const bn_geom_t *g, const T *x, const T *dy, const 
       const int64_t c = p % C;
       const T *xp = x + p * S, *dp = dy + p * S, *yp = y ? y + p * S : NULL;
       T *gp = dx ? dx + p * S : NULL, *sp = dskip ? dskip + p * S : NULL;
-#define BN_CALL(mk, wx, ws) FN(bwd_run)(S, xp, dp, yp, gp, sp, mean[c], A[c], B[c], D[c], mk, wx, ws)
-      BN_BWD_DISPATCH(BN_CALL, yp, gp, sp);
+      const T a = fa ? fa[c] : 0, b = fa ? fb[c] : 0;
+#define BN_CALL(mk, wx, ws) FN(bwd_run)(S, xp, dp, yp, gp, sp, mean[c], a, b, A[c], B[c], D[c], mk, wx, ws)
+      BN_BWD_DISPATCH(BN_CALL, mask, gp, sp);
 #undef BN_CALL
     }
     return;
@@ -417,8 +445,8 @@ static void FN(bn_bwd_apply)(const bn_geom_t *g, const T *x, const T *dy, const 
   for (int64_t b = 0; b < nb; b++) {
     const int64_t r1 = b * R + R < M ? b * R + R : M;
     const int64_t o = b * R * C;
-    FN(bwd_rows)(C, r1 - b * R, x + o, dy + o, y ? y + o : NULL, dx ? dx + o : NULL, dskip ? dskip + o : NULL, mean, A,
-                 B, D);
+    FN(bwd_rows)(C, r1 - b * R, x + o, dy + o, y ? y + o : NULL, dx ? dx + o : NULL, dskip ? dskip + o : NULL, mean, fa,
+                 fb, A, B, D);
   }
 }
 

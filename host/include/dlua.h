@@ -615,12 +615,15 @@ dlua_status_t dlua_conv2d_backward_weights(dlua_tensor_t *grad_w, dlua_tensor_t 
 dlua_status_t dlua_nn_batch_norm_forward(dlua_tensor_t **out, dlua_tensor_t **save_mean, dlua_tensor_t **save_invstd, const dlua_tensor_t *x, const dlua_tensor_t *gamma, const dlua_tensor_t *beta, const dlua_tensor_t *skip, dlua_tensor_t *running_mean, dlua_tensor_t *running_var, int train, double momentum, double eps, int relu);
 /* Gradients of the forward above from grad_output (x's shape). output (x's shape) is the forward's
    result, needed when relu != 0 (grad_output counts only where output > 0), else may be NULL.
+   beta (C) may be NULL; given with relu, it promises that the forward ran with this gamma and beta
+   and without a skip, and the ReLU mask is then recomputed from x as the forward computed it,
+   which reads one tensor less than testing output (the result is the same).
    train says whether mean/invstd were the batch's (their gradient then flows into grad_input).
    grad_input (x's shape) and grad_skip (x's shape: grad_output masked by the ReLU) follow the
    `out` convention, allocated in grad_output's format; either may be a NULL pointer when not
    wanted. grad_gamma and grad_beta (C) (may be NULL; any floating dtype) receive sum(dy * xhat)
    and sum(dy): accumulate 1 adds to what they hold (Torch7's backward), 0 overwrites. */
-dlua_status_t dlua_nn_batch_norm_backward(dlua_tensor_t **grad_input, dlua_tensor_t **grad_skip, dlua_tensor_t *grad_gamma, dlua_tensor_t *grad_beta, const dlua_tensor_t *grad_output, const dlua_tensor_t *x, const dlua_tensor_t *output, const dlua_tensor_t *gamma, const dlua_tensor_t *save_mean, const dlua_tensor_t *save_invstd, int train, int relu, int accumulate);
+dlua_status_t dlua_nn_batch_norm_backward(dlua_tensor_t **grad_input, dlua_tensor_t **grad_skip, dlua_tensor_t *grad_gamma, dlua_tensor_t *grad_beta, const dlua_tensor_t *grad_output, const dlua_tensor_t *x, const dlua_tensor_t *output, const dlua_tensor_t *gamma, const dlua_tensor_t *beta, const dlua_tensor_t *save_mean, const dlua_tensor_t *save_invstd, int train, int relu, int accumulate);
 /* SyncBatchNorm (torch.nn.SyncBatchNorm): the two functions above cut at their per-channel
    reductions, so that the ranks sum those between the halves. The reductions travel as one
    contiguous float64 vector of 2C+1 values (`out` convention: allocated, or given and overwritten):
@@ -636,9 +639,9 @@ dlua_status_t dlua_nn_batch_norm_apply(dlua_tensor_t **out, dlua_tensor_t **save
    (sum d xhat) and grad_beta (sum d), accumulated or overwritten as backward does (DDP's average
    of the local sums is the whole batch's gradient of the ranks' mean loss); then, with the sums
    summed over ranks, batch_norm_backward_apply writes grad_input (and grad_skip) as backward does
-   in training, normalised by the summed M. */
-dlua_status_t dlua_nn_batch_norm_backward_reduce(dlua_tensor_t **sums, dlua_tensor_t *grad_gamma, dlua_tensor_t *grad_beta, const dlua_tensor_t *grad_output, const dlua_tensor_t *x, const dlua_tensor_t *output, const dlua_tensor_t *save_mean, const dlua_tensor_t *save_invstd, int relu, int accumulate);
-dlua_status_t dlua_nn_batch_norm_backward_apply(dlua_tensor_t **grad_input, dlua_tensor_t **grad_skip, const dlua_tensor_t *grad_output, const dlua_tensor_t *x, const dlua_tensor_t *output, const dlua_tensor_t *gamma, const dlua_tensor_t *save_mean, const dlua_tensor_t *save_invstd, const dlua_tensor_t *sums, int relu);
+   in training, normalised by the summed M. gamma and beta (both may be NULL) are backward's. */
+dlua_status_t dlua_nn_batch_norm_backward_reduce(dlua_tensor_t **sums, dlua_tensor_t *grad_gamma, dlua_tensor_t *grad_beta, const dlua_tensor_t *grad_output, const dlua_tensor_t *x, const dlua_tensor_t *output, const dlua_tensor_t *gamma, const dlua_tensor_t *beta, const dlua_tensor_t *save_mean, const dlua_tensor_t *save_invstd, int relu, int accumulate);
+dlua_status_t dlua_nn_batch_norm_backward_apply(dlua_tensor_t **grad_input, dlua_tensor_t **grad_skip, const dlua_tensor_t *grad_output, const dlua_tensor_t *x, const dlua_tensor_t *output, const dlua_tensor_t *gamma, const dlua_tensor_t *beta, const dlua_tensor_t *save_mean, const dlua_tensor_t *save_invstd, const dlua_tensor_t *sums, int relu);
 
 /* Pooling output extent along one dimension, PyTorch's rule: floor (or ceil when ceil_mode)
    of (in + 2*pad - dil*(kernel-1) - 1) / stride, plus 1, less 1 when ceil_mode makes the last

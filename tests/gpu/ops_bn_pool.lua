@@ -162,13 +162,13 @@ for _, dt in ipairs(FLOATS) do
           check(string.format('bn_bwd %s relu skip %s', train and 'train' or 'eval', tag),
             function(dy_, x_, y_, g_, sm_, si_)
               local gg, gb = dlua.ones(C, { dtype = pdt, device = x_.device }), dlua.zeros(C, { dtype = pdt, device = x_.device })
-              local gi, gs = K.batch_norm_backward(dy_, x_, y_, g_, sm_, si_, gg, gb, train, true, true)
+              local gi, gs = K.batch_norm_backward(dy_, x_, y_, g_, nil, sm_, si_, gg, gb, train, true, true)
               return { grad_input = gi, grad_skip = gs, grad_gamma = gg, grad_beta = gb }
             end, dy, x, y, gamma, sm, sinv)
         end
         check('bn_bwd plain ' .. tag, function(dy_, x_, g_, sm_, si_)
           local gg = dlua.zeros(C, { dtype = 'float32', device = x_.device })
-          local gi = K.batch_norm_backward(dy_, x_, nil, g_, sm_, si_, gg, nil, true, false, false)
+          local gi = K.batch_norm_backward(dy_, x_, nil, g_, nil, sm_, si_, gg, nil, true, false, false)
           return { grad_input = gi, grad_gamma = gg }
         end, dy, x, gamma, sm, sinv)
         -- SyncBatchNorm's halves, one rank: stats -> apply, backward_reduce -> backward_apply
@@ -180,12 +180,12 @@ for _, dt in ipairs(FLOATS) do
         end, x, skip, gamma, beta, stats, rm, rv)
         check('bn_bwd_reduce relu ' .. tag, function(dy_, x_, y_, sm_, si_)
           local gg, gb = dlua.zeros(C, { dtype = pdt, device = x_.device }), dlua.ones(C, { dtype = pdt, device = x_.device })
-          local sums = K.batch_norm_backward_reduce(dy_, x_, y_, sm_, si_, gg, gb, true)
+          local sums = K.batch_norm_backward_reduce(dy_, x_, y_, nil, nil, sm_, si_, gg, gb, true)
           return { sums = { sums, SUMS_TOL }, grad_gamma = gg, grad_beta = gb }
         end, dy, x, y, sm, sinv)
-        local sums = K.batch_norm_backward_reduce(dy, x, y, sm, sinv, nil, nil, true)
+        local sums = K.batch_norm_backward_reduce(dy, x, y, nil, nil, sm, sinv, nil, nil, true)
         check('bn_bwd_apply relu skip ' .. tag, function(dy_, x_, y_, g_, sm_, si_, su_)
-          local gi, gs = K.batch_norm_backward_apply(dy_, x_, y_, g_, sm_, si_, su_, true, true)
+          local gi, gs = K.batch_norm_backward_apply(dy_, x_, y_, g_, nil, sm_, si_, su_, true, true)
           return { grad_input = gi, grad_skip = gs }
         end, dy, x, y, gamma, sm, sinv, sums)
       else
@@ -203,7 +203,7 @@ do
   end, x, s)
   local y, sm, si = K.batch_norm(x, nil, nil, nil, nil, nil, true, 0.1, 1e-5, false, true)
   check('bn_bwd mixed grad', function(dy_, x_, sm_, si_)
-    return { grad_input = K.batch_norm_backward(dy_, x_, nil, nil, sm_, si_, nil, nil, true, false, false) }
+    return { grad_input = K.batch_norm_backward(dy_, x_, nil, nil, nil, sm_, si_, nil, nil, true, false, false) }
   end, randt('float32', { 2, 8, 5, 5 }), x, sm, si)
 end
 
@@ -340,7 +340,7 @@ if on_gpu then
   end)
   local y, sm, si = K.batch_norm(x, nil, nil, nil, nil, nil, true, 0.1, 1e-5, false, true)
   expect_mixed('mixed bn backward', function()
-    return K.batch_norm_backward(dlua.ones(2, 4, 5, 5), x, nil, nil, sm, si, nil, nil, true, false, false)
+    return K.batch_norm_backward(dlua.ones(2, 4, 5, 5), x, nil, nil, nil, sm, si, nil, nil, true, false, false)
   end)
   expect_mixed('mixed bn apply stats', function()
     return K.batch_norm_apply(x, nil, nil, nil, K.batch_norm_stats(x:cpu()), nil, nil, 0.1, 1e-5, false)
@@ -370,7 +370,7 @@ if on_gpu then
   local ggb, gbb = dlua.zeros(C, { device = dev }), dlua.zeros(C, { device = dev })
   local function step()
     local yb, smb, sib = K.batch_norm(xb, gm, bt, nil, rmb, rvb, true, 0.1, 1e-5, true, true)
-    local gi = K.batch_norm_backward(dyb, xb, yb, gm, smb, sib, ggb, gbb, true, true, false)
+    local gi = K.batch_norm_backward(dyb, xb, yb, gm, nil, smb, sib, ggb, gbb, true, true, false)
     yb:free(); gi:free()
   end
   step()

@@ -264,10 +264,10 @@ START_TEST(test_backward_finite_differences) {
   const shape_t shapes[] = {shape(4, 2, 3, 3, 2), shape(3, 3, 2, 5, 0), shape(2, 5, 3, 0, 0), shape(4, 1, 2, 1, 3)};
   for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++)
     for (int cl = 0; cl < 2; cl++)
-      for (int mode = 0; mode < 4; mode++) {  // train plain, train relu+skip, eval plain, eval relu
+      for (int mode = 0; mode < 5; mode++) {  // train plain, train relu+skip, eval plain, eval relu, train relu
         const shape_t *s = &shapes[si];
         if (cl && s->nd == 2) continue;
-        int train = mode < 2, relu = mode == 1 || mode == 3, useskip = mode == 1;
+        int train = mode < 2 || mode == 4, relu = mode == 1 || mode >= 3, useskip = mode == 1;
         int64_t n = numel(s), C = s->C;
         double *x = rand_vals(n, 1.0, 0.5), *gm = rand_vals(C, 0.5, 1.0), *bt = rand_vals(C, 0.5, 0.0),
                *sk = useskip ? rand_vals(n, 0.5, 0.0) : NULL, *w = rand_vals(n, 1.0, 0.0), *rmv = rand_vals(C, 0.3, 0.0),
@@ -282,8 +282,10 @@ START_TEST(test_backward_finite_differences) {
         dlua_tensor_t *gx = NULL, *gs = NULL, *gg = NULL, *gb = NULL;
         ck_assert_int_eq(dlua_tensor_zeros(&gg, 1, &C, DLUA_DTYPE_F64, DLUA_CPU), DLUA_OK);
         ck_assert_int_eq(dlua_tensor_zeros(&gb, 1, &C, DLUA_DTYPE_F64, DLUA_CPU), DLUA_OK);
-        ck_assert_int_eq(dlua_nn_batch_norm_backward(&gx, useskip ? &gs : NULL, gg, gb, dy, tx, relu ? y : NULL, tg, sm, sv,
-                                                     train, relu, 1),
+        // without a skip, beta has the ReLU mask recomputed from x (test_relu_mask_from_input
+        // compares that with reading the output)
+        ck_assert_int_eq(dlua_nn_batch_norm_backward(&gx, useskip ? &gs : NULL, gg, gb, dy, tx, relu ? y : NULL, tg,
+                                                     relu && !useskip ? tb : NULL, sm, sv, train, relu, 1),
                          DLUA_OK);
         ck_assert_int_eq(is_channels_last(gx), is_channels_last(dy));
         double *agx = tu_values(gx), *agg = tu_values(gg), *agb = tu_values(gb);
@@ -316,18 +318,18 @@ START_TEST(test_gradient_accumulation) {
   ck_assert_int_eq(dlua_tensor_zeros(&arena, 1, &an, DLUA_DTYPE_F64, DLUA_CPU), DLUA_OK);
   ck_assert_int_eq(dlua_tensor_slice(&gg, arena, 0, 0, an, 2), DLUA_OK);
   ck_assert_int_eq(dlua_tensor_slice(&gb, arena, 0, 1, an, 2), DLUA_OK);
-  ck_assert_int_eq(dlua_nn_batch_norm_backward(NULL, NULL, gg, gb, dy, tx, y, tg, sm, sv, 1, 1, 1), DLUA_OK);
+  ck_assert_int_eq(dlua_nn_batch_norm_backward(NULL, NULL, gg, gb, dy, tx, y, tg, NULL, sm, sv, 1, 1, 1), DLUA_OK);
   double *g1 = tu_values(gg), *b1 = tu_values(gb);
   int nonzero = 0;
   for (int64_t c = 0; c < C; c++) nonzero += g1[c] != 0 && b1[c] != 0;
   ck_assert_int_eq(nonzero, C);
-  ck_assert_int_eq(dlua_nn_batch_norm_backward(&gx, NULL, gg, gb, dy, tx, y, tg, sm, sv, 1, 1, 1), DLUA_OK);
+  ck_assert_int_eq(dlua_nn_batch_norm_backward(&gx, NULL, gg, gb, dy, tx, y, tg, NULL, sm, sv, 1, 1, 1), DLUA_OK);
   double *g2 = tu_values(gg), *b2 = tu_values(gb);
   for (int64_t c = 0; c < C; c++) {
     ck_assert_double_eq_tol(g2[c], 2 * g1[c], 1e-12 * (1 + fabs(g1[c])));
     ck_assert_double_eq_tol(b2[c], 2 * b1[c], 1e-12 * (1 + fabs(b1[c])));
   }
-  ck_assert_int_eq(dlua_nn_batch_norm_backward(&gx, NULL, gg, gb, dy, tx, y, tg, sm, sv, 1, 1, 0), DLUA_OK);
+  ck_assert_int_eq(dlua_nn_batch_norm_backward(&gx, NULL, gg, gb, dy, tx, y, tg, NULL, sm, sv, 1, 1, 0), DLUA_OK);
   double *g3 = tu_values(gg);
   tu_expect_close(g3, g1, C, 1e-12, "accumulate = 0 overwrites");
   free(x), free(w), free(gm), free(g1), free(b1), free(g2), free(b2), free(g3);
@@ -351,7 +353,7 @@ START_TEST(test_thread_count_independence) {
       dlua_tensor_t *y = NULL, *sm = NULL, *sv = NULL, *gx = NULL, *gg = NULL;
       ck_assert_int_eq(dlua_tensor_zeros(&gg, 1, &C, DLUA_DTYPE_F32, DLUA_CPU), DLUA_OK);
       ck_assert_int_eq(dlua_nn_batch_norm_forward(&y, &sm, &sv, tx, tg, NULL, ts, NULL, NULL, 1, 0.1, 1e-5, 1), DLUA_OK);
-      ck_assert_int_eq(dlua_nn_batch_norm_backward(&gx, NULL, gg, NULL, dy, tx, y, tg, sm, sv, 1, 1, 1), DLUA_OK);
+      ck_assert_int_eq(dlua_nn_batch_norm_backward(&gx, NULL, gg, NULL, dy, tx, y, tg, NULL, sm, sv, 1, 1, 1), DLUA_OK);
       dlua_tensor_t *outs[5] = {y, sm, sv, gx, gg};
       for (int k = 0; k < 5; k++) {
         int64_t m = dlua_tensor_numel(outs[k]);
@@ -429,6 +431,54 @@ START_TEST(test_dtypes_views_and_outputs) {
 }
 END_TEST
 
+/* With beta (no skip), the backward recomputes the ReLU mask from x: the gradients are the same
+   bits as when it reads the forward's output, whole and in SyncBatchNorm's halves, for both float
+   types, both layouts, training and evaluation, and a channel count with a vector tail. */
+START_TEST(test_relu_mask_from_input) {
+  shape_t s = shape(4, 3, 19, 5, 7);
+  const int64_t n = numel(&s), C = s.C;
+  const dlua_dtype_t dts[2] = {DLUA_DTYPE_F32, DLUA_DTYPE_F64};
+  for (int d = 0; d < 2; d++)
+    for (int cl = 0; cl < 2; cl++)
+      for (int train = 0; train < 2; train++) {
+        double *x = rand_vals(n, 1.0, 0.3), *w = rand_vals(n, 1.0, 0.0), *gm = rand_vals(C, 1.0, 0.2),
+               *bt = rand_vals(C, 1.0, 0.0), *rmv = rand_vals(C, 0.3, 0.0), *rvv = rand_vals(C, 0.3, 1.0);
+        dlua_tensor_t *tx = mk(dts[d], 4, s.sz, x, cl), *dy = mk(dts[d], 4, s.sz, w, cl), *tg = vec(dts[d], C, gm),
+                      *tb = vec(dts[d], C, bt), *rm = vec(dts[d], C, rmv), *rv = vec(dts[d], C, rvv), *y = NULL,
+                      *sm = NULL, *sv = NULL;
+        ck_assert_int_eq(dlua_nn_batch_norm_forward(&y, &sm, &sv, tx, tg, tb, NULL, rm, rv, train, 0.1, 1e-5, 1), DLUA_OK);
+        double *res[2][5];
+        for (int k = 0; k < 2; k++) {
+          const dlua_tensor_t *beta = k ? tb : NULL;
+          dlua_tensor_t *gx = NULL, *gg = NULL, *gb = NULL, *sums = NULL, *gx2 = NULL;
+          ck_assert_int_eq(dlua_tensor_zeros(&gg, 1, &C, dts[d], DLUA_CPU), DLUA_OK);
+          ck_assert_int_eq(dlua_tensor_zeros(&gb, 1, &C, dts[d], DLUA_CPU), DLUA_OK);
+          ck_assert_int_eq(dlua_nn_batch_norm_backward(&gx, NULL, gg, gb, dy, tx, y, tg, beta, sm, sv, train, 1, 1), DLUA_OK);
+          ck_assert_int_eq(dlua_nn_batch_norm_backward_reduce(&sums, NULL, NULL, dy, tx, y, tg, beta, sm, sv, 1, 1), DLUA_OK);
+          ck_assert_int_eq(dlua_nn_batch_norm_backward_apply(&gx2, NULL, dy, tx, y, tg, beta, sm, sv, sums, 1), DLUA_OK);
+          dlua_tensor_t *outs[5] = {gx, gg, gb, sums, gx2};
+          for (int o = 0; o < 5; o++) res[k][o] = tu_values(outs[o]), dlua_tensor_free(outs[o]);
+        }
+        const int64_t lens[5] = {n, C, C, 2 * C + 1, n};
+        const char *names[5] = {"grad_input", "grad_gamma", "grad_beta", "reduce sums", "apply grad_input"};
+        for (int o = 0; o < 5; o++) {
+          for (int64_t i = 0; i < lens[o]; i++)
+            ck_assert_msg(res[0][o][i] == res[1][o][i], "%s[%lld] (dtype %d, cl %d, train %d): %.17g from the output, %.17g from x",
+                          names[o], (long long)i, d, cl, train, res[0][o][i], res[1][o][i]);
+          free(res[0][o]), free(res[1][o]);
+        }
+        // The mask did something: some outputs are 0 and some are not.
+        double *yv = tu_values(y);
+        int64_t zeros = 0;
+        for (int64_t i = 0; i < n; i++) zeros += yv[i] == 0;
+        ck_assert_msg(zeros > n / 10 && zeros < n - n / 10, "%lld of %lld outputs are 0", (long long)zeros, (long long)n);
+        free(yv), free(x), free(w), free(gm), free(bt), free(rmv), free(rvv);
+        dlua_tensor_t *all[] = {tx, dy, tg, tb, rm, rv, y, sm, sv};
+        for (size_t k = 0; k < sizeof all / sizeof all[0]; k++) dlua_tensor_free(all[k]);
+      }
+}
+END_TEST
+
 START_TEST(test_errors) {
   const double v[64] = {0};
   int64_t s1[1] = {3}, s4[4] = {2, 3, 2, 2}, one[4] = {1, 3, 1, 1}, s5[5] = {1, 2, 1, 1, 1}, c4 = 4;
@@ -455,14 +505,16 @@ START_TEST(test_errors) {
   ck_assert_ptr_null(y);
   dlua_tensor_t *sm = NULL, *sv = NULL, *gx = NULL;
   ck_assert_int_eq(dlua_nn_batch_norm_forward(&y, &sm, &sv, x4, NULL, NULL, NULL, NULL, NULL, 1, 0.1, 1e-5, 1), DLUA_OK);
-  tu_expect_error_at(dlua_nn_batch_norm_backward(&gx, NULL, NULL, NULL, x4, x4, NULL, NULL, sm, sv, 1, 1, 1),
+  tu_expect_error_at(dlua_nn_batch_norm_backward(&gx, NULL, NULL, NULL, x4, x4, NULL, NULL, NULL, sm, sv, 1, 1, 1),
                      "batch_norm_backward:", "relu needs the forward's output");
-  tu_expect_error_at(dlua_nn_batch_norm_backward(&gx, NULL, NULL, NULL, xo, x4, NULL, NULL, sm, sv, 1, 0, 1),
+  tu_expect_error_at(dlua_nn_batch_norm_backward(&gx, NULL, NULL, NULL, xo, x4, NULL, NULL, NULL, sm, sv, 1, 0, 1),
                      "batch_norm_backward:", "grad_output (1, 3, 1, 1)");
-  tu_expect_error_at(dlua_nn_batch_norm_backward(&gx, NULL, g4, NULL, x4, x4, NULL, NULL, sm, sv, 1, 0, 1),
+  tu_expect_error_at(dlua_nn_batch_norm_backward(&gx, NULL, g4, NULL, x4, x4, NULL, NULL, NULL, sm, sv, 1, 0, 1),
                      "batch_norm_backward:", "grad_gamma (4)");
-  tu_expect_error_at(dlua_nn_batch_norm_backward(&gx, NULL, NULL, NULL, x4, x4, NULL, NULL, NULL, sv, 1, 0, 1),
+  tu_expect_error_at(dlua_nn_batch_norm_backward(&gx, NULL, NULL, NULL, x4, x4, NULL, NULL, NULL, NULL, sv, 1, 0, 1),
                      "batch_norm_backward:", "save_mean");
+  tu_expect_error_at(dlua_nn_batch_norm_backward(&gx, NULL, NULL, NULL, x4, x4, y, NULL, g4, sm, sv, 1, 1, 1),
+                     "batch_norm_backward:", "beta (4)");
   ck_assert_ptr_null(gx);
   dlua_tensor_t *all[] = {x1, x4, xo, x5, g4, xi, y, sm, sv};
   for (size_t k = 0; k < sizeof all / sizeof all[0]; k++) dlua_tensor_free(all[k]);
@@ -480,6 +532,7 @@ int main(void) {
   tcase_add_test(tc, test_gradient_accumulation);
   tcase_add_test(tc, test_thread_count_independence);
   tcase_add_test(tc, test_dtypes_views_and_outputs);
+  tcase_add_test(tc, test_relu_mask_from_input);
   tcase_add_test(tc, test_errors);
   suite_add_tcase(s, tc);
   return tu_run(s);

@@ -320,21 +320,25 @@ function BatchNorm2d:forward(x, skip)
   return self.output
 end
 
--- -> grad_input (and grad_skip when forward had a skip)
-function BatchNorm2d:backward(x, grad)
+-- -> grad_input (and grad_skip when forward had a skip). in_place = true: the caller gives up
+-- `grad` (as Torch7's in-place ReLU), which is written over with grad_skip (or grad_input without a
+-- skip), saving a fresh buffer's memory traffic.
+function BatchNorm2d:backward(x, grad, in_place)
   local out = self.relu and self.output or nil
+  -- without a skip, the ReLU mask is recomputed from x, gamma and beta rather than read from out
+  local beta = self.relu and not self.has_skip and self.bias or nil
   local gi, gs
   if self._synced then
     -- the local sums of d and d (x - mean) give grad_weight/grad_bias (DDP averages them); summed
     -- over the ranks they give grad_input
-    self._sums = K.batch_norm_backward_reduce(grad, x, out, self.save_mean, self.save_invstd, self.grad_weight,
-      self.grad_bias, self.relu, self._sums)
+    self._sums = K.batch_norm_backward_reduce(grad, x, out, self.weight, beta, self.save_mean, self.save_invstd,
+      self.grad_weight, self.grad_bias, self.relu, self._sums)
     dlua.dist.all_reduce(self._sums, 'sum', { group = self.process_group })
-    gi, gs = K.batch_norm_backward_apply(grad, x, out, self.weight, self.save_mean, self.save_invstd, self._sums,
-      self.relu, self.has_skip)
+    gi, gs = K.batch_norm_backward_apply(grad, x, out, self.weight, beta, self.save_mean, self.save_invstd, self._sums,
+      self.relu, self.has_skip, in_place and grad or nil)
   else
-    gi, gs = K.batch_norm_backward(grad, x, out, self.weight, self.save_mean, self.save_invstd, self.grad_weight,
-      self.grad_bias, self.training, self.relu, self.has_skip)
+    gi, gs = K.batch_norm_backward(grad, x, out, self.weight, beta, self.save_mean, self.save_invstd, self.grad_weight,
+      self.grad_bias, self.training, self.relu, self.has_skip, in_place and grad or nil)
   end
   self.grad_input = gi
   return gi, gs

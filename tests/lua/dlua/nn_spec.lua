@@ -323,6 +323,29 @@ describe('a ResNet built from dlua.nn', function()
     end
   end)
 
+  it('BatchNorm2d:backward(x, grad, true) writes over grad: the same gradients, in grad\'s own memory', function()
+    dlua.manual_seed(8)
+    for _, case in ipairs({ { 'channels_last', false }, { 'contiguous', false }, { 'channels_last', true } }) do
+      local fmt, with_skip = case[1], case[2]
+      local bn = nn.BatchNorm2d(5, { relu = true })
+      local x = dlua.randn(3, 5, 4, 6):contiguous(fmt)
+      local skip = with_skip and dlua.randn(x:size()):contiguous(fmt) or nil
+      bn:forward(x, skip)
+      local g = dlua.randn(x:size()):contiguous(fmt)
+      local gi, gs = bn:backward(x, g:clone())
+      local gw = bn.grad_weight:clone()
+      bn:zero_grad()
+      local given = g:clone()
+      local gi2, gs2 = bn:backward(x, given, true)
+      -- with a skip, grad_skip (the masked grad) takes grad's memory; without, grad_input does
+      assert.is_true((with_skip and gs2 or gi2):same_storage(given), fmt)
+      if with_skip then assert.is_false(gi2:same_storage(given)) end
+      assert.equals(0, (gi2 - gi):abs():max():item(), fmt)
+      if with_skip then assert.equals(0, (gs2 - gs):abs():max():item()) end
+      assert.equals(0, (bn.grad_weight - gw):abs():max():item())
+    end
+  end)
+
   it('a float32 ResNet-20 step is the same channels-last (fused residual gradients) as NCHW', function()
     dlua.manual_seed(7)
     local m = resnet.resnet20({ in_channels = 1, num_classes = 3 })

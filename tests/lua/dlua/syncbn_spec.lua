@@ -110,7 +110,7 @@ describe('SyncBatchNorm', function()
     local rm, rv = dlua.zeros(C, { dtype = dtype }), dlua.ones(C, { dtype = dtype })
     local out, sm, si = K.batch_norm(x, g, b, skip, rm, rv, true, 0.1, 1e-5, relu, true)
     local gg, gb = dlua.zeros(C, { dtype = dtype }), dlua.zeros(C, { dtype = dtype })
-    local gi, gs = K.batch_norm_backward(dy, x, relu and out or nil, g, sm, si, gg, gb, true, relu, with_skip)
+    local gi, gs = K.batch_norm_backward(dy, x, relu and out or nil, g, nil, sm, si, gg, gb, true, relu, with_skip)
 
     local rows, start = {}, 1
     for i, p in ipairs(parts) do rows[i] = { start, p }; start = start + p end
@@ -131,14 +131,14 @@ describe('SyncBatchNorm', function()
       assert.is_true(max_diff(m_, sm) < tol)
       assert.is_true(max_diff(s_, si) < tol)
       if i == 1 then rm2, rv2 = rmi, rvi end
-      sums:add_(K.batch_norm_backward_reduce(slice(dy, i), slice(x, i), relu and o or nil, m_, s_, gg2, gb2, relu))
+      sums:add_(K.batch_norm_backward_reduce(slice(dy, i), slice(x, i), relu and o or nil, nil, nil, m_, s_, gg2, gb2, relu))
     end
     assert.is_true(max_diff(rm2, rm) < tol)
     assert.is_true(max_diff(rv2, rv) < tol)
     assert.is_true(max_diff(gg2, gg) < tol * 10)  -- the sum over slices of the local grad_weight
     assert.is_true(max_diff(gb2, gb) < tol * 10)
     for i = 1, #parts do
-      local a, s = K.batch_norm_backward_apply(slice(dy, i), slice(x, i), relu and outs[i] or nil, g, saves[i][1],
+      local a, s = K.batch_norm_backward_apply(slice(dy, i), slice(x, i), relu and outs[i] or nil, g, nil, saves[i][1],
         saves[i][2], sums, relu, with_skip)
       if rows[i][2] > 0 then
         assert.is_true(max_diff(a, slice(gi, i)) < tol * 10)
