@@ -39,11 +39,14 @@ end
 -- The shortcut's gradient gs is fresh (bn2's or the downsample's), so conv1's input gradient
 -- is added into it: inside the convolution for stride 1 channels-last, without a pass of its own.
 -- A gradient made inside the block and used once (conv2's input gradient) is given up to the
--- batch-norm before it, which writes its own over it.
-function BasicBlock:backward(x, grad)
-  local gy, gs = self.bn2:backward(self.conv2.output, grad)
+-- batch-norm before it, which writes its own over it; so is the block's incoming gradient when
+-- the caller gives it up (in_place, as a Sequential does between its children): bn2 masks it in
+-- place into the shortcut's gradient, and one buffer carries a stage's residual gradient.
+BasicBlock.grad_in_place = true
+function BasicBlock:backward(x, grad, in_place)
+  local gy, gs = self.bn2:backward(self.conv2.output, grad, in_place)
   local gh = self.conv2:backward(self._h, gy)
-  if self.downsample then gs = self.downsample:backward(x, gs) end
+  if self.downsample then gs = self.downsample:backward_given(x, gs) end
   self.grad_input = self.conv1:backward(x, self.bn1:backward(self.conv1.output, gh, true), gs)
   return self.grad_input
 end
@@ -72,11 +75,12 @@ function Bottleneck:forward(x)
   return self.output
 end
 
-function Bottleneck:backward(x, grad)
-  local gy, gs = self.bn3:backward(self.conv3.output, grad)
+Bottleneck.grad_in_place = true -- as BasicBlock
+function Bottleneck:backward(x, grad, in_place)
+  local gy, gs = self.bn3:backward(self.conv3.output, grad, in_place)
   local g2 = self.conv3:backward(self._h2, gy)
   local g1 = self.conv2:backward(self._h1, self.bn2:backward(self.conv2.output, g2, true))
-  if self.downsample then gs = self.downsample:backward(x, gs) end
+  if self.downsample then gs = self.downsample:backward_given(x, gs) end
   self.grad_input = self.conv1:backward(x, self.bn1:backward(self.conv1.output, g1, true), gs)
   return self.grad_input
 end
@@ -136,9 +140,13 @@ local function chain_forward(self, x)
   self.output = x
   return x
 end
-local function chain_backward(self, _, grad)
+-- (the gradients between children are given up to those that can take them, as in Sequential)
+local function chain_backward(self, _, grad, in_place)
   local mods = chain(self)
-  for i = #mods, 1, -1 do grad = mods[i]:backward(self._inputs[i], grad) end
+  for i = #mods, 1, -1 do
+    if i < #mods or in_place then grad = mods[i]:backward_given(self._inputs[i], grad)
+    else grad = mods[i]:backward(self._inputs[i], grad) end
+  end
   self.grad_input = grad
   return grad
 end
@@ -148,6 +156,7 @@ local function chain_input_grad(self, flag)
   return self
 end
 ResNet.forward, ResNet.backward, ResNet.input_grad = chain_forward, chain_backward, chain_input_grad
+ResNet.grad_in_place = true
 
 function M.resnet18(opts) return ResNet(BasicBlock, { 2, 2, 2, 2 }, opts) end
 function M.resnet34(opts) return ResNet(BasicBlock, { 3, 4, 6, 3 }, opts) end
@@ -180,6 +189,7 @@ function CifarResNet:__init(n, opts)
   self.order = { 'conv1', 'bn1', 'layer1', 'layer2', 'layer3', 'avgpool', 'flatten', 'fc' }
 end
 CifarResNet.forward, CifarResNet.backward, CifarResNet.input_grad = chain_forward, chain_backward, chain_input_grad
+CifarResNet.grad_in_place = true
 function CifarResNet:extra_repr() return 'depth ' .. self.depth end
 
 function M.resnet20(opts) return CifarResNet(3, opts) end

@@ -49,13 +49,19 @@ function Sequential:input_grad(flag)
   return self
 end
 
-function Sequential:backward(x, grad)
-  for i = #self._children, 1, -1 do
-    grad = self._children[i].module:backward(self._inputs[i], grad)
+-- in_place: the caller gives grad up (BatchNorm2d:backward). The gradients between children are
+-- made here and used once, so they are given up to the children (Module:backward_given).
+function Sequential:backward(x, grad, in_place)
+  local n = #self._children
+  for i = n, 1, -1 do
+    local m = self._children[i].module
+    if i < n or in_place then grad = m:backward_given(self._inputs[i], grad)
+    else grad = m:backward(self._inputs[i], grad) end
   end
   self.grad_input = grad
   return grad
 end
+Sequential.grad_in_place = true
 
 function Sequential:__len() return #self._children end
 
@@ -323,6 +329,7 @@ end
 -- -> grad_input (and grad_skip when forward had a skip). in_place = true: the caller gives up
 -- `grad` (as Torch7's in-place ReLU), which is written over with grad_skip (or grad_input without a
 -- skip), saving a fresh buffer's memory traffic.
+BatchNorm2d.grad_in_place = true -- backward's third argument (Sequential, the ResNets)
 function BatchNorm2d:backward(x, grad, in_place)
   local out = self.relu and self.output or nil
   -- without a skip, the ReLU mask is recomputed from x, gamma and beta rather than read from out
