@@ -461,9 +461,9 @@ static dlua_status_t entry_build(const char *op, const conv_key_t *k, conv_entry
   // With 16 channels, NHWC memory is byte for byte oneDNN's nChw16c (aBcd16b). Naming it so when
   // input and output both have 16 channels gets the blocked direct kernel instead of the NHWC
   // brgconv one: forward 3.5 instead of 4.6 ms for ResNet-20's 16x28x28 convolutions at batch
-  // 128 on AVX-512, backward unchanged. (Mixed formats fall to oneDNN's reference kernels.)
-  // The weight gradient stays NHWC: there oneDNN's direct kernel takes 1.8 ms instead of the
-  // blocked layout's 2.25 ms (batch 64, 1 thread).
+  // 128 on AVX-512 (backward-data, run as a forward, likewise). The weight gradient keeps the
+  // NHWC names: there oneDNN's direct kernel takes 1.76 instead of 2.25 ms (batch 64, 1 thread).
+  // (Mixed formats fall to oneDNN's reference kernels.)
   if (k->dir != DIR_BWD_WEIGHTS && k->src_fmt == FMT_NHWC && k->dst_fmt == FMT_NHWC && xs[1] == 16 && ys[1] == 16) {
     DNNL_CHECK(dnnl_memory_desc_init_by_tag(&x_any, 4, xd, dnnl_f32, dnnl_aBcd16b), "memory descriptor");
     DNNL_CHECK(dnnl_memory_desc_init_by_tag(&y_any, 4, yd, dnnl_f32, dnnl_aBcd16b), "memory descriptor");
