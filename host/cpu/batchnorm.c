@@ -50,6 +50,9 @@ static void bn_combine(const double *ps, const double *pq, int64_t rows, int64_t
    recomputed from x as the forward computed it ((x - m) * fa + fb > 0, no skip): one stream
    less to read. */
 enum { BN_NO_MASK, BN_MASK_Y, BN_MASK_X };
+/* The mask kind of a pass given the output y (read when there) and the forward's scale fa (when
+   the test is redone from x). */
+static inline int bn_mask_kind(const void *y, const void *fa) { return y ? BN_MASK_Y : fa ? BN_MASK_X : BN_NO_MASK; }
 
 #define T float
 #define UT uint32_t

@@ -16,21 +16,34 @@ static inline __attribute__((always_inline)) T FN(relu_mask)(T y, T d) {
   return d;
 }
 
-#define BN_BWD_DISPATCH(call, mask, gx, gs)                                    \
-  do {                                                                         \
-    if (mask == BN_MASK_X) {                                                   \
-      if (gx && gs) call(BN_MASK_X, 1, 1);                                     \
-      else if (gx) call(BN_MASK_X, 1, 0);                                      \
-      else call(BN_MASK_X, 0, 1);                                              \
-    } else if (mask == BN_MASK_Y) {                                            \
-      if (gx && gs) call(BN_MASK_Y, 1, 1);                                     \
-      else if (gx) call(BN_MASK_Y, 1, 0);                                      \
-      else call(BN_MASK_Y, 0, 1);                                              \
-    } else {                                                                   \
-      if (gx && gs) call(BN_NO_MASK, 1, 1);                                    \
-      else if (gx) call(BN_NO_MASK, 1, 0);                                     \
-      else call(BN_NO_MASK, 0, 1);                                             \
-    }                                                                          \
+/* d masked as `mask` says (batchnorm.c's bn_mask_kind): by y[i] > 0, by the forward's own ReLU
+   test xm * a + b > 0 (xm = x - mean; a, b the forward's scale and shift), or not at all. */
+static inline __attribute__((always_inline)) T FN(bwd_mask)(T d, int mask, const T *y, int64_t i, T xm, T a, T b) {
+  if (mask == BN_MASK_Y) return FN(relu_mask)(y[i], d);
+  if (mask == BN_MASK_X) return FN(relu_mask)(xm * a + b, d);
+  return d;
+}
+
+/* call(k) with the mask kind k as a literal, so each kind compiles to its own loop. */
+#define BN_MASK_DISPATCH(call, mask)               \
+  do {                                             \
+    if ((mask) == BN_MASK_X) call(BN_MASK_X);      \
+    else if ((mask) == BN_MASK_Y) call(BN_MASK_Y); \
+    else call(BN_NO_MASK);                         \
+  } while (0)
+
+/* call(k, want_dx, want_ds) with literals: mask kind k, and which of dx (gx), ds (gs) to write. */
+#define BN_BWD_WANTS(call, k, gx, gs) \
+  do {                                \
+    if ((gx) && (gs)) call(k, 1, 1);  \
+    else if (gx) call(k, 1, 0);       \
+    else call(k, 0, 1);               \
+  } while (0)
+#define BN_BWD_DISPATCH(call, mask, gx, gs)                              \
+  do {                                                                   \
+    if ((mask) == BN_MASK_X) BN_BWD_WANTS(call, BN_MASK_X, gx, gs);      \
+    else if ((mask) == BN_MASK_Y) BN_BWD_WANTS(call, BN_MASK_Y, gx, gs); \
+    else BN_BWD_WANTS(call, BN_NO_MASK, gx, gs);                         \
   } while (0)
 
 #define BN_APPLY_DISPATCH(call, skip, relu) \
@@ -65,6 +78,14 @@ static inline __attribute__((always_inline)) void FN(vstore)(T *p, FN(vT) v) { m
 /* v where keep is all ones, else +0. */
 static inline __attribute__((always_inline)) FN(vT) FN(vkeep)(FN(vT) v, FN(vU) keep) {
   return (FN(vT))((FN(vU))v & keep);
+}
+/* bwd_mask on VW channels: y + i their outputs, xm, a, b their vectors. */
+static inline __attribute__((always_inline)) FN(vT) FN(vbwd_mask)(FN(vT) d, int mask, const T *y, int64_t i, FN(vT) xm,
+                                                                  FN(vT) a, FN(vT) b) {
+  const FN(vT) zero = {0};
+  if (mask == BN_MASK_Y) return FN(vkeep)(d, (FN(vU))(FN(vload)(y + i) > zero));
+  if (mask == BN_MASK_X) return FN(vkeep)(d, (FN(vU))(xm * a + b > zero));
+  return d;
 }
 
 /* Double-precision accumulators are native 8-lane vectors, a float chunk's two halves each in
@@ -201,25 +222,23 @@ static inline __attribute__((always_inline)) void FN(reduce_rows_k)(int64_t C, i
   const FN(vT) vm = FN(vload)(m + c);                               \
   const FN(vT) va = mask == BN_MASK_X ? FN(vload)(fa + c) : zero;   \
   const FN(vT) vb = mask == BN_MASK_X ? FN(vload)(fb + c) : zero
-#define BN_TERM(row, s, q)                                                                  \
-  do {                                                                                      \
-    FN(vT) d = FN(vload)(dy + (row) * C + c);                                               \
-    const FN(vT) xm = FN(vload)(x + (row) * C + c) - vm;                                    \
-    if (mask == BN_MASK_Y) d = FN(vkeep)(d, (FN(vU))(FN(vload)(y + (row) * C + c) > zero)); \
-    if (mask == BN_MASK_X) d = FN(vkeep)(d, (FN(vU))(xm * va + vb > zero));                 \
-    BN_ACC(s, d);                                                                           \
-    BN_ACC(q, d * xm);                                                                      \
+#define BN_TERM(row, s, q)                                                           \
+  do {                                                                               \
+    const int64_t i_ = (row) * C + c;                                                \
+    const FN(vT) xm = FN(vload)(x + i_) - vm;                                        \
+    const FN(vT) d = FN(vbwd_mask)(FN(vload)(dy + i_), mask, y, i_, xm, va, vb);     \
+    BN_ACC(s, d);                                                                    \
+    BN_ACC(q, d * xm);                                                               \
   } while (0)
   BN_GROUPED_SUMS(BN_REDUCE_SETUP, BN_TERM)
 #undef BN_TERM
 #undef BN_REDUCE_SETUP
   for (int64_t c = cv; c < C; c++) {
+    const T a = mask == BN_MASK_X ? fa[c] : 0, b = mask == BN_MASK_X ? fb[c] : 0;
     double s = 0, q = 0;
     for (int64_t r = 0; r < n; r++) {
-      T d = dy[r * C + c];
       const T xm = x[r * C + c] - m[c];
-      if (mask == BN_MASK_Y) d = FN(relu_mask)(y[r * C + c], d);
-      if (mask == BN_MASK_X) d = FN(relu_mask)(xm * fa[c] + fb[c], d);
+      const T d = FN(bwd_mask)(dy[r * C + c], mask, y, r * C + c, xm, a, b);
       s += d;
       q += d * xm;
     }
@@ -230,9 +249,9 @@ static inline __attribute__((always_inline)) void FN(reduce_rows_k)(int64_t C, i
 
 static DLUA_CPU_CLONES void FN(reduce_rows)(int64_t C, int64_t n, const T *x, const T *dy, const T *y, const T *m,
                                             const T *fa, const T *fb, double *bs, double *bq) {
-  if (y) FN(reduce_rows_k)(C, n, x, dy, y, m, fa, fb, bs, bq, BN_MASK_Y);
-  else if (fa) FN(reduce_rows_k)(C, n, x, dy, y, m, fa, fb, bs, bq, BN_MASK_X);
-  else FN(reduce_rows_k)(C, n, x, dy, y, m, fa, fb, bs, bq, BN_NO_MASK);
+#define BN_CALL(mk) FN(reduce_rows_k)(C, n, x, dy, y, m, fa, fb, bs, bq, mk)
+  BN_MASK_DISPATCH(BN_CALL, bn_mask_kind(y, fa));
+#undef BN_CALL
 }
 
 /* dx = d * A + (x - m) * B + D and ds = d over n rows (d = dy, masked as `mask` says). */
@@ -244,31 +263,29 @@ static inline __attribute__((always_inline)) void FN(bwd_rows_k)(int64_t C, int6
   const int64_t cv = C - C % VW;
   for (int64_t r = 0; r < n; r++)
     for (int64_t c = 0; c < cv; c += VW) {
-      FN(vT) d = FN(vload)(dy + r * C + c);
       const FN(vT) xm = FN(vload)(x + r * C + c) - FN(vload)(m + c);
-      if (mask == BN_MASK_Y) d = FN(vkeep)(d, (FN(vU))(FN(vload)(y + r * C + c) > zero));
-      if (mask == BN_MASK_X) d = FN(vkeep)(d, (FN(vU))(xm * FN(vload)(fa + c) + FN(vload)(fb + c) > zero));
+      const FN(vT) va = mask == BN_MASK_X ? FN(vload)(fa + c) : zero, vb = mask == BN_MASK_X ? FN(vload)(fb + c) : zero;
+      const FN(vT) d = FN(vbwd_mask)(FN(vload)(dy + r * C + c), mask, y, r * C + c, xm, va, vb);
       FN(vT) v = d * FN(vload)(A + c) + xm * FN(vload)(B + c) + FN(vload)(D + c);
       if (want_ds) FN(vstore)(ds + r * C + c, d);
       if (want_dx) FN(vstore)(dx + r * C + c, v);
     }
-  for (int64_t c = cv; c < C; c++)
+  for (int64_t c = cv; c < C; c++) {
+    const T a = mask == BN_MASK_X ? fa[c] : 0, b = mask == BN_MASK_X ? fb[c] : 0;
     for (int64_t r = 0; r < n; r++) {
-      T d = dy[r * C + c];
       const T xm = x[r * C + c] - m[c];
-      if (mask == BN_MASK_Y) d = FN(relu_mask)(y[r * C + c], d);
-      if (mask == BN_MASK_X) d = FN(relu_mask)(xm * fa[c] + fb[c], d);
+      const T d = FN(bwd_mask)(dy[r * C + c], mask, y, r * C + c, xm, a, b);
       T v = d * A[c] + xm * B[c] + D[c];
       if (want_ds) ds[r * C + c] = d;
       if (want_dx) dx[r * C + c] = v;
     }
+  }
 }
 
 static DLUA_CPU_CLONES void FN(bwd_rows)(int64_t C, int64_t n, const T *x, const T *dy, const T *y, T *dx, T *ds,
                                          const T *m, const T *fa, const T *fb, const T *A, const T *B, const T *D) {
-  const int mask = y ? BN_MASK_Y : fa ? BN_MASK_X : BN_NO_MASK;
 #define BN_CALL(mk, wx, ws) FN(bwd_rows_k)(C, n, x, dy, y, dx, ds, m, fa, fb, A, B, D, mk, wx, ws)
-  BN_BWD_DISPATCH(BN_CALL, mask, dx, ds);
+  BN_BWD_DISPATCH(BN_CALL, bn_mask_kind(y, fa), dx, ds);
 #undef BN_CALL
 }
 
@@ -360,10 +377,8 @@ static inline __attribute__((always_inline)) void FN(reduce_run)(int64_t n, cons
   double s = 0, q = 0;
 #pragma omp simd reduction(+ : s, q)
   for (int64_t i = 0; i < n; i++) {
-    T d = dy[i];
     const T xm = x[i] - m;
-    if (mask == BN_MASK_Y) d = FN(relu_mask)(y[i], d);
-    if (mask == BN_MASK_X) d = FN(relu_mask)(xm * fa + fb, d);
+    const T d = FN(bwd_mask)(dy[i], mask, y, i, xm, fa, fb);
     // The product in T, the sums in double: GCC keeps a float select feeding double
     // arithmetic scalar (it may trap), and one rounding per term is harmless here.
     s += d;
@@ -386,9 +401,9 @@ static void FN(bn_bwd_reduce)(const bn_geom_t *g, const T *x, const T *dy, const
       const int64_t c = p % C;
       const T *xp = x + p * S, *dp = dy + p * S, *yp = y ? y + p * S : NULL;
       const T a = fa ? fa[c] : 0, b = fa ? fb[c] : 0;
-      if (yp) FN(reduce_run)(S, xp, dp, yp, mean[c], a, b, &ps[p], &pq[p], BN_MASK_Y);
-      else if (fa) FN(reduce_run)(S, xp, dp, yp, mean[c], a, b, &ps[p], &pq[p], BN_MASK_X);
-      else FN(reduce_run)(S, xp, dp, yp, mean[c], a, b, &ps[p], &pq[p], BN_NO_MASK);
+#define BN_CALL(mk) FN(reduce_run)(S, xp, dp, yp, mean[c], a, b, &ps[p], &pq[p], mk)
+      BN_MASK_DISPATCH(BN_CALL, bn_mask_kind(y, fa));
+#undef BN_CALL
     }
     bn_combine(ps, pq, g->N, C, sdy, sdx);
     return;
@@ -410,10 +425,8 @@ static inline __attribute__((always_inline)) void FN(bwd_run)(int64_t n, const T
                                                               int want_dx, int want_ds) {
 #pragma omp simd
   for (int64_t i = 0; i < n; i++) {
-    T d = dy[i];
     const T xm = x[i] - m;
-    if (mask == BN_MASK_Y) d = FN(relu_mask)(y[i], d);
-    if (mask == BN_MASK_X) d = FN(relu_mask)(xm * fa + fb, d);
+    const T d = FN(bwd_mask)(dy[i], mask, y, i, xm, fa, fb);
     T v = d * A + xm * B + D;
     if (want_ds) ds[i] = d;
     if (want_dx) dx[i] = v;
@@ -425,7 +438,7 @@ static inline __attribute__((always_inline)) void FN(bwd_run)(int64_t n, const T
 static void FN(bn_bwd_apply)(const bn_geom_t *g, const T *x, const T *dy, const T *y, T *dx, T *dskip,
                              const T *mean, const T *fa, const T *fb, const T *A, const T *B, const T *D) {
   const int64_t C = g->C, S = g->S;
-  const int mask = y ? BN_MASK_Y : fa ? BN_MASK_X : BN_NO_MASK;
+  const int mask = bn_mask_kind(y, fa);
   if (!g->rows) {
     const int64_t P = g->N * C;
 #pragma omp parallel for schedule(static) if (P * S > BN_PAR_MIN)
@@ -452,6 +465,8 @@ static void FN(bn_bwd_apply)(const bn_geom_t *g, const T *x, const T *dy, const 
 
 #undef BN_APPLY_DISPATCH
 #undef BN_BWD_DISPATCH
+#undef BN_BWD_WANTS
+#undef BN_MASK_DISPATCH
 #undef VW
 #undef BN_GROUP
 #undef BN_GROUPED_SUMS
