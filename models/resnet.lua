@@ -56,7 +56,7 @@ function BasicBlock:backward(x, grad, in_place)
   local gy, gs = self.bn2:backward(self.conv2.output, grad, in_place)
   local gh = self.conv2:backward(self._h, gy)
   drop(gy, self.bn2)
-  if self.downsample then gs = self.downsample:backward_given(x, gs) end
+  if self.downsample then gs = self.downsample:backward_given(x, gs, true) end
   local g1 = self.bn1:backward(self.conv1.output, gh, true) -- gh's memory
   self.grad_input = self.conv1:backward(x, g1, gs)
   drop(g1, self.bn1, self.conv2)
@@ -95,7 +95,7 @@ function Bottleneck:backward(x, grad, in_place)
   local b2 = self.bn2:backward(self.conv2.output, g2, true) -- g2's memory
   local g1 = self.conv2:backward(self._h1, b2)
   drop(b2, self.bn2, self.conv3)
-  if self.downsample then gs = self.downsample:backward_given(x, gs) end
+  if self.downsample then gs = self.downsample:backward_given(x, gs, true) end
   local b1 = self.bn1:backward(self.conv1.output, g1, true) -- g1's memory
   self.grad_input = self.conv1:backward(x, b1, gs)
   drop(b1, self.bn1, self.conv2)
@@ -160,10 +160,7 @@ end
 -- (the gradients between children are given up to those that can take them, as in Sequential)
 local function chain_backward(self, _, grad, in_place)
   local mods = chain(self)
-  for i = #mods, 1, -1 do
-    if i < #mods or in_place then grad = mods[i]:backward_given(self._inputs[i], grad)
-    else grad = mods[i]:backward(self._inputs[i], grad) end
-  end
+  for i = #mods, 1, -1 do grad = mods[i]:backward_given(self._inputs[i], grad, i < #mods or in_place) end
   self.grad_input = grad
   return grad
 end

@@ -53,11 +53,7 @@ end
 -- made here and used once, so they are given up to the children (Module:backward_given).
 function Sequential:backward(x, grad, in_place)
   local n = #self._children
-  for i = n, 1, -1 do
-    local m = self._children[i].module
-    if i < n or in_place then grad = m:backward_given(self._inputs[i], grad)
-    else grad = m:backward(self._inputs[i], grad) end
-  end
+  for i = n, 1, -1 do grad = self._children[i].module:backward_given(self._inputs[i], grad, i < n or in_place) end
   self.grad_input = grad
   return grad
 end

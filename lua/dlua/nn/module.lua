@@ -335,11 +335,11 @@ end
 function Module:forward() error(self.__name .. ': forward is not implemented', 2) end
 function Module:backward() error(self.__name .. ': backward is not implemented', 2) end
 
--- backward(x, grad) where the caller gives grad up: a module whose backward can write over its
--- incoming gradient (grad_in_place: BatchNorm2d, Sequential, the ResNets and their blocks) is
--- told so by a third argument `true`; any other gets plain backward.
-function Module:backward_given(x, grad)
-  if self.grad_in_place then return self:backward(x, grad, true) end
+-- backward(x, grad), where `given` says whether the caller gives grad up: a module whose backward
+-- can then write over its incoming gradient (grad_in_place: BatchNorm2d, Sequential, the ResNets
+-- and their blocks) is told so by a third argument `true`; otherwise plain backward.
+function Module:backward_given(x, grad, given)
+  if given and self.grad_in_place then return self:backward(x, grad, true) end
   return self:backward(x, grad)
 end
 Module.__call = function(m, ...) return m:forward(...) end
