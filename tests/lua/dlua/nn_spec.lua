@@ -242,6 +242,16 @@ describe('a ResNet built from dlua.nn', function()
     return out:clone(), gx, grads
   end
 
+  -- A 3-class ResNet-20 on a batch of four random 1-channel hw x hw images (dtype float32 unless
+  -- given), from seed: the model, its criterion, x and the labels.
+  local function small_problem(seed, hw, dtype)
+    dlua.manual_seed(seed)
+    local m = resnet.resnet20({ in_channels = 1, num_classes = 3 })
+    if dtype then m:to(dtype) end
+    local x = dlua.randn(4, 1, hw, hw, { dtype = dtype })
+    return m, nn.CrossEntropyLoss(), x, dlua.tensor({ 1, 2, 3, 1 }, { dtype = 'int64' })
+  end
+
   it('uses torchvision parameter names', function()
     local m = resnet.resnet18({ num_classes = 7 })
     local sd = m:state_dict()
@@ -255,11 +265,7 @@ describe('a ResNet built from dlua.nn', function()
   end)
 
   it('ResNet-20 backward matches finite differences in float64 (conv, fused batch-norm, residuals, pooling)', function()
-    dlua.manual_seed(4)
-    local m = resnet.resnet20({ in_channels = 1, num_classes = 3 }):to('float64')
-    local crit = nn.CrossEntropyLoss()
-    local x = dlua.randn(4, 1, 8, 8, { dtype = 'float64' })
-    local y = dlua.tensor({ 1, 2, 3, 1 }, { dtype = 'int64' })
+    local m, crit, x, y = small_problem(4, 8, 'float64')
     m:zero_grad()
     local out = m:forward(x)
     crit:forward(out, y)
@@ -280,11 +286,7 @@ describe('a ResNet built from dlua.nn', function()
   end)
 
   it('input_grad(false) skips the first layer\'s input gradient and leaves the parameter gradients as they were', function()
-    dlua.manual_seed(6)
-    local m = resnet.resnet20({ in_channels = 1, num_classes = 3 })
-    local crit = nn.CrossEntropyLoss()
-    local x = dlua.randn(4, 1, 8, 8)
-    local y = dlua.tensor({ 1, 2, 3, 1 }, { dtype = 'int64' })
+    local m, crit, x, y = small_problem(6, 8)
     local function grads()
       local _, gx, g = step(m, crit, x, y)
       return gx, g
@@ -347,11 +349,7 @@ describe('a ResNet built from dlua.nn', function()
   end)
 
   it('a float32 ResNet-20 step is the same channels-last (fused residual gradients) as NCHW', function()
-    dlua.manual_seed(7)
-    local m = resnet.resnet20({ in_channels = 1, num_classes = 3 })
-    local crit = nn.CrossEntropyLoss()
-    local x = dlua.randn(4, 1, 12, 12)
-    local y = dlua.tensor({ 1, 2, 3, 1 }, { dtype = 'int64' })
+    local m, crit, x, y = small_problem(7, 12)
     local _, gx1, g1 = step(m, crit, x, y)
     local _, gx2, g2 = step(m, crit, x:contiguous('channels_last'), y)
     local function rel(a, b) return (a - b):abs():max():item() / (b:abs():max():item() + 1e-30) end
@@ -360,11 +358,7 @@ describe('a ResNet built from dlua.nn', function()
   end)
 
   it('a channels-last input keeps every activation and every input gradient channels-last, same numbers', function()
-    dlua.manual_seed(5)
-    local m = resnet.resnet20({ in_channels = 1, num_classes = 3 }):to('float64')
-    local crit = nn.CrossEntropyLoss()
-    local x = dlua.randn(4, 1, 8, 8, { dtype = 'float64' })
-    local y = dlua.tensor({ 1, 2, 3, 1 }, { dtype = 'int64' })
+    local m, crit, x, y = small_problem(5, 8, 'float64')
     local out1, gx1, g1 = step(m, crit, x, y)
     local out2, gx2, g2 = step(m, crit, x:contiguous('channels_last'), y)
     assert.is_true(gx2:is_contiguous('channels_last'))
