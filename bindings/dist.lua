@@ -40,6 +40,12 @@ function M.nccl(host, port, token, name, rank, size, device, timeout_s)
 end
 
 function Group:backend() return ffi.string(C.dlua_pg_backend(self.h)) end
+-- How CPU all-reduces travel: 'shm', 'tcp' or 'nccl', and why.
+function Group:transport()
+  local why = ffi.new('const char *[1]')
+  local t = ffi.string(C.dlua_pg_transport(self.h, why))
+  return t, ffi.string(why[0])
+end
 function Group:rank() return tonumber(C.dlua_pg_rank(self.h)) end
 function Group:size() return tonumber(C.dlua_pg_size(self.h)) end
 function Group:seq() return tonumber(C.dlua_pg_seq(self.h)) end

@@ -16,6 +16,7 @@
 
 #include "comm/pg.h"
 #include "comm/pg_internal.h"
+#include "comm/shm.h"
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/tensor.h"
@@ -81,8 +82,7 @@ dlua_pg_reduce_fn dlua_pg_reduce_fn_for(dlua_reduce_t op, dlua_dtype_t dtype) {
   }
 }
 
-/* AVG's second half: true division by the group size (floating dtypes only). */
-static void divide_by(void *buf, size_t n, dlua_dtype_t dt, int size) {
+void dlua_pg_divide_by(void *buf, size_t n, dlua_dtype_t dt, int size) {
   switch (dt) {
     case DLUA_DTYPE_F32: {
       float *p = buf;
@@ -129,6 +129,8 @@ struct dlua_pg {
   int debug;               /* atomic */
   dlua_store_t *store;     /* ours: the join, then diagnostics, then the exit note */
   dlua_gloo_t *gloo;
+  dlua_shm_t *shm;         /* all ranks on this host: all-reduce of CPU memory goes through it, not gloo */
+  char transport_why[160]; /* why shm is used or not */
   char bind_host[128], iface[64];
   pthread_t thread;
   pthread_mutex_t mu;
@@ -586,13 +588,19 @@ static dlua_gloo_result_t gloo_one(dlua_pg_t *pg, dlua_work_t *w, dlua_tensor_t 
     buf = stage;
   }
   dlua_gloo_result_t gr;
-  if (kind == K_ALL_REDUCE)
+  if (kind == K_ALL_REDUCE && pg->shm) {
+    dlua_shm_result_t sr = dlua_shm_all_reduce(pg->shm, buf, n, t->dtype, w->op, w->seq, timeout, err, errlen);
+    gr = sr == DLUA_SHM_OK || sr == DLUA_SHM_MISMATCH ? DLUA_GLOO_OK : sr == DLUA_SHM_TIMEOUT ? DLUA_GLOO_TIMEOUT
+                                                                                             : DLUA_GLOO_IO;
+    if (sr == DLUA_SHM_MISMATCH) work_set(w, DLUA_ERR_ARG, "%s", err);  // every rank fails alike, the group stays usable
+  } else if (kind == K_ALL_REDUCE)
     gr = dlua_gloo_allreduce(pg->gloo, buf, n, es, dlua_pg_reduce_fn_for(w->op, t->dtype), tag, timeout, err, errlen);
   else
     gr = dlua_gloo_broadcast(pg->gloo, buf, n, es, w->peer, tag, timeout, err, errlen);
-  if (gr == DLUA_GLOO_OK && kind == K_ALL_REDUCE && w->op == DLUA_PG_REDUCE_AVG) divide_by(buf, n, t->dtype, pg->size);
+  if (gr == DLUA_GLOO_OK && kind == K_ALL_REDUCE && w->op == DLUA_PG_REDUCE_AVG && !pg->shm)
+    dlua_pg_divide_by(buf, n, t->dtype, pg->size);
   int writes = kind == K_ALL_REDUCE || pg->rank != w->peer;
-  if (gr == DLUA_GLOO_OK && stage && writes && copy_from_flat(t, stage, cs) != DLUA_OK)
+  if (gr == DLUA_GLOO_OK && w->status == DLUA_OK && stage && writes && copy_from_flat(t, stage, cs) != DLUA_OK)
     work_from_last_error(w, "writing back the staged result");
   st_free(w, stage);
   return gr;
@@ -711,7 +719,7 @@ static void run_work(dlua_pg_t *pg, dlua_work_t *w) {
                                  sizeof err);
       if (gr != DLUA_GLOO_OK) break;
       char *mine = acc + (size_t)rank * m * es;
-      if (w->op == DLUA_PG_REDUCE_AVG) divide_by(mine, m, out->dtype, size);
+      if (w->op == DLUA_PG_REDUCE_AVG) dlua_pg_divide_by(mine, m, out->dtype, size);
       if (copy_from_flat(out, mine, cs) != DLUA_OK) work_from_last_error(w, "writing the result");
       break;
     }
@@ -800,6 +808,9 @@ static void *comm_main(void *arg) {
                             sizeof err)
              : dlua_gloo_connect(pg->store, pg->name, pg->bind_host, pg->iface, pg->rank, pg->size, pg->timeout_ms,
                                  &pg->gloo, &store_status, err, sizeof err);
+  if (gr == DLUA_GLOO_OK && !pg->be)
+    gr = dlua_shm_join(pg->store, pg->name, pg->rank, pg->size, pg->timeout_ms, &pg->shm, pg->transport_why,
+                       sizeof pg->transport_why, &store_status, err, sizeof err);
   pthread_mutex_lock(&pg->mu);
   if (gr == DLUA_GLOO_OK) {
     pg->joined = 1;
@@ -976,6 +987,7 @@ dlua_status_t dlua_pg_new_with_backend(const char *store_host, int store_port, c
   pthread_mutex_unlock(&pg->mu);
   if (pg->joined < 0) {
     pthread_join(pg->thread, NULL);
+    dlua_gloo_destroy(pg->gloo);  // joined gloo, then failed to agree on shared memory
     dlua_store_close(pg->store);
     dlua_status_t js = pg->join_status;
     char msg[PG_MSG];
@@ -1017,6 +1029,7 @@ void dlua_pg_free(dlua_pg_t *pg) {
     pg->be->close(pg->be_ctx, broken);
   }
   for (int d = 0; d < PG_MAX_CUDA; d++) dlua_cuda_stream_destroy(pg->stage_streams[d]);
+  dlua_shm_close(pg->shm);
   dlua_gloo_destroy(pg->gloo);
   dlua_store_close(pg->store);
   pg_destroy(pg);
@@ -1500,6 +1513,10 @@ dlua_status_t dlua_pg_recv(dlua_pg_t *pg, dlua_tensor_t *t, int src, int tag, co
 }
 
 const char *dlua_pg_backend(const dlua_pg_t *pg) { return !pg ? "" : pg->be ? pg->be->name : "gloo"; }
+const char *dlua_pg_transport(const dlua_pg_t *pg, const char **why) {
+  if (why) *why = pg && !pg->be ? pg->transport_why : "";
+  return !pg ? "" : pg->be ? pg->be->name : pg->shm ? "shm" : "tcp";
+}
 const char *dlua_pg_kind_name(int kind) {
   return kind >= 0 && kind < (int)(sizeof kind_names / sizeof kind_names[0]) ? kind_names[kind] : "?";
 }

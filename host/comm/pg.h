@@ -13,6 +13,8 @@ extern "C" {  /* dlua.h too: the C++ file calls the store and error functions */
 typedef void (*dlua_pg_reduce_fn)(void *out, const void *a, const void *b, size_t n);
 /* The element function of op (AVG: the sum) for dtype; NULL for an unknown pair. */
 dlua_pg_reduce_fn dlua_pg_reduce_fn_for(dlua_reduce_t op, dlua_dtype_t dtype);
+/* AVG's second half: true division of n elements by the group size (floating dtypes; others untouched). */
+void dlua_pg_divide_by(void *buf, size_t n, dlua_dtype_t dt, int size);
 
 /* How a gloo call ended: the C side turns these into statuses and diagnostics. */
 typedef enum {

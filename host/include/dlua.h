@@ -296,6 +296,9 @@ dlua_status_t dlua_pg_gloo_new(const char *store_host, int store_port, const cha
    device or libnccl.so.2: DLUA_ERR_ARG naming why ("no CUDA device available (...)"). */
 dlua_status_t dlua_pg_nccl_new(const char *store_host, int store_port, const char *token, const char *name, int rank, int size, int device, int64_t timeout_ms, dlua_pg_t **pg);
 const char *dlua_pg_backend(const dlua_pg_t *pg); /* "gloo" or "nccl" */
+/* How all-reduce travels: "shm" (gloo group, all ranks on this host), "tcp" (gloo) or "nccl"; *why (if
+   why is not NULL) says why shm is used or not. */
+const char *dlua_pg_transport(const dlua_pg_t *pg, const char **why);
 void dlua_pg_free(dlua_pg_t *pg);           /* waits for queued work (bounded by the timeout), then closes */
 int dlua_pg_rank(const dlua_pg_t *pg);
 int dlua_pg_size(const dlua_pg_t *pg);

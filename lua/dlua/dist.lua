@@ -160,6 +160,12 @@ function dist.world_size() need_init('world_size', 2) return S.world end
 function dist.local_rank() need_init('local_rank', 2) return S.local_rank end
 function dist.local_world_size() need_init('local_world_size', 2) return S.local_world end
 function dist.backend() need_init('backend', 2) return S.backend end
+-- How the world group's CPU all-reduces travel: 'shm' (every rank on this host) or 'tcp' (gloo), and why;
+-- 'nccl' under backend='nccl'.
+function dist.transport()
+  need_init('transport', 2)
+  return (S.world_group or S.world_nccl):transport()
+end
 -- This rank's device: 'cuda:N' when it drives a GPU through NCCL (LOCAL_RANK modulo the GPUs), else 'cpu'.
 function dist.device() need_init('device', 2) return S.device and ('cuda:' .. S.device) or 'cpu' end
 -- The job's key-value store (set/get/add/wait/check/delete), for recipes that need one.

@@ -6,6 +6,13 @@ dist.init{ timeout = 60 }
 local rank, world = dist.rank(), dist.world_size()
 local quick = arg[1] == 'quick'
 
+-- Every launcher rank is on this host: all-reduce goes through shared memory unless DLUA_SHM=0.
+local transport, why = dist.transport()
+local want_transport = os.getenv('DLUA_SHM') == '0' and 'tcp' or 'shm'
+if transport ~= want_transport then
+  error(string.format('rank %d: transport %s (%s), expected %s', rank, transport, why, want_transport))
+end
+
 local dtypes = { 'float32', 'float64', 'float16', 'bfloat16', 'int32', 'int64', 'uint8', 'bool' }
 local counts = { 0, 1, 1009 }
 local checks = 0

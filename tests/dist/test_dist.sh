@@ -12,6 +12,9 @@ for n in 2 3 4; do
   out=$(timeout 240 "$DLUA" --nproc $n "$here/collectives.lua" $q 2>&1); rc=$?
   expect "collectives on $n ranks" '[ $rc -eq 0 ] && [ "$(grep -c "checks passed" <<<"$out")" = $n ]' "$out"
 done
+# and over gloo's TCP, as across hosts
+out=$(DLUA_SHM=0 timeout 240 "$DLUA" --nproc 3 "$here/collectives.lua" quick 2>&1); rc=$?
+expect "collectives on 3 ranks over TCP (DLUA_SHM=0)" '[ $rc -eq 0 ] && [ "$(grep -c "checks passed" <<<"$out")" = 3 ]' "$out"
 
 # joining a job started by someone else: torchrun, Slurm and Open MPI variables
 cat >"$work/join.lua" <<'LUA'
@@ -102,8 +105,11 @@ local dist = dlua.dist
 dist.init{ timeout = 20 }
 dist.all_reduce(dlua.ones({ dist.rank() == 0 and 1000 or 2000 }))
 LUA
+out=$(DLUA_SHM=0 timeout 60 "$DLUA" --nproc 2 "$work/sizes.lua" 2>&1); rc=$?
+expect "different sizes over gloo: the failure says the ranks disagree and how to find where" '[ $rc -eq 1 ] && grep -q "failed (exit code 1): gloo: the ranks disagree on the size" <<<"$out" && grep -q "DLUA_DIST_DEBUG=1" <<<"$out"' "$out"
+# over shared memory (the ranks share this host) every rank's call is named
 out=$(timeout 60 "$DLUA" --nproc 2 "$work/sizes.lua" 2>&1); rc=$?
-expect "different sizes: the failure says the ranks disagree and how to find where" '[ $rc -eq 1 ] && grep -q "failed (exit code 1): gloo: the ranks disagree on the size" <<<"$out" && grep -q "DLUA_DIST_DEBUG=1" <<<"$out"' "$out"
+expect "different sizes over shared memory: each rank's call named" '[ $rc -eq 1 ] && grep -q "failed (exit code 1): .*all_reduce: collective mismatch at #1: rank 0 all_reduce #1 float32 (1000) op sum; rank 1 all_reduce #1 float32 (2000) op sum" <<<"$out"' "$out"
 
 # the SPMD REPL driven through a pipe
 out=$(printf '%s\n' 'x = dist.rank()' '=x' '1 + 1' 't = dlua.full({2}, dist.rank() + 1); dist.all_reduce(t); print(t)' \

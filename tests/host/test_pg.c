@@ -25,6 +25,10 @@
 
 static const char *TOKEN = "pg-test-7c1e";
 static int g_rank = -1;
+/* Which forked ranks set DLUA_SHM=0 (all-reduce over gloo's TCP instead of shared memory): none,
+   every rank, or one. */
+enum { SHM_ON = -1, SHM_OFF_ALL = -2 };
+static int g_shm_off = SHM_ON;
 
 typedef int (*rank_body)(dlua_pg_t *pg, int rank, int size);
 
@@ -55,6 +59,7 @@ static int child_main(int port, int rank, int size, int64_t timeout_ms, rank_bod
   prctl(PR_SET_PDEATHSIG, SIGKILL);
   for (int fd = 3; fd < 1024; fd++) close(fd);  // the store server's sockets stay with the parent
   g_rank = rank;
+  if (g_shm_off == SHM_OFF_ALL || g_shm_off == rank) setenv("DLUA_SHM", "0", 1);
   dlua_pg_t *pg = NULL;
   dlua_status_t s = dlua_pg_gloo_new("127.0.0.1", port, TOKEN, "pg0", rank, size, timeout_ms, &pg);
   if (s != DLUA_OK) {
@@ -180,7 +185,17 @@ static void fill(dlua_tensor_t *t, int rank, int salt) {
 
 /* ---- collectives against local results ------------------------------------------------------------ */
 
+/* The transport the harness asked for: shared memory unless some rank turned it off. */
+static int expect_transport(dlua_pg_t *pg) {
+  const char *why = NULL, *tr = dlua_pg_transport(pg, &why);
+  const char *want = g_shm_off == SHM_ON ? "shm" : "tcp";
+  EXPECT(!strcmp(tr, want), "transport %s (%s), want %s", tr, why, want);
+  if (g_shm_off >= 0) EXPECT(strstr(why, "set DLUA_SHM=0"), "why: %s", why);
+  return 0;
+}
+
 static int body_all_reduce(dlua_pg_t *pg, int rank, int size) {
+  if (expect_transport(pg)) return 1;
   for (size_t d = 0; d < sizeof ALL_DTYPES / sizeof *ALL_DTYPES; d++) {
     dlua_dtype_t dt = ALL_DTYPES[d];
     for (int op = 0; op < DLUA_PG_REDUCE_COUNT; op++) {
@@ -235,6 +250,34 @@ static int body_big_sum(dlua_pg_t *pg, int rank, int size) {
     EXPECT(*(int64_t *)dlua_tensor_data(all[q]) == (int64_t)h, "rank %d's result bytes differ from rank %d's", q, rank);
   for (int q = 0; q < size; q++) dlua_tensor_free(all[q]);
   dlua_tensor_free(mine);
+  dlua_tensor_free(t);
+  // Several 1 MB shared-memory chunks and a ragged tail, in 2-byte elements: exact small integers.
+  const int64_t m = 1100003;
+  dlua_tensor_t *h16 = vec(DLUA_DTYPE_F16, m, 0);
+  fill(h16, rank, 6);
+  EXPECT_OK(dlua_pg_all_reduce(pg, h16, DLUA_PG_REDUCE_SUM, NULL, NULL));
+  for (int64_t i = 0; i < m; i++)
+    EXPECT(get(h16, i) == reduce_expect(DLUA_DTYPE_F16, DLUA_PG_REDUCE_SUM, size, i, 6, 0), "f16 [%" PRId64 "]", i);
+  dlua_tensor_free(h16);
+  return 0;
+}
+
+/* Without debug mode: ranks that all-reduce different shapes, dtypes or ops over shared memory all
+   get the same error naming each rank's call, and the group stays usable. */
+static int body_shm_mismatch(dlua_pg_t *pg, int rank, int size) {
+  dlua_tensor_t *t = vec(DLUA_DTYPE_F32, 1000 + (rank == 1), 0);
+  EXPECT_ERR(dlua_pg_all_reduce(pg, t, DLUA_PG_REDUCE_SUM, NULL, NULL), DLUA_ERR_ARG,
+             "collective mismatch at #1: rank 0 all_reduce #1 float32 (1000) op sum; rank 1 all_reduce #1 float32 (1001) op sum");
+  dlua_tensor_free(t);
+  t = vec(rank == 0 ? DLUA_DTYPE_F64 : DLUA_DTYPE_F32, 3000000, 0);  // several chunks on one side
+  EXPECT_ERR(dlua_pg_all_reduce(pg, t, rank == 0 ? DLUA_PG_REDUCE_MAX : DLUA_PG_REDUCE_SUM, NULL, NULL), DLUA_ERR_ARG,
+             "rank 0 all_reduce #2 float64 (3000000) op max; rank 1 all_reduce #2 float32 (3000000) op sum");
+  dlua_tensor_free(t);
+  t = vec(DLUA_DTYPE_F32, 1000, 0);
+  fill(t, rank, 0);
+  EXPECT_OK(dlua_pg_all_reduce(pg, t, DLUA_PG_REDUCE_SUM, NULL, NULL));
+  for (int64_t i = 0; i < 1000; i++)
+    EXPECT(get(t, i) == reduce_expect(DLUA_DTYPE_F32, DLUA_PG_REDUCE_SUM, size, i, 0, 0), "after mismatches [%" PRId64 "]", i);
   dlua_tensor_free(t);
   return 0;
 }
@@ -491,6 +534,24 @@ static int body_exit(dlua_pg_t *pg, int rank, int size) {
   return 0;
 }
 
+/* Rank 1 dies after one collective without closing anything: rank 0's next all-reduce fails soon,
+   not after its 20 s timeout. */
+static int body_killed(dlua_pg_t *pg, int rank, int size) {
+  EXPECT_OK(dlua_pg_barrier(pg, "k.lua:1", NULL));
+  if (rank == 1) _exit(0);
+  dlua_tensor_t *t = vec(DLUA_DTYPE_F32, 300000, 0);
+  struct timespec a, b;
+  clock_gettime(CLOCK_MONOTONIC, &a);
+  dlua_status_t s = dlua_pg_all_reduce(pg, t, DLUA_PG_REDUCE_SUM, "k.lua:2", NULL);
+  clock_gettime(CLOCK_MONOTONIC, &b);
+  EXPECT(s != DLUA_OK, "all_reduce with a dead rank succeeded");
+  EXPECT(strstr(dlua_last_error(), "all_reduce #2"), "%s", dlua_last_error());
+  EXPECT(strstr(dlua_last_error(), "rank 1 did not answer"), "%s", dlua_last_error());
+  EXPECT(b.tv_sec - a.tv_sec < 8, "took %ld s", (long)(b.tv_sec - a.tv_sec));
+  dlua_tensor_free(t);
+  return 0;
+}
+
 static int body_debug_mismatch(dlua_pg_t *pg, int rank, int size) {
   EXPECT_OK(dlua_pg_set_debug(pg, 1));
   dlua_tensor_t *t = vec(DLUA_DTYPE_F32, 4, 0);
@@ -544,15 +605,29 @@ static int body_ctrl_c(dlua_pg_t *pg, int rank, int size) {
 
 /* ---- tests ------------------------------------------------------------------------------------------ */
 
+/* Each failure test runs over shared memory and over gloo's TCP. */
+static void both_transports(int size, int64_t timeout_ms, rank_body body) {
+  expect_all_ok(size, timeout_ms, body);
+  g_shm_off = SHM_OFF_ALL;
+  expect_all_ok(size, timeout_ms, body);
+  g_shm_off = SHM_ON;
+}
+
 START_TEST(test_all_reduce) {
   expect_all_ok(2, 20000, body_all_reduce);
   expect_all_ok(3, 20000, body_all_reduce);
+  g_shm_off = SHM_OFF_ALL;
+  expect_all_ok(2, 20000, body_all_reduce);
+  g_shm_off = 2;  // one rank without shared memory: all of them fall back alike
+  expect_all_ok(3, 20000, body_all_reduce);
+  g_shm_off = SHM_ON;
 }
 END_TEST
 
-START_TEST(test_big_sum_identical_bytes) {
-  expect_all_ok(3, 20000, body_big_sum);
-}
+START_TEST(test_big_sum_identical_bytes) { both_transports(3, 20000, body_big_sum); }
+END_TEST
+
+START_TEST(test_shm_mismatch) { expect_all_ok(2, 20000, body_shm_mismatch); }
 END_TEST
 
 START_TEST(test_broadcast) { expect_all_ok(3, 20000, body_broadcast); }
@@ -583,12 +658,15 @@ START_TEST(test_async) { expect_all_ok(3, 20000, body_async); }
 END_TEST
 
 START_TEST(test_skipped_collective_times_out) {
-  expect_all_ok(3, 1500, body_skip_busy);
-  expect_all_ok(2, 1500, body_skip_elsewhere);
+  both_transports(3, 1500, body_skip_busy);
+  both_transports(2, 1500, body_skip_elsewhere);
 }
 END_TEST
 
-START_TEST(test_exited_rank_is_named) { expect_all_ok(2, 20000, body_exit); }
+START_TEST(test_exited_rank_is_named) {
+  both_transports(2, 20000, body_exit);
+  both_transports(2, 20000, body_killed);
+}
 END_TEST
 
 START_TEST(test_debug_mismatch) { expect_all_ok(2, 20000, body_debug_mismatch); }
@@ -632,6 +710,7 @@ static Suite *pg_suite(void) {
   tcase_add_test(tc, test_join_errors);
   tcase_add_test(tc, test_all_reduce);
   tcase_add_test(tc, test_big_sum_identical_bytes);
+  tcase_add_test(tc, test_shm_mismatch);
   tcase_add_test(tc, test_broadcast);
   tcase_add_test(tc, test_all_gather);
   tcase_add_test(tc, test_reduce_scatter);

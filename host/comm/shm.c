@@ -1,0 +1,440 @@
+/* Same-host all-reduce through one shared-memory segment (docs/comm.md, "Ranks on one host").
+
+   gloo's TCP ring over loopback costs each rank several kernel copies and many system calls per
+   byte. Here every rank copies its data into the segment once, reduces the 1/N piece it owns by
+   reading the others' copies in place, and copies the N-1 pieces it does not own back out: about
+   three memory passes, no system call while peers keep pace.
+
+   Segment: a header page; one 128-byte control line per rank (its progress counter, the futex word
+   its peers sleep on, and what it is reducing); then two sets of one slot per rank, so chunk g+1
+   fills one set while slow peers still read chunk g from the other. Each rank holds an OFD lock on
+   byte `rank` of the segment's file for as long as it is in the group: the kernel drops it when
+   the process exits however it exits, which is how a waiting peer tells "gone" from "slow". */
+#define _GNU_SOURCE
+#include "comm/shm.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <linux/futex.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "core/dtype.h"
+#include "core/error.h"
+
+enum {
+  SHM_SLOT_BYTES = 1 << 20,  /* one rank's share of a chunk; measured in bench/ddp_overlap (docs/comm.md) */
+  SHM_CTL_BYTES = 128,
+  SHM_HEADER_BYTES = 4096,
+  SHM_POLL_MS = 50,          /* a sleeping waiter looks at the clock and its peers' locks this often */
+  SHM_SPIN_NS = 20000        /* spin this long before sleeping: a peer a few microseconds behind */
+};
+static const uint64_t SHM_MAGIC = 0x646c75612d73686dull;  /* "dlua-shm" */
+
+typedef struct {
+  uint32_t seq;      /* futex word: 2g-1 once chunk g's data is in, 2g once its piece is reduced */
+  uint32_t waiters;  /* peers asleep (or about to be) on seq: the writer wakes them only then */
+  int64_t op_seq;    /* the collective this rank is in, and its shape, for the mismatch check */
+  uint64_t count;
+  int32_t dtype, op;
+} shm_ctl_t;
+_Static_assert(sizeof(shm_ctl_t) <= SHM_CTL_BYTES, "control line");
+
+typedef struct {
+  uint64_t magic, nonce;
+  int32_t size, pad;
+  uint64_t slot_bytes;
+} shm_header_t;
+
+struct dlua_shm {
+  int rank, size, fd;
+  char *base;
+  size_t bytes;
+  uint32_t chunk;  /* chunks done: the next one is chunk + 1 */
+};
+
+static shm_ctl_t *ctl(const dlua_shm_t *s, int q) {
+  return (shm_ctl_t *)(s->base + SHM_HEADER_BYTES + (size_t)q * SHM_CTL_BYTES);
+}
+static size_t slots_offset(int size) {
+  size_t o = SHM_HEADER_BYTES + (size_t)size * SHM_CTL_BYTES;
+  return (o + 4095) & ~(size_t)4095;
+}
+static size_t segment_bytes(int size) { return slots_offset(size) + 2 * (size_t)size * SHM_SLOT_BYTES; }
+static char *slot(const dlua_shm_t *s, int set, int q) {
+  return s->base + slots_offset(s->size) + ((size_t)set * (size_t)s->size + (size_t)q) * SHM_SLOT_BYTES;
+}
+
+static int64_t now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* ---- joining ------------------------------------------------------------------------------------ */
+
+/* Where this process's /dev/shm is: kernel boot, mount namespace and host name. */
+static void place(char *out, size_t n) {
+  char host[128] = "?", boot[64] = "?", mnt[64] = "?";
+  gethostname(host, sizeof host - 1);
+  FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
+  if (f) {
+    if (!fgets(boot, sizeof boot, f)) snprintf(boot, sizeof boot, "?");
+    boot[strcspn(boot, "\n")] = '\0';
+    fclose(f);
+  }
+  ssize_t l = readlink("/proc/self/ns/mnt", mnt, sizeof mnt - 1);
+  mnt[l > 0 ? l : 1] = '\0';
+  snprintf(out, n, "%s %s %s", boot, mnt, host);
+}
+
+static int lock_byte(int fd, int cmd, int q, short *type) {
+  struct flock fl = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = q, .l_len = 1};
+  int r = fcntl(fd, cmd, &fl);
+  if (type) *type = fl.l_type;
+  return r;
+}
+
+/* Whether rank q still holds its lock: 0 only when it has surely left. */
+static int alive(const dlua_shm_t *s, int q) {
+  short type;
+  if (lock_byte(s->fd, F_OFD_GETLK, q, &type) != 0) return 1;
+  return type != F_UNLCK;
+}
+
+/* Rank 0: a fresh segment, its pages reserved now (a full /dev/shm fails here, not with SIGBUS later). */
+static dlua_shm_t *create(int size, char *name, size_t namelen, uint64_t nonce, char *why, size_t whylen) {
+  static unsigned counter;
+  snprintf(name, namelen, "/dlua-%d-%u-%08x", (int)getpid(), __atomic_add_fetch(&counter, 1, __ATOMIC_RELAXED),
+           (unsigned)nonce);
+  int fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL, 0600);
+  if (fd < 0) {
+    snprintf(why, whylen, "shm_open %s: %s", name, strerror(errno));
+    return NULL;
+  }
+  size_t bytes = segment_bytes(size);
+  int e = ftruncate(fd, (off_t)bytes) != 0 ? errno : posix_fallocate(fd, 0, (off_t)bytes);
+  void *p = e ? MAP_FAILED : mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    snprintf(why, whylen, "reserving %zu bytes of /dev/shm: %s", bytes, strerror(e ? e : errno));
+    close(fd);
+    shm_unlink(name);
+    return NULL;
+  }
+  dlua_shm_t *s = calloc(1, sizeof *s);
+  if (!s) {
+    munmap(p, bytes);
+    close(fd);
+    shm_unlink(name);
+    snprintf(why, whylen, "out of memory");
+    return NULL;
+  }
+  *s = (dlua_shm_t){.rank = 0, .size = size, .fd = fd, .base = p, .bytes = bytes};
+  shm_header_t *h = p;
+  *h = (shm_header_t){.magic = SHM_MAGIC, .nonce = nonce, .size = size, .slot_bytes = SHM_SLOT_BYTES};
+  return s;
+}
+
+/* Ranks 1..: the segment rank 0 named, checked to be the one it made (same magic, nonce, size). */
+static dlua_shm_t *attach(int rank, int size, const char *name, uint64_t nonce, char *why, size_t whylen) {
+  int fd = shm_open(name, O_RDWR, 0);
+  if (fd < 0) {
+    snprintf(why, whylen, "shm_open %s on rank %d: %s", name, rank, strerror(errno));
+    return NULL;
+  }
+  size_t bytes = segment_bytes(size);
+  struct stat st;
+  void *p = fstat(fd, &st) == 0 && (size_t)st.st_size == bytes
+                ? mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+                : MAP_FAILED;
+  const shm_header_t *h = p;
+  if (p == MAP_FAILED || h->magic != SHM_MAGIC || h->nonce != nonce || h->size != size ||
+      h->slot_bytes != SHM_SLOT_BYTES) {
+    snprintf(why, whylen, "rank %d found another segment under %s", rank, name);
+    if (p != MAP_FAILED) munmap(p, bytes);
+    close(fd);
+    return NULL;
+  }
+  dlua_shm_t *s = calloc(1, sizeof *s);
+  if (!s) {
+    munmap(p, bytes);
+    close(fd);
+    snprintf(why, whylen, "out of memory");
+    return NULL;
+  }
+  *s = (dlua_shm_t){.rank = rank, .size = size, .fd = fd, .base = p, .bytes = bytes};
+  return s;
+}
+
+static void drop(dlua_shm_t *s) {
+  if (!s) return;
+  munmap(s->base, s->bytes);
+  close(s->fd);  // releases the lock: peers see this rank gone
+  free(s);
+}
+
+static uint64_t random_nonce(void) {
+  uint64_t v = 0;
+  int fd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+  if (fd >= 0) {
+    if (read(fd, &v, sizeof v) != (ssize_t)sizeof v) v = 0;
+    close(fd);
+  }
+  return v ^ (uint64_t)now_ns() ^ ((uint64_t)getpid() << 32);
+}
+
+/* Every rank's value of "<prefix>/shm/<what>/<q>" into vals (freed by the caller). */
+static dlua_status_t gather(dlua_store_t *store, const char *prefix, const char *what, int size, int64_t timeout_ms,
+                            char **vals) {
+  for (int q = 0; q < size; q++) {
+    char key[256];
+    size_t len;
+    snprintf(key, sizeof key, "%s/shm/%s/%d", prefix, what, q);
+    dlua_status_t st = dlua_store_get(store, key, timeout_ms, (void **)&vals[q], &len);
+    if (st != DLUA_OK) return st;
+  }
+  return DLUA_OK;
+}
+
+static dlua_status_t put(dlua_store_t *store, const char *prefix, const char *what, int rank, const char *val) {
+  char key[256];
+  snprintf(key, sizeof key, "%s/shm/%s/%d", prefix, what, rank);
+  return dlua_store_set(store, key, val, strlen(val));
+}
+
+dlua_gloo_result_t dlua_shm_join(dlua_store_t *store, const char *prefix, int rank, int size, int64_t timeout_ms,
+                                 dlua_shm_t **out, char *why, size_t whylen, dlua_status_t *store_status, char *err,
+                                 size_t errlen) {
+  *out = NULL;
+  snprintf(why, whylen, "one rank");
+  if (size < 2) return DLUA_GLOO_OK;
+  char mine[320];
+  const char *env = getenv("DLUA_SHM");
+  if (env && !strcmp(env, "0"))
+    snprintf(mine, sizeof mine, "off");
+  else
+    place(mine, sizeof mine);
+
+  // 1. Where is everybody? All ranks read the same answers, so all decide alike.
+  char **vals = calloc((size_t)size, sizeof(char *));
+  dlua_shm_t *s = NULL;
+  dlua_status_t st = !vals ? DLUA_ERR(DLUA_ERR_OOM, "shm join: out of memory") : put(store, prefix, "place", rank, mine);
+  if (st == DLUA_OK) st = gather(store, prefix, "place", size, timeout_ms, vals);
+  int usable = st == DLUA_OK;
+  for (int q = 0; q < size && usable; q++) {
+    if (!strcmp(vals[q], "off")) {
+      snprintf(why, whylen, "rank %d set DLUA_SHM=0", q);
+      usable = 0;
+    } else if (strcmp(vals[q], vals[0])) {
+      snprintf(why, whylen, "ranks 0 and %d are on different hosts", q);
+      usable = 0;
+    }
+  }
+  for (int q = 0; vals && q < size; q++) dlua_store_free_value(vals[q]), vals[q] = NULL;
+
+  // 2. Rank 0 makes the segment and names it; the others map it and say whether they could.
+  char name[96] = "", val[160];
+  uint64_t nonce = 0;
+  if (st == DLUA_OK && usable) {
+    if (rank == 0) {
+      nonce = random_nonce();
+      s = create(size, name, sizeof name, nonce, why, whylen);
+      snprintf(val, sizeof val, "%s %016" PRIx64, s ? name : "-", nonce);
+      st = put(store, prefix, "segment", 0, val);
+    } else {
+      char key[256];
+      void *v = NULL;
+      size_t len;
+      snprintf(key, sizeof key, "%s/shm/segment/0", prefix);
+      st = dlua_store_get(store, key, timeout_ms, &v, &len);
+      if (st == DLUA_OK) {
+        if (sscanf(v, "%95s %" SCNx64, name, &nonce) == 2 && strcmp(name, "-"))
+          s = attach(rank, size, name, nonce, why, whylen);
+        else
+          snprintf(why, whylen, "rank 0 could not make the segment");
+      }
+      dlua_store_free_value(v);
+    }
+    if (s && lock_byte(s->fd, F_OFD_SETLK, rank, NULL) != 0) {
+      snprintf(why, whylen, "locking the segment on rank %d: %s", rank, strerror(errno));
+      drop(s);
+      s = NULL;
+    }
+    if (st == DLUA_OK) st = put(store, prefix, "mapped", rank, s ? "1" : "0");
+    if (st == DLUA_OK) st = gather(store, prefix, "mapped", size, timeout_ms, vals);
+    // Every rank has opened it (or given up): the name can go, so nothing is left behind however we end.
+    if (rank == 0 && name[0] && strcmp(name, "-")) shm_unlink(name);
+    for (int q = 0; st == DLUA_OK && q < size; q++)
+      if (strcmp(vals[q], "1")) {
+        if (s) snprintf(why, whylen, "rank %d could not map the segment", q);
+        drop(s);
+        s = NULL;
+        break;
+      }
+    for (int q = 0; vals && q < size; q++) dlua_store_free_value(vals[q]);
+  }
+  free(vals);
+  if (st != DLUA_OK) {
+    drop(s);
+    *store_status = st;
+    snprintf(err, errlen, "%s", dlua_last_error());
+    return st == DLUA_ERR_TIMEOUT ? DLUA_GLOO_TIMEOUT : DLUA_GLOO_OTHER;
+  }
+  if (s) snprintf(why, whylen, "all %d ranks on this host", size);
+  *out = s;
+  return DLUA_GLOO_OK;
+}
+
+void dlua_shm_close(dlua_shm_t *s) { drop(s); }
+
+/* ---- progress counters ---------------------------------------------------------------------------- */
+
+static void post(dlua_shm_t *s, uint32_t v) {
+  shm_ctl_t *c = ctl(s, s->rank);
+  __atomic_store_n(&c->seq, v, __ATOMIC_SEQ_CST);
+  if (__atomic_load_n(&c->waiters, __ATOMIC_SEQ_CST))
+    syscall(SYS_futex, &c->seq, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
+}
+
+static int reached(const shm_ctl_t *c, uint32_t v) {
+  return (int32_t)(__atomic_load_n(&c->seq, __ATOMIC_ACQUIRE) - v) >= 0;
+}
+
+/* Until rank q has posted v: spins briefly, then sleeps on q's counter, looking every SHM_POLL_MS at
+   the deadline and whether q still holds its lock. *who gets q on failure. */
+static dlua_shm_result_t wait_for(dlua_shm_t *s, int q, uint32_t v, int64_t deadline) {
+  shm_ctl_t *c = ctl(s, q);
+  int64_t spin_end = now_ns() + SHM_SPIN_NS;
+  while (!reached(c, v)) {
+    if (now_ns() < spin_end) {
+      __builtin_ia32_pause();
+      continue;
+    }
+    __atomic_add_fetch(&c->waiters, 1, __ATOMIC_SEQ_CST);
+    uint32_t seen = __atomic_load_n(&c->seq, __ATOMIC_SEQ_CST);
+    int timed_out = 0;
+    if ((int32_t)(seen - v) < 0) {
+      struct timespec ts = {0, SHM_POLL_MS * 1000000L};
+      timed_out = syscall(SYS_futex, &c->seq, FUTEX_WAIT, seen, &ts, NULL, 0) != 0 && errno == ETIMEDOUT;
+    }
+    __atomic_sub_fetch(&c->waiters, 1, __ATOMIC_SEQ_CST);
+    if (reached(c, v)) break;
+    if (timed_out || now_ns() >= deadline) {
+      if (!alive(s, q)) return DLUA_SHM_GONE;
+      if (now_ns() >= deadline) return DLUA_SHM_TIMEOUT;
+    }
+  }
+  return DLUA_SHM_OK;
+}
+
+static dlua_shm_result_t wait_all(dlua_shm_t *s, uint32_t v, int64_t deadline, int *who) {
+  for (int q = 0; q < s->size; q++) {
+    if (q == s->rank) continue;
+    dlua_shm_result_t r = wait_for(s, q, v, deadline);
+    if (r != DLUA_SHM_OK) {
+      *who = q;
+      return r;
+    }
+  }
+  return DLUA_SHM_OK;
+}
+
+/* ---- the all-reduce --------------------------------------------------------------------------------- */
+
+static const char *const op_name[] = {"sum", "avg", "max", "min", "product"};
+
+static dlua_shm_result_t failed(dlua_shm_result_t r, int who, int64_t timeout_ms, char *err, size_t errlen) {
+  if (r == DLUA_SHM_GONE)
+    snprintf(err, errlen, "rank %d left the shared-memory segment", who);
+  else
+    snprintf(err, errlen, "rank %d did not reach the shared-memory segment within %" PRId64 " ms", who, timeout_ms);
+  return r;
+}
+
+/* After chunk 1's data phase: do all ranks run the same collective on the same shape? */
+static int mismatch(const dlua_shm_t *s, int64_t seq, char *err, size_t errlen) {
+  const shm_ctl_t *me = ctl(s, s->rank);
+  int bad = 0;
+  for (int q = 0; q < s->size; q++) {
+    const shm_ctl_t *c = ctl(s, q);
+    bad |= c->op_seq != me->op_seq || c->count != me->count || c->dtype != me->dtype || c->op != me->op;
+  }
+  if (!bad) return 0;
+  size_t l = (size_t)snprintf(err, errlen, "collective mismatch at #%" PRId64 ":", seq);
+  for (int q = 0; q < s->size && l < errlen; q++) {
+    const shm_ctl_t *c = ctl(s, q);
+    const char *dn = c->dtype >= 0 && c->dtype < DLUA_DTYPE_COUNT ? dlua_dtype_name((dlua_dtype_t)c->dtype) : "?";
+    const char *on = c->op >= 0 && c->op < DLUA_PG_REDUCE_COUNT ? op_name[c->op] : "?";
+    l += (size_t)snprintf(err + l, errlen - l, "%s rank %d all_reduce #%" PRId64 " %s (%" PRIu64 ") op %s",
+                          q ? ";" : "", q, c->op_seq, dn, c->count, on);
+  }
+  return 1;
+}
+
+dlua_shm_result_t dlua_shm_all_reduce(dlua_shm_t *s, void *buf, size_t count, dlua_dtype_t dt, dlua_reduce_t op,
+                                      int64_t seq, int64_t timeout_ms, char *err, size_t errlen) {
+  const size_t es = dlua_dtype_size(dt);
+  const size_t per_chunk = SHM_SLOT_BYTES / es;
+  const size_t align = 64 / es;  // pieces start on cache lines
+  dlua_pg_reduce_fn fn = dlua_pg_reduce_fn_for(op, dt);
+  const int n = s->size, r = s->rank;
+  const int64_t deadline = now_ns() + timeout_ms * 1000000;
+  char *data = buf;
+  shm_ctl_t *me = ctl(s, r);
+  me->op_seq = seq;
+  me->count = count;
+  me->dtype = (int32_t)dt;
+  me->op = (int32_t)op;
+  int who = -1;
+  size_t off = 0;
+  do {
+    size_t m = count - off < per_chunk ? count - off : per_chunk;
+    size_t piece = (m + (size_t)n - 1) / (size_t)n;
+    piece = (piece + align - 1) / align * align;
+    uint32_t g = ++s->chunk;
+    int set = (int)(g & 1);
+#define LO(q) ((size_t)(q) * piece < m ? (size_t)(q) * piece : m)
+#define HI(q) ((size_t)(q) * piece + piece < m ? (size_t)(q) * piece + piece : m)
+    char *mine = slot(s, set, r), *src = data + off * es;
+    // In: everything but the piece this rank reduces (it reads that one from its own buffer).
+    memcpy(mine, src, LO(r) * es);
+    memcpy(mine + HI(r) * es, src + HI(r) * es, (m - HI(r)) * es);
+    post(s, 2 * g - 1);
+    dlua_shm_result_t res = wait_all(s, 2 * g - 1, deadline, &who);
+    if (res != DLUA_SHM_OK) return failed(res, who, timeout_ms, err, errlen);
+    if (off == 0 && mismatch(s, seq, err, errlen)) {
+      // Every rank sees the same lines and stops here; one more step keeps the counters in step.
+      post(s, 2 * g);
+      res = wait_all(s, 2 * g, deadline, &who);
+      return res != DLUA_SHM_OK ? failed(res, who, timeout_ms, err, errlen) : DLUA_SHM_MISMATCH;
+    }
+    // Reduce: this rank's piece, in rank order, into its own slot, where the others will read it.
+    size_t lo = LO(r), len = HI(r) - lo;
+    if (len) {
+      char *dst = mine + lo * es;
+#define SRC(q) ((q) == r ? src + lo * es : slot(s, set, (q)) + lo * es)
+      fn(dst, SRC(0), SRC(1), len);
+      for (int q = 2; q < n; q++) fn(dst, dst, SRC(q), len);
+#undef SRC
+      if (op == DLUA_PG_REDUCE_AVG) dlua_pg_divide_by(dst, len, dt, n);
+      memcpy(src + lo * es, dst, len * es);
+    }
+    post(s, 2 * g);
+    res = wait_all(s, 2 * g, deadline, &who);
+    if (res != DLUA_SHM_OK) return failed(res, who, timeout_ms, err, errlen);
+    // Out: the others' reduced pieces.
+    for (int q = 0; q < n; q++)
+      if (q != r) memcpy(src + LO(q) * es, slot(s, set, q) + LO(q) * es, (HI(q) - LO(q)) * es);
+#undef LO
+#undef HI
+    off += m;
+  } while (off < count);
+  return DLUA_SHM_OK;
+}

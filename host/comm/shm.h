@@ -1,0 +1,34 @@
+/* Same-host all-reduce through one shared-memory segment: the CPU path of a gloo group whose ranks all
+   run on one machine (docs/comm.md, "Ranks on one host"). gloo keeps every other collective. */
+#ifndef DLUA_COMM_SHM_H
+#define DLUA_COMM_SHM_H
+#include <stddef.h>
+#include <stdint.h>
+#include "comm/pg.h"
+
+typedef struct dlua_shm dlua_shm_t;
+
+typedef enum {
+  DLUA_SHM_OK = 0,
+  DLUA_SHM_TIMEOUT = 1,  /* this rank's wait ran out */
+  DLUA_SHM_GONE = 2,     /* a peer closed its end (exited, crashed or freed its group) */
+  DLUA_SHM_MISMATCH = 3  /* the ranks called with different sizes, dtypes or ops: all fail alike, stay in step */
+} dlua_shm_result_t;
+
+/* Meets the other ranks through `store` under "<prefix>/shm/...". All ranks agree on the outcome:
+   *out is the segment when every rank is on this host (same kernel boot, same /dev/shm) and none set
+   DLUA_SHM=0; else NULL, with the reason in why (e.g. "ranks 0 and 2 are on different hosts"). Store
+   failures come back as a gloo result with *store_status and err set. */
+dlua_gloo_result_t dlua_shm_join(dlua_store_t *store, const char *prefix, int rank, int size, int64_t timeout_ms,
+                                 dlua_shm_t **out, char *why, size_t whylen, dlua_status_t *store_status, char *err,
+                                 size_t errlen);
+
+/* All-reduce of count elements in place (AVG divides too); every rank gets the same bytes, summed in
+   rank order whatever the timing. seq is the collective's number (it goes into mismatch messages). */
+dlua_shm_result_t dlua_shm_all_reduce(dlua_shm_t *s, void *buf, size_t count, dlua_dtype_t dt, dlua_reduce_t op,
+                                      int64_t seq, int64_t timeout_ms, char *err, size_t errlen);
+
+/* Leaves the segment: peers still waiting on this rank see it gone. */
+void dlua_shm_close(dlua_shm_t *s);
+
+#endif
