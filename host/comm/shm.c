@@ -30,7 +30,7 @@
 #include "core/error.h"
 
 enum {
-  SHM_SLOT_BYTES = 1 << 20,  /* one rank's share of a chunk; measured in bench/ddp_overlap (docs/comm.md) */
+  SHM_SLOT_BYTES = 1 << 18,  /* one rank's share of a chunk; measured in bench/ddp_overlap (docs/comm.md) */
   SHM_CTL_BYTES = 128,
   SHM_HEADER_BYTES = 4096,
   SHM_POLL_MS = 50,          /* a sleeping waiter looks at the clock and its peers' locks this often */
