@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <dirent.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -85,6 +86,7 @@ static void run_job(int size, int64_t timeout_ms, rank_body body, int *codes) {
     ck_assert_int_ge(p, 0);
     pids[r] = p;
   }
+  pid_t rank0 = pids[0];
   struct timespec t0, t;
   clock_gettime(CLOCK_MONOTONIC, &t0);
   int left = size;
@@ -112,6 +114,14 @@ static void run_job(int size, int64_t timeout_ms, rank_body body, int *codes) {
     usleep(5000);
   }
   dlua_store_server_stop(srv);
+  // Shared-memory segments are named after rank 0's pid: none may outlive the job.
+  DIR *d = opendir("/dev/shm");
+  struct dirent *e;
+  char prefix[32];
+  snprintf(prefix, sizeof prefix, "dlua-%d-", (int)rank0);
+  while (d && (e = readdir(d)))
+    ck_assert_msg(strncmp(e->d_name, prefix, strlen(prefix)) != 0, "/dev/shm/%s was left behind", e->d_name);
+  if (d) closedir(d);
 }
 
 static void expect_all_ok(int size, int64_t timeout_ms, rank_body body) {
