@@ -46,14 +46,22 @@ do
   local ref_opt = optim.SGD(ref, { lr = 0.1, momentum = 0.9, weight_decay = 1e-3 })
   train(ref, ref_opt, 5, function(s) return global_batch(s) end)
 
-  local net = mlp(rank == 0 and 7 or 100 + rank)  -- other ranks start different: broadcast fixes it
-  local ddp = dist.DDP(net, { bucket_mb = 0.001, first_bucket_mb = 0.0005 })  -- several small buckets
-  if #ddp:bucket_plan() < 3 then fail('expected several buckets, got %d', #ddp:bucket_plan()) end
-  local opt = optim.SGD(ddp, { lr = 0.1, momentum = 0.9, weight_decay = 1e-3 })
-  train(ddp, opt, 5, function(s) local x, y = global_batch(s); return my_slice(x), my_slice(y) end)
-  local d = max_diff(net:flatten().params.float32, ref:flatten().params.float32)
-  if d > 1e-5 then fail('DDP on %d ranks differs from one process on the %d-times batch by %g', world, world, d) end
-  checks = checks + 1
+  -- buckets of 25 MB and 1 GB (the whole arena in one, first bucket included), then 1 KB (several:
+  -- the plan checks below look at this one)
+  local net, ddp
+  for _, mb in ipairs({ 25, 1024, 0.001 }) do
+    net = mlp(rank == 0 and 7 or 100 + rank)  -- other ranks start different: broadcast fixes it
+    ddp = dist.DDP(net, { bucket_mb = mb, first_bucket_mb = mb < 1 and 0.0005 or mb })
+    local nb = #ddp:bucket_plan()
+    if (mb < 1 and nb < 3) or (mb >= 1 and nb ~= 1) then fail('bucket_mb %g: %d buckets', mb, nb) end
+    local opt = optim.SGD(ddp, { lr = 0.1, momentum = 0.9, weight_decay = 1e-3 })
+    train(ddp, opt, 5, function(s) local x, y = global_batch(s); return my_slice(x), my_slice(y) end)
+    local d = max_diff(net:flatten().params.float32, ref:flatten().params.float32)
+    if d > 1e-5 then
+      fail('DDP on %d ranks (buckets of %g MB) differs from one process on the %d-times batch by %g', world, mb, world, d)
+    end
+    checks = checks + 1
+  end
 
   -- the plan covers the arena in order, buckets are ranges of it
   local plan = ddp:bucket_plan()
