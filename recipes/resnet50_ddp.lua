@@ -152,7 +152,9 @@ log('%s: %s, %d parameters, %d classes, data %s', opt.model, tostring(model.modu
   num_classes, data_name)
 log('%d ranks x batch %d x accumulate %d = global batch %d; lr %.4g (%.3g per 256), %d warmup steps of %d; %s, %d threads per rank',
   world, opt.batch, opt.accumulate, global_batch, peak, opt.lr, warm, total, device == 'cpu' and 'CPU' or device, dlua.get_num_threads())
-log('DDP: %d buckets%s', #model:bucket_plan(), opt.sync_bn and ', SyncBatchNorm' or '')
+-- CUDA gradients go through NCCL when every rank has a GPU; CPU ones through shared memory or TCP.
+local transport = device ~= 'cpu' and dist.backend() ~= 'gloo' and 'nccl' or dist.transport()
+log('DDP: %d buckets, all-reduce over %s%s', #model:bucket_plan(), transport, opt.sync_bn and ', SyncBatchNorm' or '')
 
 local function evaluate()
   model:evaluate()
