@@ -100,8 +100,8 @@ end
 ---------------------------------------------------------------------------------------------
 -- Fashion-MNIST
 
--- Where Debian's dataset-fashion-mnist package installs the four files.
-data.FASHION_MNIST_ROOT = '/usr/share/datasets/fashion-mnist'
+-- Where Debian's dataset-fashion-mnist package installs the four files (DLUA_FASHION_MNIST_ROOT: elsewhere).
+data.FASHION_MNIST_ROOT = os.getenv('DLUA_FASHION_MNIST_ROOT') or '/usr/share/datasets/fashion-mnist'
 
 local fashion_classes = { 'T-shirt/top', 'Trouser', 'Pullover', 'Dress', 'Coat', 'Sandal', 'Shirt', 'Sneaker',
   'Bag', 'Ankle boot' }

@@ -1,17 +1,20 @@
 -- DDP end to end: N ranks equal one process on the N-times batch; accumulation, no_sync, unused parameters,
--- bucket plans, hooks, overlap, model mismatch. Run: dlua --nproc N tests/dist/ddp.lua
+-- bucket plans, hooks, overlap, model mismatch. Run: dlua --nproc N tests/dist/ddp.lua [cpu|cuda] [auto|gloo]
+-- (cuda: models and batches on this rank's GPU; tests/gpu/nccl.sh runs it with NCCL and with gloo staging)
 local dlua = require 'dlua'
 local nn = require 'dlua.nn'
 local optim = require 'dlua.optim'
 local dist = dlua.dist
-dist.init{ timeout = 60 }
+local device, backend = arg[1] or 'cpu', arg[2] or 'auto'
+dist.init{ timeout = 60, backend = backend }
+if device == 'cuda' then device = dist.device() ~= 'cpu' and dist.device() or 'cuda' end
 local rank, world = dist.rank(), dist.world_size()
 local checks = 0
 local function fail(fmt, ...) error(string.format('rank %d: ' .. fmt, rank, ...), 2) end
 
 local function mlp(seed)
   dlua.manual_seed(seed)
-  return nn.Sequential{ nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 5) }
+  return nn.Sequential{ nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 5) }:to(device)
 end
 
 -- The global batch of step s: rows 1..B*world; rank r takes its own slice.
@@ -20,11 +23,11 @@ local function global_batch(s)
   local g = dlua.Generator(1000 + s)
   local x = dlua.randn({ B * world, 12 }, { generator = g })
   local y = dlua.randint(1, 6, { B * world }, { generator = g, dtype = 'int64' })
-  return x, y
+  return x:to(device), y:to(device)
 end
 local function my_slice(t) return t:narrow(1, rank * B + 1, B):contiguous() end
 
-local function max_diff(a, b) return (a:double() - b:double()):abs():max():item() end
+local function max_diff(a, b) return (a:cpu():double() - b:cpu():double()):abs():max():item() end
 
 local function train(model, opt, steps, batch_of, micro)
   local crit = nn.CrossEntropyLoss()
@@ -156,17 +159,17 @@ do
     self.grad_input = (self.use_b and self.b or self.a):backward(x, g)
     return self.grad_input
   end
-  local net = Branchy()
+  local net = Branchy():to(device)
   local ddp = dist.DDP(net, { first_bucket_mb = 1e-5, bucket_mb = 1e-5 })  -- one bucket per parameter
   ddp:zero_grad()
-  local x = dlua.ones({ 2, 4 })
+  local x = dlua.ones({ 2, 4 }, { device = device })
   ddp:forward(x)
-  ddp:backward(x, dlua.ones({ 2, 3 }))
+  ddp:backward(x, dlua.ones({ 2, 3 }, { device = device }))
   ddp:wait()
   -- the weight gradient of a used Linear on ones is 2 (batch of 2) in every entry
   local users_a, users_b = 0, 0
   for r = 0, world - 1 do if r % 2 == 1 then users_b = users_b + 1 else users_a = users_a + 1 end end
-  local ga, gb = net.a.grad_weight[1][1], net.b.grad_weight[1][1]
+  local ga, gb = net.a.grad_weight:cpu()[1][1], net.b.grad_weight:cpu()[1][1]
   if math.abs(ga - 2 * users_a / world) > 1e-6 or math.abs(gb - 2 * users_b / world) > 1e-6 then
     fail('unused-parameter gradients %g, %g; expected %g, %g', ga, gb, 2 * users_a / world, 2 * users_b / world)
   end
@@ -182,9 +185,9 @@ do
     if ddp._in_backward then during = during + 1 end
     return dist.all_reduce(bucket.tensor, 'avg', { async = true })
   end)
-  local x = dlua.randn({ 4, 12 })
+  local x = dlua.randn({ 4, 12 }):to(device)
   local out = ddp:forward(x)
-  ddp:backward(x, dlua.ones(out:size()))
+  ddp:backward(x, dlua.ones(out:size(), { device = device }))
   ddp:wait()
   if during < 1 then fail('no bucket started during backward') end
   -- a one-bucket plan gives the same gradients
@@ -192,7 +195,7 @@ do
   ddp:set_buckets({ { dtype = 'float32', offset = 0, numel = g1:numel() } })
   ddp:zero_grad()
   out = ddp:forward(x)
-  ddp:backward(x, dlua.ones(out:size()))
+  ddp:backward(x, dlua.ones(out:size(), { device = device }))
   ddp:wait()
   if max_diff(net:flatten().grads.float32, g1) > 1e-6 then fail('one-bucket plan changed the gradients') end
   local ok, err = pcall(ddp.set_buckets, ddp, { { dtype = 'float32', offset = 0, numel = 10 } })
@@ -211,5 +214,5 @@ do
 end
 
 dist.barrier()
-print(string.format('rank %d of %d: %d DDP checks passed', rank, world, checks))
+print(string.format('rank %d of %d: %d DDP checks passed (%s, %s)', rank, world, checks, device, dist.backend()))
 dist.destroy()

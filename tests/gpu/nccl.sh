@@ -2,7 +2,8 @@
 # GPU checks of the NCCL process group and gloo's pinned staging of CUDA tensors (docs/comm.md).
 #   tests/gpu/nccl.sh <dlua binary>     (run.sh calls it; exits non-zero when a check fails)
 # Every collective on every dtype against CPU-computed results: NCCL at world size 1 (nccl and auto),
-# 2 ranks sharing one GPU through gloo staging, 2 ranks on NCCL when there are 2 GPUs; a rank missing
+# 2 ranks sharing one GPU through gloo staging, 2 ranks on NCCL when there are 2 GPUs; DDP on CUDA
+# (tests/dist/ddp.lua) and a short recipes/resnet50_ddp.lua run; a rank missing
 # from an NCCL join fails with a diagnostic instead of hanging; world-1 all-reduce timings.
 set -u
 dlua=${1:?usage: nccl.sh <dlua binary>}
@@ -48,6 +49,40 @@ if [ "$ngpu" -ge 2 ]; then
 else
   echo "skip: NCCL with 2 ranks needs 2 GPUs (this machine has $ngpu)"
 fi
+
+ddp=$root/tests/dist/ddp.lua
+step "DDP on CUDA (#7): N ranks = one process on the N-times batch, accumulation, no_sync, unused parameters, overlap"
+check "ddp cuda, NCCL world 1" 180 "$dlua" "$ddp" cuda auto
+check "ddp cuda, gloo staging, 2 ranks on one GPU" 240 "$dlua" --nproc 2 "$ddp" cuda gloo
+if [ "$ngpu" -ge 2 ]; then
+  check "ddp cuda, NCCL 2 ranks" 240 "$dlua" --nproc 2 "$ddp" cuda auto
+fi
+step "recipes/resnet50_ddp.lua on the GPU, briefly (NCCL, channels-last)"
+if [ ! -e /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] && [ -z "${DLUA_FASHION_MNIST_ROOT:-}" ]; then
+  # no apt on the GPU machine: random images in Fashion-MNIST's file format, so the recipe runs as it would
+  export DLUA_FASHION_MNIST_ROOT=$(mktemp -d)
+  trap 'rm -rf "$DLUA_FASHION_MNIST_ROOT"' EXIT
+  "$dlua" -e '
+    local dir = os.getenv("DLUA_FASHION_MNIST_ROOT")
+    local function be32(n) return string.char(math.floor(n / 16777216) % 256, math.floor(n / 65536) % 256, math.floor(n / 256) % 256, n % 256) end
+    for _, set in ipairs({ { "train", 2048 }, { "t10k", 512 } }) do
+      local n = set[2]
+      local px = {}
+      for i = 1, 784 do px[i] = string.char(math.random(0, 255)) end
+      local img = table.concat(px)
+      local f = assert(io.open(dir .. "/" .. set[1] .. "-images-idx3-ubyte", "wb"))
+      f:write(be32(2051), be32(n), be32(28), be32(28))
+      for _ = 1, n do f:write(img) end
+      f:close()
+      f = assert(io.open(dir .. "/" .. set[1] .. "-labels-idx1-ubyte", "wb"))
+      f:write(be32(2049), be32(n))
+      for i = 1, n do f:write(string.char(i % 10)) end
+      f:close()
+    end'
+  echo "(no Fashion-MNIST here: random images in its format under $DLUA_FASHION_MNIST_ROOT)"
+fi
+check "resnet50_ddp on cuda" 240 "$dlua" "$root/recipes/resnet50_ddp.lua" --epochs 1 --limit 2048 --batch 64 \
+  --eval-limit 512 --print-every 8 --device cuda
 
 step "NCCL join with a missing rank: fails within the timeout, naming it"
 port=$(( 20000 + RANDOM % 20000 ))
