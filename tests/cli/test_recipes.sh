@@ -14,6 +14,14 @@ out=$("$DLUA" recipes/fashion_mnist.lua --epoch 3 2>&1); rc=$?
 [ $rc = 2 ] && grep -q "unknown option '--epoch'" <<<"$out" && grep -q "epochs" <<<"$out"
 check "fashion_mnist rejects an unknown option by name, suggesting the closest" $? "rc=$rc: $out"
 
+# the built-in data from elsewhere: DLUA_FASHION_MNIST_ROOT (random images: it runs, it learns nothing)
+fake=$(mktemp -d)
+"$DLUA" tests/data/fake_fashion_mnist.lua "$fake" 256 100
+out=$(DLUA_FASHION_MNIST_ROOT=$fake "$DLUA" recipes/fashion_mnist.lua --epochs 1 --batch 64 2>&1); rc=$?
+rm -rf "$fake"
+[ $rc = 0 ] && grep -q "4 steps of 64 images" <<<"$out"
+check "DLUA_FASHION_MNIST_ROOT: the recipe trains on the files there" $? "rc=$rc: $out"
+
 out=$("$DLUA" recipes/fashion_mnist.lua --help 2>&1); rc=$?
 [ $rc = 0 ] && grep -q -- "--label-smoothing" <<<"$out" && grep -q -- "--epochs" <<<"$out"
 check "fashion_mnist --help lists the options" $? "rc=$rc: $out"

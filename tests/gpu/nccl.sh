@@ -62,23 +62,7 @@ if [ ! -e /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] && [ -z
   # no apt on the GPU machine: random images in Fashion-MNIST's file format, so the recipe runs as it would
   export DLUA_FASHION_MNIST_ROOT=$(mktemp -d)
   trap 'rm -rf "$DLUA_FASHION_MNIST_ROOT"' EXIT
-  "$dlua" -e '
-    local dir = os.getenv("DLUA_FASHION_MNIST_ROOT")
-    local function be32(n) return string.char(math.floor(n / 16777216) % 256, math.floor(n / 65536) % 256, math.floor(n / 256) % 256, n % 256) end
-    for _, set in ipairs({ { "train", 2048 }, { "t10k", 512 } }) do
-      local n = set[2]
-      local px = {}
-      for i = 1, 784 do px[i] = string.char(math.random(0, 255)) end
-      local img = table.concat(px)
-      local f = assert(io.open(dir .. "/" .. set[1] .. "-images-idx3-ubyte", "wb"))
-      f:write(be32(2051), be32(n), be32(28), be32(28))
-      for _ = 1, n do f:write(img) end
-      f:close()
-      f = assert(io.open(dir .. "/" .. set[1] .. "-labels-idx1-ubyte", "wb"))
-      f:write(be32(2049), be32(n))
-      for i = 1, n do f:write(string.char(i % 10)) end
-      f:close()
-    end'
+  "$dlua" "$root/tests/data/fake_fashion_mnist.lua" "$DLUA_FASHION_MNIST_ROOT"
   echo "(no Fashion-MNIST here: random images in its format under $DLUA_FASHION_MNIST_ROOT)"
 fi
 check "resnet50_ddp on cuda" 240 "$dlua" "$root/recipes/resnet50_ddp.lua" --epochs 1 --limit 2048 --batch 64 \
