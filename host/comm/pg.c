@@ -568,6 +568,15 @@ static dlua_cuda_stream_t *stage_stream(dlua_pg_t *pg, int dev) {
   return s;
 }
 
+/* A shared-memory collective's end as gloo's: a mismatch fails the work alike on every rank and leaves the
+   group usable. */
+static dlua_gloo_result_t from_shm(dlua_work_t *w, dlua_shm_result_t sr, const char *err) {
+  if (sr == DLUA_SHM_MISMATCH) work_set(w, DLUA_ERR_ARG, "%s", err);
+  return sr == DLUA_SHM_OK || sr == DLUA_SHM_MISMATCH ? DLUA_GLOO_OK
+         : sr == DLUA_SHM_TIMEOUT                      ? DLUA_GLOO_TIMEOUT
+                                                        : DLUA_GLOO_IO;
+}
+
 /* all_reduce / broadcast of one tensor, in place when gloo can use its memory, else through a stage. */
 static dlua_gloo_result_t gloo_one(dlua_pg_t *pg, dlua_work_t *w, dlua_tensor_t *t, int kind, dlua_cuda_stream_t *cs,
                                    uint32_t tag, int64_t timeout, char *err, size_t errlen) {
@@ -588,12 +597,11 @@ static dlua_gloo_result_t gloo_one(dlua_pg_t *pg, dlua_work_t *w, dlua_tensor_t 
     buf = stage;
   }
   dlua_gloo_result_t gr;
-  if (kind == K_ALL_REDUCE && pg->shm) {
-    dlua_shm_result_t sr = dlua_shm_all_reduce(pg->shm, buf, n, t->dtype, w->op, w->seq, timeout, err, errlen);
-    gr = sr == DLUA_SHM_OK || sr == DLUA_SHM_MISMATCH ? DLUA_GLOO_OK : sr == DLUA_SHM_TIMEOUT ? DLUA_GLOO_TIMEOUT
-                                                                                             : DLUA_GLOO_IO;
-    if (sr == DLUA_SHM_MISMATCH) work_set(w, DLUA_ERR_ARG, "%s", err);  // every rank fails alike, the group stays usable
-  } else if (kind == K_ALL_REDUCE)
+  if (kind == K_ALL_REDUCE && pg->shm)
+    gr = from_shm(w, dlua_shm_all_reduce(pg->shm, buf, n, t->dtype, w->op, w->seq, timeout, err, errlen), err);
+  else if (pg->shm)
+    gr = from_shm(w, dlua_shm_broadcast(pg->shm, buf, n, t->dtype, w->peer, w->seq, timeout, err, errlen), err);
+  else if (kind == K_ALL_REDUCE)
     gr = dlua_gloo_allreduce(pg->gloo, buf, n, es, dlua_pg_reduce_fn_for(w->op, t->dtype), tag, timeout, err, errlen);
   else
     gr = dlua_gloo_broadcast(pg->gloo, buf, n, es, w->peer, tag, timeout, err, errlen);
@@ -685,8 +693,12 @@ static void run_work(dlua_pg_t *pg, dlua_work_t *w) {
         break;
       }
       if (counts[rank] == 0) in = dummy;
-      gr = dlua_gloo_allgatherv(pg->gloo, in, out, counts, es, tag, timeout, err, sizeof err);
-      if (gr == DLUA_GLOO_OK && stage) {
+      if (pg->shm)
+        gr = from_shm(w, dlua_shm_all_gather(pg->shm, in, out, counts, w->t->dtype, w->seq, timeout, err, sizeof err),
+                      err);
+      else
+        gr = dlua_gloo_allgatherv(pg->gloo, in, out, counts, es, tag, timeout, err, sizeof err);
+      if (gr == DLUA_GLOO_OK && w->status == DLUA_OK && stage) {
         size_t off = 0;
         for (int r = 0; r < size && w->status == DLUA_OK; r++) {
           if (copy_from_flat(w->outs[r], (char *)stage + off * es, cs) != DLUA_OK)
@@ -714,12 +726,15 @@ static void run_work(dlua_pg_t *pg, dlua_work_t *w) {
           break;
         }
       if (w->status != DLUA_OK) break;
-      if (size > 1)
+      if (pg->shm)  // reduces and divides
+        gr = from_shm(w, dlua_shm_reduce_scatter(pg->shm, acc, m, out->dtype, w->op, w->seq, timeout, err, sizeof err),
+                      err);
+      else if (size > 1)
         gr = ring_reduce_scatter(pg, acc, tmp, m, es, dlua_pg_reduce_fn_for(w->op, out->dtype), tag, timeout, err,
                                  sizeof err);
-      if (gr != DLUA_GLOO_OK) break;
+      if (gr != DLUA_GLOO_OK || w->status != DLUA_OK) break;
       char *mine = acc + (size_t)rank * m * es;
-      if (w->op == DLUA_PG_REDUCE_AVG) dlua_pg_divide_by(mine, m, out->dtype, size);
+      if (w->op == DLUA_PG_REDUCE_AVG && !pg->shm) dlua_pg_divide_by(mine, m, out->dtype, size);
       if (copy_from_flat(out, mine, cs) != DLUA_OK) work_from_last_error(w, "writing the result");
       break;
     }

@@ -1,9 +1,12 @@
-/* Same-host all-reduce through one shared-memory segment (docs/comm.md, "Ranks on one host").
+/* Same-host collectives through one shared-memory segment (docs/comm.md, "Ranks on one host").
 
    gloo's TCP ring over loopback costs each rank several kernel copies and many system calls per
    byte. Here every rank copies its data into the segment once, reduces the 1/N piece it owns by
    reading the others' copies in place, and copies the N-1 pieces it does not own back out: about
    three memory passes, no system call while peers keep pace.
+
+   Reduce-scatter is the first half of that, all-gather and broadcast the second (a copy in, a copy
+   out); every collective works chunk by chunk through the same slots and counters.
 
    Segment: a header page; one 128-byte control line per rank (its progress counter, the futex word
    its peers sleep on, and what it is reducing); then two sets of one slot per rank, so chunk g+1
@@ -38,12 +41,19 @@ enum {
 };
 static const uint64_t SHM_MAGIC = 0x646c75612d73686dull;  /* "dlua-shm" */
 
+/* The collective a rank is in and its shape, for the mismatch check. */
 typedef struct {
-  uint32_t seq;      /* futex word: 2g-1 once chunk g's data is in, 2g once its piece is reduced */
+  int64_t op_seq;
+  uint64_t count;      /* its element count (all_gather: this rank's input) */
+  uint64_t total;      /* all_gather: the sum of every rank's count as this rank sees it */
+  int32_t kind;        /* SHM_ALL_REDUCE... */
+  int32_t dtype, arg;  /* arg: the reduce op, or broadcast's root */
+} shm_desc_t;
+
+typedef struct {
+  uint32_t seq;      /* futex word: 2g-1 once chunk g's data is in, 2g once its all-reduce piece is reduced */
   uint32_t waiters;  /* peers asleep (or about to be) on seq: the writer wakes them only then */
-  int64_t op_seq;    /* the collective this rank is in, and its shape, for the mismatch check */
-  uint64_t count;
-  int32_t dtype, op;
+  shm_desc_t d[2];   /* by the set of the collective's first chunk: a slow peer may still read the last one */
 } shm_ctl_t;
 _Static_assert(sizeof(shm_ctl_t) <= SHM_CTL_BYTES, "control line");
 
@@ -346,8 +356,10 @@ static dlua_shm_result_t wait_all(dlua_shm_t *s, uint32_t v, int64_t deadline, i
   return DLUA_SHM_OK;
 }
 
-/* ---- the all-reduce --------------------------------------------------------------------------------- */
+/* ---- collectives ------------------------------------------------------------------------------------ */
 
+enum { SHM_ALL_REDUCE, SHM_REDUCE_SCATTER, SHM_ALL_GATHER, SHM_BROADCAST };
+static const char *const kind_name[] = {"all_reduce", "reduce_scatter", "all_gather", "broadcast"};
 static const char *const op_name[] = {"sum", "avg", "max", "min", "product"};
 
 static dlua_shm_result_t failed(dlua_shm_result_t r, int who, int64_t timeout_ms, char *err, size_t errlen) {
@@ -358,41 +370,60 @@ static dlua_shm_result_t failed(dlua_shm_result_t r, int who, int64_t timeout_ms
   return r;
 }
 
+/* This rank's side of the collective, for the peers' mismatch check. */
+static void describe(dlua_shm_t *s, int kind, int64_t seq, uint64_t count, uint64_t total, dlua_dtype_t dt, int arg) {
+  ctl(s, s->rank)->d[(s->chunk + 1) & 1] =
+      (shm_desc_t){.op_seq = seq, .kind = kind, .count = count, .total = total, .dtype = (int32_t)dt, .arg = arg};
+}
+
 /* After chunk 1's data phase: do all ranks run the same collective on the same shape? */
-static int mismatch(const dlua_shm_t *s, int64_t seq, char *err, size_t errlen) {
-  const shm_ctl_t *me = ctl(s, s->rank);
+static int mismatch(const dlua_shm_t *s, int set, int64_t seq, char *err, size_t errlen) {
+  const shm_desc_t *me = &ctl(s, s->rank)->d[set];
   int bad = 0;
   for (int q = 0; q < s->size; q++) {
-    const shm_ctl_t *c = ctl(s, q);
-    bad |= c->op_seq != me->op_seq || c->count != me->count || c->dtype != me->dtype || c->op != me->op;
+    const shm_desc_t *c = &ctl(s, q)->d[set];
+    bad |= c->op_seq != me->op_seq || c->kind != me->kind || c->total != me->total || c->dtype != me->dtype ||
+           c->arg != me->arg || (me->kind != SHM_ALL_GATHER && c->count != me->count);
   }
   if (!bad) return 0;
   size_t l = (size_t)snprintf(err, errlen, "collective mismatch at #%" PRId64 ":", seq);
   for (int q = 0; q < s->size && l < errlen; q++) {
-    const shm_ctl_t *c = ctl(s, q);
+    const shm_desc_t *c = &ctl(s, q)->d[set];
     const char *dn = c->dtype >= 0 && c->dtype < DLUA_DTYPE_COUNT ? dlua_dtype_name((dlua_dtype_t)c->dtype) : "?";
-    const char *on = c->op >= 0 && c->op < DLUA_PG_REDUCE_COUNT ? op_name[c->op] : "?";
-    l += (size_t)snprintf(err + l, errlen - l, "%s rank %d all_reduce #%" PRId64 " %s (%" PRIu64 ") op %s",
-                          q ? ";" : "", q, c->op_seq, dn, c->count, on);
+    const char *kn = c->kind >= 0 && c->kind <= SHM_BROADCAST ? kind_name[c->kind] : "?";
+    char extra[48] = "";
+    if (c->kind == SHM_BROADCAST)
+      snprintf(extra, sizeof extra, " src %d", c->arg);
+    else if (c->kind != SHM_ALL_GATHER)
+      snprintf(extra, sizeof extra, " op %s", c->arg >= 0 && c->arg < DLUA_PG_REDUCE_COUNT ? op_name[c->arg] : "?");
+    l += (size_t)snprintf(err + l, errlen - l, "%s rank %d %s #%" PRId64 " %s (%" PRIu64 ")%s", q ? ";" : "", q, kn,
+                          c->op_seq, dn, c->count, extra);
   }
   return 1;
 }
 
+/* Chunk g's data is in this rank's slot: tell the peers, wait until theirs is too, and on the first chunk
+   check that everybody runs the same collective. */
+static dlua_shm_result_t data_in(dlua_shm_t *s, uint32_t g, int first, int64_t seq, int64_t deadline,
+                                 int64_t timeout_ms, char *err, size_t errlen) {
+  int who = -1;
+  post(s, 2 * g - 1);
+  dlua_shm_result_t res = wait_all(s, 2 * g - 1, deadline, &who);
+  if (res != DLUA_SHM_OK) return failed(res, who, timeout_ms, err, errlen);
+  if (first && mismatch(s, (int)(g & 1), seq, err, errlen)) return DLUA_SHM_MISMATCH;  // every rank sees the same
+  return DLUA_SHM_OK;
+}
+
+static int64_t deadline_of(int64_t timeout_ms) { return now_ns() + timeout_ms * 1000000; }
+
 dlua_shm_result_t dlua_shm_all_reduce(dlua_shm_t *s, void *buf, size_t count, dlua_dtype_t dt, dlua_reduce_t op,
                                       int64_t seq, int64_t timeout_ms, char *err, size_t errlen) {
-  const size_t es = dlua_dtype_size(dt);
-  const size_t per_chunk = SHM_SLOT_BYTES / es;
-  const size_t align = 64 / es;  // pieces start on cache lines
+  const size_t es = dlua_dtype_size(dt), per_chunk = SHM_SLOT_BYTES / es, align = 64 / es;  // pieces on cache lines
   dlua_pg_reduce_fn fn = dlua_pg_reduce_fn_for(op, dt);
   const int n = s->size, r = s->rank;
-  const int64_t deadline = now_ns() + timeout_ms * 1000000;
+  const int64_t deadline = deadline_of(timeout_ms);
   char *data = buf;
-  shm_ctl_t *me = ctl(s, r);
-  me->op_seq = seq;
-  me->count = count;
-  me->dtype = (int32_t)dt;
-  me->op = (int32_t)op;
-  int who = -1;
+  describe(s, SHM_ALL_REDUCE, seq, count, count, dt, (int)op);
   size_t off = 0;
   do {
     size_t m = count - off < per_chunk ? count - off : per_chunk;
@@ -406,15 +437,8 @@ dlua_shm_result_t dlua_shm_all_reduce(dlua_shm_t *s, void *buf, size_t count, dl
     // In: everything but the piece this rank reduces (it reads that one from its own buffer).
     memcpy(mine, src, LO(r) * es);
     memcpy(mine + HI(r) * es, src + HI(r) * es, (m - HI(r)) * es);
-    post(s, 2 * g - 1);
-    dlua_shm_result_t res = wait_all(s, 2 * g - 1, deadline, &who);
-    if (res != DLUA_SHM_OK) return failed(res, who, timeout_ms, err, errlen);
-    if (off == 0 && mismatch(s, seq, err, errlen)) {
-      // Every rank sees the same lines and stops here; one more step keeps the counters in step.
-      post(s, 2 * g);
-      res = wait_all(s, 2 * g, deadline, &who);
-      return res != DLUA_SHM_OK ? failed(res, who, timeout_ms, err, errlen) : DLUA_SHM_MISMATCH;
-    }
+    dlua_shm_result_t res = data_in(s, g, off == 0, seq, deadline, timeout_ms, err, errlen);
+    if (res != DLUA_SHM_OK) return res;
     // Reduce: this rank's piece, in rank order, into its own slot, where the others will read it.
     size_t lo = LO(r), len = HI(r) - lo;
     if (len) {
@@ -426,6 +450,7 @@ dlua_shm_result_t dlua_shm_all_reduce(dlua_shm_t *s, void *buf, size_t count, dl
       if (op == DLUA_PG_REDUCE_AVG) dlua_pg_divide_by(dst, len, dt, n);
       memcpy(src + lo * es, dst, len * es);
     }
+    int who = -1;
     post(s, 2 * g);
     res = wait_all(s, 2 * g, deadline, &who);
     if (res != DLUA_SHM_OK) return failed(res, who, timeout_ms, err, errlen);
@@ -435,6 +460,86 @@ dlua_shm_result_t dlua_shm_all_reduce(dlua_shm_t *s, void *buf, size_t count, dl
 #undef LO
 #undef HI
     off += m;
+  } while (off < count);
+  return DLUA_SHM_OK;
+}
+
+dlua_shm_result_t dlua_shm_reduce_scatter(dlua_shm_t *s, void *acc, size_t m, dlua_dtype_t dt, dlua_reduce_t op,
+                                          int64_t seq, int64_t timeout_ms, char *err, size_t errlen) {
+  const int n = s->size, r = s->rank;
+  const size_t es = dlua_dtype_size(dt), per_chunk = SHM_SLOT_BYTES / es / (size_t)n;
+  dlua_pg_reduce_fn fn = dlua_pg_reduce_fn_for(op, dt);
+  const int64_t deadline = deadline_of(timeout_ms);
+  char *data = acc;
+  describe(s, SHM_REDUCE_SCATTER, seq, m, m, dt, (int)op);
+  size_t off = 0;
+  do {
+    size_t c = m - off < per_chunk ? m - off : per_chunk;
+    uint32_t g = ++s->chunk;
+    int set = (int)(g & 1);
+    // In: this chunk of every destination's part, own included (so the sum below reads slots only).
+    char *mine = slot(s, set, r);
+    for (int q = 0; q < n; q++) memcpy(mine + (size_t)q * c * es, data + ((size_t)q * m + off) * es, c * es);
+    dlua_shm_result_t res = data_in(s, g, off == 0, seq, deadline, timeout_ms, err, errlen);
+    if (res != DLUA_SHM_OK) return res;
+    // Reduce this rank's part over the ranks, in rank order, into its own place in acc.
+    if (c) {
+      char *dst = data + ((size_t)r * m + off) * es;
+#define SRC(q) (slot(s, set, (q)) + (size_t)r * c * es)
+      fn(dst, SRC(0), SRC(1), c);
+      for (int q = 2; q < n; q++) fn(dst, dst, SRC(q), c);
+#undef SRC
+      if (op == DLUA_PG_REDUCE_AVG) dlua_pg_divide_by(dst, c, dt, n);
+    }
+    off += c;
+  } while (off < m);
+  return DLUA_SHM_OK;
+}
+
+dlua_shm_result_t dlua_shm_all_gather(dlua_shm_t *s, const void *in, void *out, const size_t *counts, dlua_dtype_t dt,
+                                      int64_t seq, int64_t timeout_ms, char *err, size_t errlen) {
+  const int n = s->size, r = s->rank;
+  const size_t es = dlua_dtype_size(dt), per_chunk = SHM_SLOT_BYTES / es;
+  const int64_t deadline = deadline_of(timeout_ms);
+  size_t most = 0, total = 0;
+  for (int q = 0; q < n; q++) {
+    total += counts[q];
+    if (counts[q] > most) most = counts[q];
+  }
+  describe(s, SHM_ALL_GATHER, seq, counts[r], total, dt, 0);
+  size_t off = 0;
+  do {
+    uint32_t g = ++s->chunk;
+    int set = (int)(g & 1);
+#define PART(q) (off < counts[q] ? (counts[q] - off < per_chunk ? counts[q] - off : per_chunk) : 0)
+    memcpy(slot(s, set, r), (const char *)in + off * es, PART(r) * es);
+    dlua_shm_result_t res = data_in(s, g, off == 0, seq, deadline, timeout_ms, err, errlen);
+    if (res != DLUA_SHM_OK) return res;
+    size_t base = 0;
+    for (int q = 0; q < n; base += counts[q], q++)
+      memcpy((char *)out + (base + off) * es, q == r ? (const char *)in + off * es : slot(s, set, q), PART(q) * es);
+#undef PART
+    off += per_chunk;
+  } while (off < most);
+  return DLUA_SHM_OK;
+}
+
+dlua_shm_result_t dlua_shm_broadcast(dlua_shm_t *s, void *buf, size_t count, dlua_dtype_t dt, int root, int64_t seq,
+                                     int64_t timeout_ms, char *err, size_t errlen) {
+  const size_t es = dlua_dtype_size(dt), per_chunk = SHM_SLOT_BYTES / es;
+  const int64_t deadline = deadline_of(timeout_ms);
+  describe(s, SHM_BROADCAST, seq, count, count, dt, root);
+  size_t off = 0;
+  do {
+    size_t c = count - off < per_chunk ? count - off : per_chunk;
+    uint32_t g = ++s->chunk;
+    int set = (int)(g & 1);
+    char *data = (char *)buf + off * es;
+    if (s->rank == root) memcpy(slot(s, set, root), data, c * es);
+    dlua_shm_result_t res = data_in(s, g, off == 0, seq, deadline, timeout_ms, err, errlen);
+    if (res != DLUA_SHM_OK) return res;
+    if (s->rank != root) memcpy(data, slot(s, set, root), c * es);
+    off += c;
   } while (off < count);
   return DLUA_SHM_OK;
 }

@@ -1,5 +1,7 @@
-/* Same-host all-reduce through one shared-memory segment: the CPU path of a gloo group whose ranks all
-   run on one machine (docs/comm.md, "Ranks on one host"). gloo keeps every other collective. */
+/* Same-host collectives through one shared-memory segment: the CPU path of a gloo group whose ranks all
+   run on one machine (docs/comm.md, "Ranks on one host"): all-reduce, reduce-scatter, all-gather and
+   broadcast. gloo keeps all-to-all, barrier and point-to-point. Every call is made on every rank, in the
+   same order, with the same count (all_gather: the same counts list). */
 #ifndef DLUA_COMM_SHM_H
 #define DLUA_COMM_SHM_H
 #include <stddef.h>
@@ -27,6 +29,17 @@ dlua_gloo_result_t dlua_shm_join(dlua_store_t *store, const char *prefix, int ra
    rank order whatever the timing. seq is the collective's number (it goes into mismatch messages). */
 dlua_shm_result_t dlua_shm_all_reduce(dlua_shm_t *s, void *buf, size_t count, dlua_dtype_t dt, dlua_reduce_t op,
                                       int64_t seq, int64_t timeout_ms, char *err, size_t errlen);
+
+/* Reduce-scatter: acc holds size * m elements, destination q's part at q * m. Afterwards this rank's part
+   holds the reduction over every rank of their part `rank` (AVG divided); the other parts are unchanged. */
+dlua_shm_result_t dlua_shm_reduce_scatter(dlua_shm_t *s, void *acc, size_t m, dlua_dtype_t dt, dlua_reduce_t op,
+                                          int64_t seq, int64_t timeout_ms, char *err, size_t errlen);
+/* All-gather: rank q's counts[q] elements of `in` land in out at the sum of counts before q. */
+dlua_shm_result_t dlua_shm_all_gather(dlua_shm_t *s, const void *in, void *out, const size_t *counts, dlua_dtype_t dt,
+                                      int64_t seq, int64_t timeout_ms, char *err, size_t errlen);
+/* Broadcast of count elements from rank root into every rank's buf. */
+dlua_shm_result_t dlua_shm_broadcast(dlua_shm_t *s, void *buf, size_t count, dlua_dtype_t dt, int root, int64_t seq,
+                                     int64_t timeout_ms, char *err, size_t errlen);
 
 /* Leaves the segment: peers still waiting on this rank see it gone. */
 void dlua_shm_close(dlua_shm_t *s);

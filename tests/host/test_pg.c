@@ -272,6 +272,38 @@ static int body_big_sum(dlua_pg_t *pg, int rank, int size) {
   return 0;
 }
 
+/* Many shared-memory chunks for reduce_scatter, all_gather (unequal sizes) and broadcast. */
+static int body_big_others(dlua_pg_t *pg, int rank, int size) {
+  const int64_t m = 200003;
+  dlua_tensor_t *ins[8], *out = vec(DLUA_DTYPE_F32, m, 0);
+  for (int q = 0; q < size; q++) {
+    ins[q] = vec(DLUA_DTYPE_F32, m, 0);
+    fill(ins[q], rank, 10 + q);
+  }
+  EXPECT_OK(dlua_pg_reduce_scatter(pg, out, ins, DLUA_PG_REDUCE_SUM, "big.lua:1", NULL));
+  for (int64_t i = 0; i < m; i++)
+    EXPECT(get(out, i) == reduce_expect(DLUA_DTYPE_F32, DLUA_PG_REDUCE_SUM, size, i, 10 + rank, 0), "reduce_scatter [%" PRId64 "]", i);
+  for (int q = 0; q < size; q++) dlua_tensor_free(ins[q]);
+  dlua_tensor_free(out);
+
+  const int64_t n = 150001;
+  dlua_tensor_t *in = vec(DLUA_DTYPE_F64, n + 7 * rank, 0), *outs[8];
+  fill(in, rank, 2);
+  for (int q = 0; q < size; q++) outs[q] = vec(DLUA_DTYPE_F64, n + 7 * q, 0);
+  EXPECT_OK(dlua_pg_all_gather(pg, outs, in, "big.lua:2", NULL));
+  for (int q = 0; q < size; q++)
+    for (int64_t i = 0; i < n + 7 * q; i++) EXPECT(get(outs[q], i) == val(DLUA_DTYPE_F64, q, i, 2), "all_gather [%d][%" PRId64 "]", q, i);
+  for (int q = 0; q < size; q++) dlua_tensor_free(outs[q]);
+  dlua_tensor_free(in);
+
+  dlua_tensor_t *b = vec(DLUA_DTYPE_BF16, 300007, 0);
+  fill(b, rank, 4);
+  EXPECT_OK(dlua_pg_broadcast(pg, b, size - 1, "big.lua:3", NULL));
+  for (int64_t i = 0; i < 300007; i++) EXPECT(get(b, i) == val(DLUA_DTYPE_BF16, size - 1, i, 4), "broadcast [%" PRId64 "]", i);
+  dlua_tensor_free(b);
+  return 0;
+}
+
 /* Without debug mode: ranks that all-reduce different shapes, dtypes or ops over shared memory all
    get the same error naming each rank's call, and the group stays usable. */
 static int body_shm_mismatch(dlua_pg_t *pg, int rank, int size) {
@@ -283,7 +315,18 @@ static int body_shm_mismatch(dlua_pg_t *pg, int rank, int size) {
   EXPECT_ERR(dlua_pg_all_reduce(pg, t, rank == 0 ? DLUA_PG_REDUCE_MAX : DLUA_PG_REDUCE_SUM, NULL, NULL), DLUA_ERR_ARG,
              "rank 0 all_reduce #2 float64 (3000000) op max; rank 1 all_reduce #2 float32 (3000000) op sum");
   dlua_tensor_free(t);
+  // different collectives, and all_gather outputs that disagree
   t = vec(DLUA_DTYPE_F32, 1000, 0);
+  if (rank == 0)
+    EXPECT_ERR(dlua_pg_broadcast(pg, t, 1, NULL, NULL), DLUA_ERR_ARG,
+               "collective mismatch at #3: rank 0 broadcast #3 float32 (1000) src 1; rank 1 all_reduce #3 float32 (1000) op avg");
+  else
+    EXPECT_ERR(dlua_pg_all_reduce(pg, t, DLUA_PG_REDUCE_AVG, NULL, NULL), DLUA_ERR_ARG, "rank 0 broadcast #3");
+  dlua_tensor_t *outs[2] = {vec(DLUA_DTYPE_F32, 1000, 0), vec(DLUA_DTYPE_F32, 1000 + rank, 0)};
+  EXPECT_ERR(dlua_pg_all_gather(pg, outs, rank == 0 ? t : outs[1], NULL, NULL), DLUA_ERR_ARG,
+             "rank 0 all_gather #4 float32 (1000); rank 1 all_gather #4 float32 (1001)");
+  dlua_tensor_free(outs[0]);
+  dlua_tensor_free(outs[1]);
   fill(t, rank, 0);
   EXPECT_OK(dlua_pg_all_reduce(pg, t, DLUA_PG_REDUCE_SUM, NULL, NULL));
   for (int64_t i = 0; i < 1000; i++)
@@ -640,19 +683,22 @@ END_TEST
 START_TEST(test_shm_mismatch) { expect_all_ok(2, 20000, body_shm_mismatch); }
 END_TEST
 
-START_TEST(test_broadcast) { expect_all_ok(3, 20000, body_broadcast); }
+START_TEST(test_broadcast) { both_transports(3, 20000, body_broadcast); }
 END_TEST
 
 START_TEST(test_all_gather) {
-  expect_all_ok(2, 20000, body_all_gather);
+  both_transports(2, 20000, body_all_gather);
   expect_all_ok(4, 20000, body_all_gather);
 }
 END_TEST
 
 START_TEST(test_reduce_scatter) {
-  expect_all_ok(3, 20000, body_reduce_scatter);
+  both_transports(3, 20000, body_reduce_scatter);
   expect_all_ok(4, 20000, body_reduce_scatter);
 }
+END_TEST
+
+START_TEST(test_big_others) { both_transports(3, 20000, body_big_others); }
 END_TEST
 
 START_TEST(test_all_to_all) {
@@ -721,6 +767,7 @@ static Suite *pg_suite(void) {
   tcase_add_test(tc, test_all_reduce);
   tcase_add_test(tc, test_big_sum_identical_bytes);
   tcase_add_test(tc, test_shm_mismatch);
+  tcase_add_test(tc, test_big_others);
   tcase_add_test(tc, test_broadcast);
   tcase_add_test(tc, test_all_gather);
   tcase_add_test(tc, test_reduce_scatter);
