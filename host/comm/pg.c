@@ -713,6 +713,28 @@ static void run_work(dlua_pg_t *pg, dlua_work_t *w) {
       dlua_tensor_t *out = w->t;
       size_t m = (size_t)dlua_tensor_numel(out), es = dlua_dtype_size(out->dtype);
       if (m == 0) break;
+      if (pg->shm) {  // reads the inputs where they lie when they are one flat buffer, writes out in place
+        const char *in = cs ? NULL : packed_base(w->ins, size);
+        char *dst = in_place(out) ? dlua_tensor_ptr(out) : NULL;
+        if (!in) in = stage = st_alloc(w, (size_t)size * m * es);
+        if (!dst) dst = stage2 = st_alloc(w, m * es);
+        if (!in || !dst) {
+          work_set(w, DLUA_ERR_OOM, "reduce_scatter #%" PRId64 ": out of memory staging %zu bytes", w->seq,
+                   (size_t)(size + 1) * m * es);
+          break;
+        }
+        for (int r = 0; stage && r < size; r++)
+          if (copy_to_flat(w->ins[r], (char *)stage + (size_t)r * m * es, cs) != DLUA_OK) {
+            work_from_last_error(w, "staging");
+            break;
+          }
+        if (w->status != DLUA_OK) break;
+        gr = from_shm(w, dlua_shm_reduce_scatter(pg->shm, in, dst, m, out->dtype, w->op, w->seq, timeout, err, sizeof err),
+                      err);  // reduces and divides
+        if (gr == DLUA_GLOO_OK && w->status == DLUA_OK && stage2 && copy_from_flat(out, dst, cs) != DLUA_OK)
+          work_from_last_error(w, "writing the result");
+        break;
+      }
       char *acc = stage = st_alloc(w, (size_t)size * m * es);
       char *tmp = stage2 = st_alloc(w, m * es);
       if (!acc || !tmp) {
@@ -726,15 +748,12 @@ static void run_work(dlua_pg_t *pg, dlua_work_t *w) {
           break;
         }
       if (w->status != DLUA_OK) break;
-      if (pg->shm)  // reduces and divides
-        gr = from_shm(w, dlua_shm_reduce_scatter(pg->shm, acc, m, out->dtype, w->op, w->seq, timeout, err, sizeof err),
-                      err);
-      else if (size > 1)
+      if (size > 1)
         gr = ring_reduce_scatter(pg, acc, tmp, m, es, dlua_pg_reduce_fn_for(w->op, out->dtype), tag, timeout, err,
                                  sizeof err);
-      if (gr != DLUA_GLOO_OK || w->status != DLUA_OK) break;
+      if (gr != DLUA_GLOO_OK) break;
       char *mine = acc + (size_t)rank * m * es;
-      if (w->op == DLUA_PG_REDUCE_AVG && !pg->shm) dlua_pg_divide_by(mine, m, out->dtype, size);
+      if (w->op == DLUA_PG_REDUCE_AVG) dlua_pg_divide_by(mine, m, out->dtype, size);
       if (copy_from_flat(out, mine, cs) != DLUA_OK) work_from_last_error(w, "writing the result");
       break;
     }

@@ -464,13 +464,13 @@ dlua_shm_result_t dlua_shm_all_reduce(dlua_shm_t *s, void *buf, size_t count, dl
   return DLUA_SHM_OK;
 }
 
-dlua_shm_result_t dlua_shm_reduce_scatter(dlua_shm_t *s, void *acc, size_t m, dlua_dtype_t dt, dlua_reduce_t op,
-                                          int64_t seq, int64_t timeout_ms, char *err, size_t errlen) {
+dlua_shm_result_t dlua_shm_reduce_scatter(dlua_shm_t *s, const void *in, void *out, size_t m, dlua_dtype_t dt,
+                                          dlua_reduce_t op, int64_t seq, int64_t timeout_ms, char *err, size_t errlen) {
   const int n = s->size, r = s->rank;
   const size_t es = dlua_dtype_size(dt), per_chunk = SHM_SLOT_BYTES / es / (size_t)n;
   dlua_pg_reduce_fn fn = dlua_pg_reduce_fn_for(op, dt);
   const int64_t deadline = deadline_of(timeout_ms);
-  char *data = acc;
+  const char *data = in;
   describe(s, SHM_REDUCE_SCATTER, seq, m, m, dt, (int)op);
   size_t off = 0;
   do {
@@ -482,9 +482,9 @@ dlua_shm_result_t dlua_shm_reduce_scatter(dlua_shm_t *s, void *acc, size_t m, dl
     for (int q = 0; q < n; q++) memcpy(mine + (size_t)q * c * es, data + ((size_t)q * m + off) * es, c * es);
     dlua_shm_result_t res = data_in(s, g, off == 0, seq, deadline, timeout_ms, err, errlen);
     if (res != DLUA_SHM_OK) return res;
-    // Reduce this rank's part over the ranks, in rank order, into its own place in acc.
+    // Reduce this rank's part over the ranks, in rank order, into out.
     if (c) {
-      char *dst = data + ((size_t)r * m + off) * es;
+      char *dst = (char *)out + off * es;
 #define SRC(q) (slot(s, set, (q)) + (size_t)r * c * es)
       fn(dst, SRC(0), SRC(1), c);
       for (int q = 2; q < n; q++) fn(dst, dst, SRC(q), c);

@@ -284,6 +284,20 @@ static int body_big_others(dlua_pg_t *pg, int rank, int size) {
   for (int64_t i = 0; i < m; i++)
     EXPECT(get(out, i) == reduce_expect(DLUA_DTYPE_F32, DLUA_PG_REDUCE_SUM, size, i, 10 + rank, 0), "reduce_scatter [%" PRId64 "]", i);
   for (int q = 0; q < size; q++) dlua_tensor_free(ins[q]);
+  // inputs that are views of one flat buffer are read where they lie (and left unchanged)
+  dlua_tensor_t *flat = vec(DLUA_DTYPE_F32, size * m, 0);
+  for (int q = 0; q < size; q++) {
+    dlua_tensor_narrow(&ins[q], flat, 0, q * m, m);
+    fill(ins[q], rank, 10 + q);
+  }
+  EXPECT_OK(dlua_pg_reduce_scatter(pg, out, ins, DLUA_PG_REDUCE_AVG, "big.lua:4", NULL));
+  for (int64_t i = 0; i < m; i++) {
+    double want = reduce_expect(DLUA_DTYPE_F32, DLUA_PG_REDUCE_SUM, size, i, 10 + rank, 0) / size;
+    EXPECT(fabs(get(out, i) - want) <= 1e-6 * (1 + fabs(want)), "reduce_scatter avg, packed [%" PRId64 "]", i);
+    for (int q = 0; q < size; q++) EXPECT(get(ins[q], i) == val(DLUA_DTYPE_F32, rank, i, 10 + q), "input %d changed", q);
+  }
+  for (int q = 0; q < size; q++) dlua_tensor_free(ins[q]);
+  dlua_tensor_free(flat);
   dlua_tensor_free(out);
 
   const int64_t n = 150001;
