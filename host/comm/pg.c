@@ -17,6 +17,7 @@
 #include "comm/pg.h"
 #include "comm/pg_internal.h"
 #include "comm/shm.h"
+#include "comm/store.h"
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/tensor.h"
@@ -131,6 +132,10 @@ struct dlua_pg {
   dlua_gloo_t *gloo;
   dlua_shm_t *shm;         /* all ranks on this host: all-reduce of CPU memory goes through it, not gloo */
   char transport_why[160]; /* why shm is used or not */
+  char store_host[256], token[DLUA_STORE_MAX_TOKEN + 1];  /* shared regions meet through a store connection of their own */
+  int store_port;
+  int64_t regions;         /* shared regions made (under mu) */
+  char region_why[160];    /* the last shared_zeros: why it gave no memory */
   char bind_host[128], iface[64];
   pthread_t thread;
   pthread_mutex_t mu;
@@ -986,6 +991,9 @@ dlua_status_t dlua_pg_new_with_backend(const char *store_host, int store_port, c
   pg->be = be;
   pg->be_ctx = ctx;
   snprintf(pg->name, sizeof pg->name, "%s", name);
+  snprintf(pg->store_host, sizeof pg->store_host, "%s", store_host ? store_host : "");
+  snprintf(pg->token, sizeof pg->token, "%s", token ? token : "");
+  pg->store_port = store_port;
   pg->rank = rank;
   pg->size = size;
   pg->timeout_ms = timeout_ms;
@@ -1547,6 +1555,38 @@ dlua_status_t dlua_pg_recv(dlua_pg_t *pg, dlua_tensor_t *t, int src, int tag, co
 }
 
 const char *dlua_pg_backend(const dlua_pg_t *pg) { return !pg ? "" : pg->be ? pg->be->name : "gloo"; }
+dlua_status_t dlua_pg_shared_zeros(dlua_pg_t *pg, dlua_dtype_t dtype, int64_t numel, dlua_tensor_t **out,
+                                   const char **why) {
+  if (!out) return DLUA_ERR(DLUA_ERR_ARG, "shared_zeros: out is NULL");
+  *out = NULL;
+  if (why) *why = "";
+  if (!pg) return DLUA_ERR(DLUA_ERR_ARG, "shared_zeros: the group is NULL");
+  if (numel < 0 || (int)dtype < 0 || dtype >= DLUA_DTYPE_COUNT)
+    return DLUA_ERR(DLUA_ERR_ARG, "shared_zeros: bad size %" PRId64 " or dtype %d", numel, (int)dtype);
+  if (!pg->shm) {
+    if (why) *why = pg->be ? "the group is not a gloo group" : pg->transport_why;
+    return DLUA_OK;
+  }
+  pthread_mutex_lock(&pg->mu);
+  int64_t id = ++pg->regions;
+  pthread_mutex_unlock(&pg->mu);
+  int64_t timeout = __atomic_load_n(&pg->timeout_ms, __ATOMIC_RELAXED);
+  dlua_store_t *st = NULL;
+  DLUA_TRY(dlua_store_connect(pg->store_host, pg->store_port, pg->token, timeout, &st));
+  void *p = NULL;
+  size_t bytes = (size_t)numel * dlua_dtype_size(dtype);
+  dlua_status_t s = dlua_shm_region_new(pg->shm, st, pg->name, id, bytes, timeout, &p, pg->region_why,
+                                        sizeof pg->region_why);
+  dlua_store_close(st);
+  if (why) *why = pg->region_why;
+  if (s != DLUA_OK || !p) return s;
+  void *handle = dlua_shm_region_handle(p);
+  int64_t n = numel;
+  s = dlua_tensor_wrap(out, 1, &n, NULL, dtype, p, dlua_shm_region_free, handle);
+  if (s != DLUA_OK) dlua_shm_region_free(handle, p);
+  return s;
+}
+
 const char *dlua_pg_transport(const dlua_pg_t *pg, const char **why) {
   if (why) *why = pg && !pg->be ? pg->transport_why : "";
   return !pg ? "" : pg->be ? pg->be->name : pg->shm ? "shm" : "tcp";

@@ -20,6 +20,7 @@
 #include <fcntl.h>
 #include <inttypes.h>
 #include <linux/futex.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -46,6 +47,7 @@ typedef struct {
   int64_t op_seq;
   uint64_t count;      /* its element count (all_gather: this rank's input) */
   uint64_t total;      /* all_gather: the sum of every rank's count as this rank sees it */
+  int64_t shared_at;   /* all_reduce in a shared region: its offset there; -1 otherwise */
   int32_t kind;        /* SHM_ALL_REDUCE... */
   int32_t dtype, arg;  /* arg: the reduce op, or broadcast's root */
 } shm_desc_t;
@@ -68,7 +70,20 @@ struct dlua_shm {
   char *base;
   size_t bytes;
   uint32_t chunk;  /* chunks done: the next one is chunk + 1 */
+  char *scratch;   /* SHM_SLOT_BYTES for in-place sums that cannot write their destination as they go */
 };
+
+/* Memory every rank of a group maps (DDP's gradient arena): all-reduce of a range in it reads the peers'
+   copies where they lie. Regions outlive their group (the tensor may be freed later): owner is then NULL. */
+typedef struct shm_region {
+  struct shm_region *next;
+  dlua_shm_t *owner;
+  int rank, size;
+  size_t bytes;
+  char *base[];  /* each rank's copy as mapped here; this rank's own at [rank] */
+} shm_region_t;
+static pthread_mutex_t regions_mu = PTHREAD_MUTEX_INITIALIZER;
+static shm_region_t *regions;
 
 static shm_ctl_t *ctl(const dlua_shm_t *s, int q) {
   return (shm_ctl_t *)(s->base + SHM_HEADER_BYTES + (size_t)q * SHM_CTL_BYTES);
@@ -139,14 +154,17 @@ static dlua_shm_t *create(int size, char *name, size_t namelen, uint64_t nonce, 
     return NULL;
   }
   dlua_shm_t *s = calloc(1, sizeof *s);
-  if (!s) {
+  char *scratch = malloc(SHM_SLOT_BYTES);
+  if (!s || !scratch) {
+    free(s);
+    free(scratch);
     munmap(p, bytes);
     close(fd);
     shm_unlink(name);
     snprintf(why, whylen, "out of memory");
     return NULL;
   }
-  *s = (dlua_shm_t){.rank = 0, .size = size, .fd = fd, .base = p, .bytes = bytes};
+  *s = (dlua_shm_t){.rank = 0, .size = size, .fd = fd, .base = p, .bytes = bytes, .scratch = scratch};
   shm_header_t *h = p;
   *h = (shm_header_t){.magic = SHM_MAGIC, .nonce = nonce, .size = size, .slot_bytes = SHM_SLOT_BYTES};
   return s;
@@ -173,18 +191,22 @@ static dlua_shm_t *attach(int rank, int size, const char *name, uint64_t nonce, 
     return NULL;
   }
   dlua_shm_t *s = calloc(1, sizeof *s);
-  if (!s) {
+  char *scratch = malloc(SHM_SLOT_BYTES);
+  if (!s || !scratch) {
+    free(s);
+    free(scratch);
     munmap(p, bytes);
     close(fd);
     snprintf(why, whylen, "out of memory");
     return NULL;
   }
-  *s = (dlua_shm_t){.rank = rank, .size = size, .fd = fd, .base = p, .bytes = bytes};
+  *s = (dlua_shm_t){.rank = rank, .size = size, .fd = fd, .base = p, .bytes = bytes, .scratch = scratch};
   return s;
 }
 
 static void drop(dlua_shm_t *s) {
   if (!s) return;
+  free(s->scratch);
   munmap(s->base, s->bytes);
   close(s->fd);  // releases the lock: peers see this rank gone
   free(s);
@@ -302,7 +324,123 @@ dlua_gloo_result_t dlua_shm_join(dlua_store_t *store, const char *prefix, int ra
   return DLUA_GLOO_OK;
 }
 
-void dlua_shm_close(dlua_shm_t *s) { drop(s); }
+/* ---- shared regions ----------------------------------------------------------------------------------- */
+
+static void region_unmap(shm_region_t *g) {
+  size_t map = (g->bytes + 4095) & ~(size_t)4095;
+  for (int q = 0; q < g->size; q++)
+    if (g->base[q]) munmap(g->base[q], map);
+  free(g);
+}
+
+dlua_status_t dlua_shm_region_new(dlua_shm_t *s, dlua_store_t *store, const char *prefix, int64_t id, size_t bytes,
+                                  int64_t timeout_ms, void **out, char *why, size_t whylen) {
+  *out = NULL;
+  const int n = s->size, r = s->rank;
+  size_t map = (bytes + 4095) & ~(size_t)4095;
+  if (map == 0) map = 4096;
+  shm_region_t *g = calloc(1, sizeof *g + (size_t)n * sizeof(char *));
+  char **vals = calloc((size_t)n, sizeof(char *));
+  char name[96], what[64];
+  int ok = g && vals;
+  if (g) *g = (shm_region_t){.owner = s, .rank = r, .size = n, .bytes = map};
+  // 1. This rank's copy, pages reserved, under a fresh name.
+  snprintf(name, sizeof name, "/dlua-%d-r%" PRId64 "-%08x", (int)getpid(), id, (unsigned)random_nonce());
+  int fd = ok ? shm_open(name, O_RDWR | O_CREAT | O_EXCL, 0600) : -1;
+  if (fd < 0) {
+    ok = 0;
+    snprintf(why, whylen, "rank %d: shm_open %s: %s", r, name, strerror(errno));
+  } else {
+    int e = ftruncate(fd, (off_t)map) != 0 ? errno : posix_fallocate(fd, 0, (off_t)map);
+    void *p = e ? MAP_FAILED : mmap(NULL, map, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) {
+      ok = 0;
+      snprintf(why, whylen, "rank %d: reserving %zu bytes of /dev/shm: %s", r, map, strerror(e ? e : errno));
+    } else {
+      g->base[r] = p;
+    }
+    close(fd);
+  }
+  snprintf(what, sizeof what, "region%" PRId64 "/name", id);
+  dlua_status_t st = put(store, prefix, what, r, ok ? name : "-");
+  if (st == DLUA_OK) st = gather(store, prefix, what, n, timeout_ms, vals);
+  // 2. Everybody's copy, mapped here.
+  for (int q = 0; st == DLUA_OK && q < n; q++) {
+    if (q == r || !ok) continue;
+    if (!strcmp(vals[q], "-")) {
+      ok = 0;
+      snprintf(why, whylen, "rank %d could not make its copy", q);
+      break;
+    }
+    int qfd = shm_open(vals[q], O_RDWR, 0);
+    struct stat stt;
+    void *p = qfd >= 0 && fstat(qfd, &stt) == 0 && (size_t)stt.st_size == map
+                  ? mmap(NULL, map, PROT_READ | PROT_WRITE, MAP_SHARED, qfd, 0)
+                  : MAP_FAILED;
+    if (qfd >= 0) close(qfd);
+    if (p == MAP_FAILED) {
+      ok = 0;
+      snprintf(why, whylen, "rank %d: mapping rank %d's copy %s failed", r, q, vals[q]);
+      break;
+    }
+    g->base[q] = p;
+  }
+  for (int q = 0; vals && q < n; q++) dlua_store_free_value(vals[q]), vals[q] = NULL;
+  // 3. Did everyone map everything? Then the names can go (the mappings keep the memory).
+  snprintf(what, sizeof what, "region%" PRId64 "/mapped", id);
+  if (st == DLUA_OK) st = put(store, prefix, what, r, ok ? "1" : "0");
+  if (st == DLUA_OK) st = gather(store, prefix, what, n, timeout_ms, vals);
+  if (fd >= 0) shm_unlink(name);
+  for (int q = 0; st == DLUA_OK && q < n; q++)
+    if (strcmp(vals[q], "1")) {
+      if (ok) snprintf(why, whylen, "rank %d could not map every copy", q);
+      ok = 0;
+    }
+  for (int q = 0; vals && q < n; q++) dlua_store_free_value(vals[q]);
+  free(vals);
+  if (st != DLUA_OK || !ok) {
+    if (g) region_unmap(g);
+    return st;  // not ok with a working store: no region, every rank alike (*out NULL, why says why)
+  }
+  pthread_mutex_lock(&regions_mu);
+  g->next = regions;
+  regions = g;
+  pthread_mutex_unlock(&regions_mu);
+  *out = g->base[r];
+  snprintf(why, whylen, "shared by all %d ranks", n);
+  return DLUA_OK;
+}
+
+void dlua_shm_region_free(void *ctx, void *data) {
+  (void)data;
+  shm_region_t *g = ctx;
+  pthread_mutex_lock(&regions_mu);
+  for (shm_region_t **pp = &regions; *pp; pp = &(*pp)->next)
+    if (*pp == g) {
+      *pp = g->next;
+      break;
+    }
+  pthread_mutex_unlock(&regions_mu);
+  region_unmap(g);
+}
+
+void *dlua_shm_region_handle(void *own) {
+  shm_region_t *found = NULL;
+  pthread_mutex_lock(&regions_mu);
+  for (shm_region_t *g = regions; g && !found; g = g->next)
+    if (g->base[g->rank] == own) found = g;
+  pthread_mutex_unlock(&regions_mu);
+  return found;
+}
+
+void dlua_shm_close(dlua_shm_t *s) {
+  if (!s) return;
+  pthread_mutex_lock(&regions_mu);
+  for (shm_region_t *g = regions; g; g = g->next)
+    if (g->owner == s) g->owner = NULL;
+  pthread_mutex_unlock(&regions_mu);
+  drop(s);
+}
 
 /* ---- progress counters ---------------------------------------------------------------------------- */
 
@@ -371,9 +509,13 @@ static dlua_shm_result_t failed(dlua_shm_result_t r, int who, int64_t timeout_ms
 }
 
 /* This rank's side of the collective, for the peers' mismatch check. */
+static void describe_at(dlua_shm_t *s, int kind, int64_t seq, uint64_t count, uint64_t total, dlua_dtype_t dt, int arg,
+                        int64_t shared_at) {
+  ctl(s, s->rank)->d[(s->chunk + 1) & 1] = (shm_desc_t){.op_seq = seq, .kind = kind, .count = count, .total = total,
+                                                        .dtype = (int32_t)dt, .arg = arg, .shared_at = shared_at};
+}
 static void describe(dlua_shm_t *s, int kind, int64_t seq, uint64_t count, uint64_t total, dlua_dtype_t dt, int arg) {
-  ctl(s, s->rank)->d[(s->chunk + 1) & 1] =
-      (shm_desc_t){.op_seq = seq, .kind = kind, .count = count, .total = total, .dtype = (int32_t)dt, .arg = arg};
+  describe_at(s, kind, seq, count, total, dt, arg, -1);
 }
 
 /* After chunk 1's data phase: do all ranks run the same collective on the same shape? */
@@ -383,7 +525,7 @@ static int mismatch(const dlua_shm_t *s, int set, int64_t seq, char *err, size_t
   for (int q = 0; q < s->size; q++) {
     const shm_desc_t *c = &ctl(s, q)->d[set];
     bad |= c->op_seq != me->op_seq || c->kind != me->kind || c->total != me->total || c->dtype != me->dtype ||
-           c->arg != me->arg || (me->kind != SHM_ALL_GATHER && c->count != me->count);
+           c->arg != me->arg || (me->kind != SHM_ALL_GATHER && c->count != me->count) || c->shared_at != me->shared_at;
   }
   if (!bad) return 0;
   size_t l = (size_t)snprintf(err, errlen, "collective mismatch at #%" PRId64 ":", seq);
@@ -391,8 +533,11 @@ static int mismatch(const dlua_shm_t *s, int set, int64_t seq, char *err, size_t
     const shm_desc_t *c = &ctl(s, q)->d[set];
     const char *dn = c->dtype >= 0 && c->dtype < DLUA_DTYPE_COUNT ? dlua_dtype_name((dlua_dtype_t)c->dtype) : "?";
     const char *kn = c->kind >= 0 && c->kind <= SHM_BROADCAST ? kind_name[c->kind] : "?";
-    char extra[48] = "";
-    if (c->kind == SHM_BROADCAST)
+    char extra[80] = "";
+    if (c->shared_at >= 0)
+      snprintf(extra, sizeof extra, " op %s, shared at +%" PRId64,
+               c->arg >= 0 && c->arg < DLUA_PG_REDUCE_COUNT ? op_name[c->arg] : "?", c->shared_at);
+    else if (c->kind == SHM_BROADCAST)
       snprintf(extra, sizeof extra, " src %d", c->arg);
     else if (c->kind != SHM_ALL_GATHER)
       snprintf(extra, sizeof extra, " op %s", c->arg >= 0 && c->arg < DLUA_PG_REDUCE_COUNT ? op_name[c->arg] : "?");
@@ -416,6 +561,69 @@ static dlua_shm_result_t data_in(dlua_shm_t *s, uint32_t g, int first, int64_t s
 
 static int64_t deadline_of(int64_t timeout_ms) { return now_ns() + timeout_ms * 1000000; }
 
+/* The region of this group that holds [p, p + len), and p's offset in it; NULL if none does. The region
+   stays mapped while the caller holds a tensor on it (the work does). */
+static shm_region_t *region_of(dlua_shm_t *s, const void *p, size_t len, size_t *at) {
+  const char *c = p;
+  shm_region_t *found = NULL;
+  pthread_mutex_lock(&regions_mu);
+  for (shm_region_t *g = regions; g && !found; g = g->next)
+    if (g->owner == s && c >= g->base[g->rank] && c + len <= g->base[g->rank] + g->bytes) found = g;
+  pthread_mutex_unlock(&regions_mu);
+  if (found) *at = (size_t)(c - found->base[found->rank]);
+  return found;
+}
+
+/* All-reduce of a range every rank holds in a shared region: no copy in. Each rank sums its 1/N piece
+   from the N copies where they lie into its own copy, then copies the others' pieces from theirs; three
+   rendezvous per call whatever the size, the last one so that no peer still reads this rank's copy when
+   the caller writes it again. */
+static dlua_shm_result_t all_reduce_shared(dlua_shm_t *s, shm_region_t *rg, size_t at, size_t count, dlua_dtype_t dt,
+                                           dlua_reduce_t op, int64_t seq, int64_t timeout_ms, char *err,
+                                           size_t errlen) {
+  const size_t es = dlua_dtype_size(dt), align = 64 / es;
+  const int n = s->size, r = s->rank;
+  const int64_t deadline = deadline_of(timeout_ms);
+  dlua_pg_reduce_fn fn = dlua_pg_reduce_fn_for(op, dt);
+  describe_at(s, SHM_ALL_REDUCE, seq, count, count, dt, (int)op, (int64_t)at);
+  uint32_t g = ++s->chunk;
+  dlua_shm_result_t res = data_in(s, g, 1, seq, deadline, timeout_ms, err, errlen);
+  if (res != DLUA_SHM_OK) return res;
+  ++s->chunk;  // two chunk numbers: the rendezvous after the sums and the one at the end
+  size_t piece = (count + (size_t)n - 1) / (size_t)n;
+  piece = (piece + align - 1) / align * align;
+#define LO(q) ((size_t)(q) * piece < count ? (size_t)(q) * piece : count)
+#define HI(q) ((size_t)(q) * piece + piece < count ? (size_t)(q) * piece + piece : count)
+#define AT(q, i) (rg->base[(q)] + at * 1 + (i) * es)
+  size_t lo = LO(r), len = HI(r) - lo;
+  if (len && r < 2) {  // the destination is one of the first two operands: sum as it goes
+    char *dst = AT(r, lo);
+    fn(dst, AT(0, lo), AT(1, lo), len);
+    for (int q = 2; q < n; q++) fn(dst, dst, AT(q, lo), len);
+  } else if (len) {  // this rank's copy is read in its turn: sum a block at a time in scratch
+    size_t block = SHM_SLOT_BYTES / es;
+    for (size_t b = lo; b < lo + len; b += block) {
+      size_t k = lo + len - b < block ? lo + len - b : block;
+      fn(s->scratch, AT(0, b), AT(1, b), k);
+      for (int q = 2; q < n; q++) fn(s->scratch, s->scratch, AT(q, b), k);
+      memcpy(AT(r, b), s->scratch, k * es);
+    }
+  }
+  if (len && op == DLUA_PG_REDUCE_AVG) dlua_pg_divide_by(AT(r, lo), len, dt, n);
+  int who = -1;
+  post(s, 2 * g);
+  if ((res = wait_all(s, 2 * g, deadline, &who)) != DLUA_SHM_OK) return failed(res, who, timeout_ms, err, errlen);
+  for (int q = 0; q < n; q++)
+    if (q != r) memcpy(AT(r, LO(q)), AT(q, LO(q)), (HI(q) - LO(q)) * es);
+#undef AT
+#undef LO
+#undef HI
+  post(s, 2 * (g + 1) - 1);
+  if ((res = wait_all(s, 2 * (g + 1) - 1, deadline, &who)) != DLUA_SHM_OK)
+    return failed(res, who, timeout_ms, err, errlen);
+  return DLUA_SHM_OK;
+}
+
 dlua_shm_result_t dlua_shm_all_reduce(dlua_shm_t *s, void *buf, size_t count, dlua_dtype_t dt, dlua_reduce_t op,
                                       int64_t seq, int64_t timeout_ms, char *err, size_t errlen) {
   const size_t es = dlua_dtype_size(dt), per_chunk = SHM_SLOT_BYTES / es, align = 64 / es;  // pieces on cache lines
@@ -423,6 +631,9 @@ dlua_shm_result_t dlua_shm_all_reduce(dlua_shm_t *s, void *buf, size_t count, dl
   const int n = s->size, r = s->rank;
   const int64_t deadline = deadline_of(timeout_ms);
   char *data = buf;
+  size_t at;
+  shm_region_t *rg = region_of(s, buf, count * es, &at);
+  if (rg) return all_reduce_shared(s, rg, at, count, dt, op, seq, timeout_ms, err, errlen);
   describe(s, SHM_ALL_REDUCE, seq, count, count, dt, (int)op);
   size_t off = 0;
   do {

@@ -299,6 +299,11 @@ const char *dlua_pg_backend(const dlua_pg_t *pg); /* "gloo" or "nccl" */
 /* How all-reduce travels: "shm" (gloo group, all ranks on this host), "tcp" (gloo) or "nccl"; *why (if
    why is not NULL) says why shm is used or not. */
 const char *dlua_pg_transport(const dlua_pg_t *pg, const char **why);
+/* A zeroed 1-D CPU tensor of numel elements whose memory every rank of the group maps, so an all-reduce of
+   a range of it reads the peers' copies in place (DDP's gradient arena; docs/comm.md). Collective: every
+   rank calls it alike. *out is NULL (status OK) when the ranks do not share a host or some rank could not
+   make its copy; *why (if why is not NULL) says which. */
+dlua_status_t dlua_pg_shared_zeros(dlua_pg_t *pg, dlua_dtype_t dtype, int64_t numel, dlua_tensor_t **out, const char **why);
 void dlua_pg_free(dlua_pg_t *pg);           /* waits for queued work (bounded by the timeout), then closes */
 int dlua_pg_rank(const dlua_pg_t *pg);
 int dlua_pg_size(const dlua_pg_t *pg);

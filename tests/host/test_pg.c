@@ -86,7 +86,8 @@ static void run_job(int size, int64_t timeout_ms, rank_body body, int *codes) {
     ck_assert_int_ge(p, 0);
     pids[r] = p;
   }
-  pid_t rank0 = pids[0];
+  pid_t all[8];
+  memcpy(all, pids, sizeof all);
   struct timespec t0, t;
   clock_gettime(CLOCK_MONOTONIC, &t0);
   int left = size;
@@ -114,13 +115,15 @@ static void run_job(int size, int64_t timeout_ms, rank_body body, int *codes) {
     usleep(5000);
   }
   dlua_store_server_stop(srv);
-  // Shared-memory segments are named after rank 0's pid: none may outlive the job.
+  // Shared-memory segments and regions are named after their maker's pid: none may outlive the job.
   DIR *d = opendir("/dev/shm");
   struct dirent *e;
-  char prefix[32];
-  snprintf(prefix, sizeof prefix, "dlua-%d-", (int)rank0);
   while (d && (e = readdir(d)))
-    ck_assert_msg(strncmp(e->d_name, prefix, strlen(prefix)) != 0, "/dev/shm/%s was left behind", e->d_name);
+    for (int r = 0; r < size; r++) {
+      char prefix[32];
+      snprintf(prefix, sizeof prefix, "dlua-%d-", (int)all[r]);
+      ck_assert_msg(strncmp(e->d_name, prefix, strlen(prefix)) != 0, "/dev/shm/%s was left behind", e->d_name);
+    }
   if (d) closedir(d);
 }
 
@@ -601,6 +604,80 @@ static int body_exit(dlua_pg_t *pg, int rank, int size) {
   return 0;
 }
 
+/* Shared regions (DDP's gradient arena): all-reduce of ranges in them reads the peers' copies in place. */
+static int body_shared(dlua_pg_t *pg, int rank, int size) {
+  const char *why = NULL;
+  dlua_tensor_t *t = NULL;
+  const int64_t n = 700001;
+  EXPECT_OK(dlua_pg_shared_zeros(pg, DLUA_DTYPE_F32, n, &t, &why));
+  if (g_shm_off != SHM_ON) {
+    EXPECT(!t && strstr(why, "set DLUA_SHM=0"), "shared_zeros without shm: %p, %s", (void *)t, why);
+    return 0;
+  }
+  EXPECT(t, "no shared tensor: %s", why);
+  for (int64_t i = 0; i < n; i += 9973) EXPECT(get(t, i) == 0, "not zeroed at %" PRId64, i);
+  fill(t, rank, 3);
+  dlua_tensor_t *v = NULL;
+  EXPECT_OK(dlua_tensor_narrow(&v, t, 0, 1001, 500000));
+  EXPECT_OK(dlua_pg_all_reduce(pg, v, DLUA_PG_REDUCE_SUM, "sh.lua:1", NULL));
+  for (int64_t i = 0; i < n; i++) {
+    double want = i >= 1001 && i < 501001 ? reduce_expect(DLUA_DTYPE_F32, DLUA_PG_REDUCE_SUM, size, i, 3, 0)
+                                          : val(DLUA_DTYPE_F32, rank, i, 3);
+    EXPECT(get(t, i) == want, "shared sum [%" PRId64 "]: %g, want %g", i, get(t, i), want);
+  }
+  dlua_tensor_free(v);
+  // a second region, float64, whole-tensor avg; then the first again (regions stay apart)
+  dlua_tensor_t *d = NULL;
+  EXPECT_OK(dlua_pg_shared_zeros(pg, DLUA_DTYPE_F64, 4099, &d, &why));
+  EXPECT(d, "second region: %s", why);
+  fill(d, rank, 5);
+  EXPECT_OK(dlua_pg_all_reduce(pg, d, DLUA_PG_REDUCE_AVG, "sh.lua:2", NULL));
+  for (int64_t i = 0; i < 4099; i++) {
+    double want = reduce_expect(DLUA_DTYPE_F64, DLUA_PG_REDUCE_SUM, size, i, 5, 0) / size;
+    EXPECT(fabs(get(d, i) - want) < 1e-12, "shared avg [%" PRId64 "]: %g, want %g", i, get(d, i), want);
+  }
+  fill(t, rank, 7);
+  EXPECT_OK(dlua_pg_all_reduce(pg, t, DLUA_PG_REDUCE_MAX, "sh.lua:3", NULL));
+  for (int64_t i = 0; i < n; i++)
+    EXPECT(get(t, i) == reduce_expect(DLUA_DTYPE_F32, DLUA_PG_REDUCE_MAX, size, i, 7, 0), "shared max [%" PRId64 "]", i);
+  // ranks that reduce different ranges of the region are told so, and stay in step
+  EXPECT_OK(dlua_tensor_narrow(&v, t, 0, rank == 0 ? 0 : 16, 1000));
+  EXPECT_ERR(dlua_pg_all_reduce(pg, v, DLUA_PG_REDUCE_SUM, NULL, NULL), DLUA_ERR_ARG,
+             "rank 0 all_reduce #4 float32 (1000) op sum, shared at +0; rank 1 all_reduce #4 float32 (1000) op sum, shared at +64");
+  dlua_tensor_free(v);
+  // a region and a private tensor: also a mismatch
+  dlua_tensor_t *priv = vec(DLUA_DTYPE_F64, 4099, 0);
+  EXPECT_ERR(dlua_pg_all_reduce(pg, rank == 0 ? d : priv, DLUA_PG_REDUCE_SUM, NULL, NULL), DLUA_ERR_ARG,
+             "collective mismatch at #5");
+  dlua_tensor_free(d);
+  dlua_tensor_free(t);
+  fill(priv, rank, 1);
+  EXPECT_OK(dlua_pg_all_reduce(pg, priv, DLUA_PG_REDUCE_SUM, "sh.lua:4", NULL));
+  for (int64_t i = 0; i < 4099; i++)
+    EXPECT(get(priv, i) == reduce_expect(DLUA_DTYPE_F64, DLUA_PG_REDUCE_SUM, size, i, 1, 0), "after regions [%" PRId64 "]", i);
+  dlua_tensor_free(priv);
+  return 0;
+}
+
+/* A rank dies while the others all-reduce in a shared region: they fail soon. */
+static int body_killed_shared(dlua_pg_t *pg, int rank, int size) {
+  dlua_tensor_t *t = NULL;
+  const char *why = NULL;
+  EXPECT_OK(dlua_pg_shared_zeros(pg, DLUA_DTYPE_F32, 100000, &t, &why));
+  EXPECT(t, "no shared tensor: %s", why);
+  EXPECT_OK(dlua_pg_barrier(pg, "k.lua:1", NULL));
+  if (rank == 1) _exit(0);
+  struct timespec a, b;
+  clock_gettime(CLOCK_MONOTONIC, &a);
+  dlua_status_t s = dlua_pg_all_reduce(pg, t, DLUA_PG_REDUCE_SUM, "k.lua:2", NULL);
+  clock_gettime(CLOCK_MONOTONIC, &b);
+  EXPECT(s != DLUA_OK, "all_reduce with a dead rank succeeded");
+  EXPECT(strstr(dlua_last_error(), "rank 1 did not answer"), "%s", dlua_last_error());
+  EXPECT(b.tv_sec - a.tv_sec < 8, "took %ld s", (long)(b.tv_sec - a.tv_sec));
+  dlua_tensor_free(t);
+  return 0;
+}
+
 /* Rank 1 dies after one collective without closing anything: rank 0's next all-reduce fails soon,
    not after its 20 s timeout. */
 static int body_killed(dlua_pg_t *pg, int rank, int size) {
@@ -697,6 +774,16 @@ END_TEST
 START_TEST(test_shm_mismatch) { expect_all_ok(2, 20000, body_shm_mismatch); }
 END_TEST
 
+START_TEST(test_shared_regions) {
+  expect_all_ok(2, 20000, body_shared);
+  expect_all_ok(3, 20000, body_shared);  // rank 2 sums through scratch
+  g_shm_off = SHM_OFF_ALL;
+  expect_all_ok(2, 20000, body_shared);
+  g_shm_off = SHM_ON;
+  expect_all_ok(2, 20000, body_killed_shared);
+}
+END_TEST
+
 START_TEST(test_broadcast) { both_transports(3, 20000, body_broadcast); }
 END_TEST
 
@@ -782,6 +869,7 @@ static Suite *pg_suite(void) {
   tcase_add_test(tc, test_big_sum_identical_bytes);
   tcase_add_test(tc, test_shm_mismatch);
   tcase_add_test(tc, test_big_others);
+  tcase_add_test(tc, test_shared_regions);
   tcase_add_test(tc, test_broadcast);
   tcase_add_test(tc, test_all_gather);
   tcase_add_test(tc, test_reduce_scatter);
