@@ -40,6 +40,16 @@ function M.nccl(host, port, token, name, rank, size, device, timeout_s)
 end
 
 function Group:backend() return ffi.string(C.dlua_pg_backend(self.h)) end
+-- A zeroed 1-D CPU tensor whose memory every rank of the group maps (all-reduces of its ranges read the
+-- peers' copies in place), or nil and why when the ranks do not share a host. Collective.
+local shared_out, shared_why = ffi.new('dlua_tensor_t *[1]'), ffi.new('const char *[1]')
+function Group:shared_zeros(numel, dtype)
+  check(C.dlua_pg_shared_zeros(self.h, core.dtype('shared_zeros', dtype, C.DLUA_DTYPE_F32), numel, shared_out,
+    shared_why), 'shared_zeros')
+  if shared_out[0] == nil then return nil, ffi.string(shared_why[0]) end
+  return core.wrap(shared_out[0])
+end
+
 -- How CPU all-reduces travel: 'shm', 'tcp' or 'nccl', and why.
 function Group:transport()
   local why = ffi.new('const char *[1]')

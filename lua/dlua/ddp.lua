@@ -126,9 +126,27 @@ function M.new(dist, model, opts)
                  bucket_mb = bucket_mb, first_bucket_mb = first_mb, steps_synced = 0 }
   self.rank = dist.rank()
   self.world = opts.group and opts.group:size() or dist.world_size()
-  local arena = model:flatten()
+  -- Same model everywhere? Checked first: the arena's allocation below is itself collective.
+  local named = model:named_parameters()
+  local layout = {}
+  for i = #named, 1, -1 do  -- the arena's order
+    layout[#layout + 1] = { name = named[i].name, dtype = named[i].param.dtype, shape = named[i].param:size() }
+  end
+  verify_same_model(dist, opts.group, layout, self.rank)
+  -- CPU ranks on one host: the gradient arena in memory they all map, so bucket all-reduces read the
+  -- peers' gradients in place (docs/comm.md). Only when DDP makes the arena: an optimizer built
+  -- earlier holds the old one.
+  local grads_alloc
+  if model._arena == nil and named[1] ~= nil and named[1].param.device == 'cpu' then
+    grads_alloc = function(dt, n)
+      local t, why = dist.shared_zeros(n, dt, { group = opts.group })
+      self.shared_grads = t ~= nil
+      self.shared_why = why
+      return t
+    end
+  end
+  local arena = model:flatten({ grads = grads_alloc })
   self.arena = arena
-  verify_same_model(dist, opts.group, arena.entries, self.rank)
 
   -- every rank starts from rank 0's parameters and buffers
   if opts.broadcast ~= false then

@@ -66,6 +66,12 @@ do
     checks = checks + 1
   end
 
+  -- CPU ranks on one host keep the gradient arena in memory they all map (all-reduced in place)
+  local want_shared = device == 'cpu' and dist.transport() == 'shm'
+  if (ddp.shared_grads == true) ~= want_shared then
+    fail('shared gradient arena: %s (%s) with transport %s', tostring(ddp.shared_grads), tostring(ddp.shared_why),
+         dist.transport())
+  end
   -- the plan covers the arena in order, buckets are ranges of it
   local plan = ddp:bucket_plan()
   local expect_off = 0

@@ -129,9 +129,12 @@ end
 -- gradient buffer front to back: DDP buckets and ZeRO shards are ranges of it). Each
 -- module's fields become views; values are kept. Returns the layout:
 -- {params = {dtype = tensor}, grads = {dtype = tensor}, entries = {{name, dtype, offset, numel, shape}}}
--- where offset counts the elements before the parameter in its buffer.
-function Module:flatten()
+-- where offset counts the elements before the parameter in its buffer. `opts.grads`, a function
+-- (dtype, numel) returning zeroed storage (or nil for the default), places the gradient buffers
+-- (DDP: memory the ranks of one host share).
+function Module:flatten(opts)
   if self._arena then return self._arena end
+  local grads_alloc = opts and opts.grads  -- function(dtype, numel): zeroed gradient storage, or nil
   local named = self:named_parameters()
   local totals, entries = {}, {}
   for i = #named, 1, -1 do
@@ -149,9 +152,13 @@ function Module:flatten()
     end
   end
   local arena = { params = {}, grads = {}, entries = entries, device = dev }
-  for dt, n in pairs(totals) do
+  local dts = {}
+  for dt in pairs(totals) do dts[#dts + 1] = dt end
+  table.sort(dts)  -- the same order on every rank: grads_alloc may be a collective
+  for _, dt in ipairs(dts) do
+    local n = totals[dt]
     arena.params[dt] = dlua.empty(n, { dtype = dt, device = dev })
-    arena.grads[dt] = dlua.zeros(n, { dtype = dt, device = dev })
+    arena.grads[dt] = grads_alloc and grads_alloc(dt, n) or dlua.zeros(n, { dtype = dt, device = dev })
   end
   for _, en in ipairs(entries) do
     local e = en._e
