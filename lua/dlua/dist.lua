@@ -268,21 +268,6 @@ local function pg_of(op, opts, t)
   return gloo, size, me
 end
 
--- dist.shared_zeros(numel, dtype, {group=}): a zeroed 1-D CPU tensor whose memory every rank of the group
--- maps, so all-reduces of its ranges read the peers' copies in place (DDP puts its gradient arena there);
--- nil and why when the ranks do not share a host (or DLUA_SHM=0). Every rank calls it alike.
-function dist.shared_zeros(numel, dtype, opts)
-  need_init('shared_zeros', 2)
-  if type(numel) ~= 'number' or numel < 0 or numel ~= math.floor(numel) then
-    fail(2, 'shared_zeros: numel must be a whole number >= 0, got %s', tostring(numel))
-  end
-  local g = opts and opts.group
-  local gloo = S.world_group
-  if g ~= nil then gloo = g.pg end
-  if gloo == nil then return nil, 'no gloo group' end
-  return gloo:shared_zeros(numel, dtype or 'float32')
-end
-
 local function check_opts(op, opts, extra)
   if opts == nil then return nil end
   if type(opts) ~= 'table' then fail(3, '%s: expected an options table, got %s', op, type(opts)) end
@@ -292,6 +277,18 @@ local function check_opts(op, opts, extra)
     end
   end
   return opts
+end
+
+-- dist.shared_zeros(numel, dtype, {group=}): a zeroed 1-D CPU tensor whose memory every rank of the group
+-- maps, so all-reduces of its ranges read the peers' copies in place (DDP puts its gradient arena there);
+-- nil and why when the ranks do not share a host (or DLUA_SHM=0). Every rank calls it alike.
+function dist.shared_zeros(numel, dtype, opts)
+  need_init('shared_zeros', 2)
+  if type(numel) ~= 'number' or numel < 0 or numel ~= math.floor(numel) then
+    fail(2, 'shared_zeros: numel must be a whole number >= 0, got %s', tostring(numel))
+  end
+  local pg = pg_of('shared_zeros', check_opts('shared_zeros', opts))  -- nccl-only: nil and why
+  return pg:shared_zeros(numel, dtype or 'float32')
 end
 
 local function reduce_op(op, name)

@@ -13,6 +13,21 @@ if transport ~= want_transport then
   error(string.format('rank %d: transport %s (%s), expected %s', rank, transport, why, want_transport))
 end
 
+-- memory every rank maps: all-reduces of its ranges read the peers' copies in place (nil over TCP)
+do
+  local sh, shwhy = dist.shared_zeros(5000, 'float64')
+  if (sh ~= nil) ~= (transport == 'shm') then error(string.format('rank %d: shared_zeros gave %s (%s)', rank, tostring(sh), shwhy)) end
+  if sh then
+    if sh:sum():item() ~= 0 then error('shared_zeros: not zeroed') end
+    sh:fill_(rank + 1)
+    dist.all_reduce(sh:narrow(1, 11, 4000), 'sum')
+    local want = world * (world + 1) / 2
+    if sh[11] ~= want or sh[4010] ~= want or sh[10] ~= rank + 1 or sh[4011] ~= rank + 1 then
+      error(string.format('rank %d: shared all_reduce gave %g %g %g %g', rank, sh[10], sh[11], sh[4010], sh[4011]))
+    end
+  end
+end
+
 local dtypes = { 'float32', 'float64', 'float16', 'bfloat16', 'int32', 'int64', 'uint8', 'bool' }
 local counts = { 0, 1, 1009 }
 local checks = 0
