@@ -1,21 +1,29 @@
--- dlua side of bench/ddp_cpu: DDP ResNet-20 training steps on random Fashion-MNIST-shaped batches, under `dlua --nproc N`.
--- usage: dlua --nproc N bench/ddp_cpu.lua <steps> <batch per rank>; rank 0 prints `img/s<TAB>value` (all ranks together).
+-- dlua side of bench/ddp_cpu: DDP training steps on random batches, under `dlua --nproc N`: ResNet-20 on 1x28x28
+-- (Fashion-MNIST's shape) or ResNet-18 on 3x32x32.
+-- usage: dlua --nproc N bench/ddp_cpu.lua <steps> <batch per rank> [resnet20|resnet18]; rank 0 prints
+-- `img/s<TAB>value` (all ranks together).
 local dlua = require 'dlua'
 local nn = require 'dlua.nn'
 local optim = require 'dlua.optim'
 local resnet = require 'models.resnet'
 local dist = dlua.dist
 
-local steps, batch = tonumber(arg[1]), tonumber(arg[2])
+local steps, batch, which = tonumber(arg[1]), tonumber(arg[2]), arg[3] or 'resnet20'
 dlua.set_num_threads(tonumber(os.getenv('OMP_NUM_THREADS') or '1'))
 dist.init()
 local rank, world = dist.rank(), dist.world_size()
 dlua.manual_seed(0)
-local model = dist.DDP(resnet.resnet20({ in_channels = 1, num_classes = 10 }):input_grad(false))
+local net, c, hw
+if which == 'resnet18' then
+  net, c, hw = resnet.resnet18({ num_classes = 10 }), 3, 32
+else
+  net, c, hw = resnet.resnet20({ in_channels = 1, num_classes = 10 }), 1, 28
+end
+local model = dist.DDP(net:input_grad(false))
 local opt = optim.SGD(model, { lr = 0.05, momentum = 0.9, nesterov = true, weight_decay = 5e-4 })
 local crit = nn.CrossEntropyLoss()
 dlua.manual_seed(1 + rank)  -- each rank its own data
-local x = dlua.randn(batch, 1, 28, 28)
+local x = dlua.randn(batch, c, hw, hw)
 x = x:contiguous('channels_last')  -- channels-last input, as bench/fmnist_cpu
 local y = dlua.randint(1, 11, batch)
 
