@@ -222,17 +222,26 @@ static uint64_t random_nonce(void) {
   return v ^ (uint64_t)now_ns() ^ ((uint64_t)getpid() << 32);
 }
 
-/* Every rank's value of "<prefix>/shm/<what>/<q>" into vals (freed by the caller). */
+/* Every rank's value of "<prefix>/shm/<what>/<q>" into vals (freed by the caller), within one timeout. */
 static dlua_status_t gather(dlua_store_t *store, const char *prefix, const char *what, int size, int64_t timeout_ms,
                             char **vals) {
-  for (int q = 0; q < size; q++) {
-    char key[256];
-    size_t len;
-    snprintf(key, sizeof key, "%s/shm/%s/%d", prefix, what, q);
-    dlua_status_t st = dlua_store_get(store, key, timeout_ms, (void **)&vals[q], &len);
-    if (st != DLUA_OK) return st;
+  char **keys = calloc((size_t)size, sizeof(char *));
+  dlua_status_t st = keys ? DLUA_OK : DLUA_ERR(DLUA_ERR_OOM, "shm: out of memory");
+  for (int q = 0; st == DLUA_OK && q < size; q++) {
+    size_t n = strlen(prefix) + strlen(what) + 32;
+    if (!(keys[q] = malloc(n)))
+      st = DLUA_ERR(DLUA_ERR_OOM, "shm: out of memory");
+    else
+      snprintf(keys[q], n, "%s/shm/%s/%d", prefix, what, q);
   }
-  return DLUA_OK;
+  if (st == DLUA_OK) st = dlua_store_wait(store, (const char *const *)keys, size, timeout_ms);
+  for (int q = 0; st == DLUA_OK && q < size; q++) {
+    size_t len;
+    st = dlua_store_get(store, keys[q], timeout_ms, (void **)&vals[q], &len);
+  }
+  for (int q = 0; keys && q < size; q++) free(keys[q]);
+  free(keys);
+  return st;
 }
 
 static dlua_status_t put(dlua_store_t *store, const char *prefix, const char *what, int rank, const char *val) {
