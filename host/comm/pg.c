@@ -582,6 +582,16 @@ static dlua_gloo_result_t from_shm(dlua_work_t *w, dlua_shm_result_t sr, const c
                                                         : DLUA_GLOO_IO;
 }
 
+/* reduce_scatter's inputs packed into dst (rank r's at r * m elements); false (the work's error set) on failure. */
+static int stage_parts(dlua_work_t *w, char *dst, size_t m, size_t es, dlua_cuda_stream_t *cs) {
+  for (int r = 0; r < w->nlist; r++)
+    if (copy_to_flat(w->ins[r], dst + (size_t)r * m * es, cs) != DLUA_OK) {
+      work_from_last_error(w, "staging");
+      return 0;
+    }
+  return 1;
+}
+
 /* all_reduce / broadcast of one tensor, in place when gloo can use its memory, else through a stage. */
 static dlua_gloo_result_t gloo_one(dlua_pg_t *pg, dlua_work_t *w, dlua_tensor_t *t, int kind, dlua_cuda_stream_t *cs,
                                    uint32_t tag, int64_t timeout, char *err, size_t errlen) {
@@ -728,12 +738,7 @@ static void run_work(dlua_pg_t *pg, dlua_work_t *w) {
                    (size_t)(size + 1) * m * es);
           break;
         }
-        for (int r = 0; stage && r < size; r++)
-          if (copy_to_flat(w->ins[r], (char *)stage + (size_t)r * m * es, cs) != DLUA_OK) {
-            work_from_last_error(w, "staging");
-            break;
-          }
-        if (w->status != DLUA_OK) break;
+        if (stage && !stage_parts(w, stage, m, es, cs)) break;
         gr = from_shm(w, dlua_shm_reduce_scatter(pg->shm, in, dst, m, out->dtype, w->op, w->seq, timeout, err, sizeof err),
                       err);  // reduces and divides
         if (gr == DLUA_GLOO_OK && w->status == DLUA_OK && stage2 && copy_from_flat(out, dst, cs) != DLUA_OK)
@@ -747,12 +752,7 @@ static void run_work(dlua_pg_t *pg, dlua_work_t *w) {
                  (size_t)(size + 1) * m * es);
         break;
       }
-      for (int r = 0; r < size; r++)
-        if (copy_to_flat(w->ins[r], acc + (size_t)r * m * es, cs) != DLUA_OK) {
-          work_from_last_error(w, "staging");
-          break;
-        }
-      if (w->status != DLUA_OK) break;
+      if (!stage_parts(w, acc, m, es, cs)) break;
       if (size > 1)
         gr = ring_reduce_scatter(pg, acc, tmp, m, es, dlua_pg_reduce_fn_for(w->op, out->dtype), tag, timeout, err,
                                  sizeof err);
@@ -1573,14 +1573,13 @@ dlua_status_t dlua_pg_shared_zeros(dlua_pg_t *pg, dlua_dtype_t dtype, int64_t nu
   int64_t timeout = __atomic_load_n(&pg->timeout_ms, __ATOMIC_RELAXED);
   dlua_store_t *st = NULL;
   DLUA_TRY(dlua_store_connect(pg->store_host, pg->store_port, pg->token, timeout, &st));
-  void *p = NULL;
+  void *p = NULL, *handle = NULL;
   size_t bytes = (size_t)numel * dlua_dtype_size(dtype);
-  dlua_status_t s = dlua_shm_region_new(pg->shm, st, pg->name, id, bytes, timeout, &p, pg->region_why,
+  dlua_status_t s = dlua_shm_region_new(pg->shm, st, pg->name, id, bytes, timeout, &p, &handle, pg->region_why,
                                         sizeof pg->region_why);
   dlua_store_close(st);
   if (why) *why = pg->region_why;
   if (s != DLUA_OK || !p) return s;
-  void *handle = dlua_shm_region_handle(p);
   int64_t n = numel;
   s = dlua_tensor_wrap(out, 1, &n, NULL, dtype, p, dlua_shm_region_free, handle);
   if (s != DLUA_OK) dlua_shm_region_free(handle, p);

@@ -134,62 +134,43 @@ static int alive(const dlua_shm_t *s, int q) {
   return type != F_UNLCK;
 }
 
-/* Rank 0: a fresh segment, its pages reserved now (a full /dev/shm fails here, not with SIGBUS later). */
-static dlua_shm_t *create(int size, char *name, size_t namelen, uint64_t nonce, char *why, size_t whylen) {
-  static unsigned counter;
-  snprintf(name, namelen, "/dlua-%d-%u-%08x", (int)getpid(), __atomic_add_fetch(&counter, 1, __ATOMIC_RELAXED),
-           (unsigned)nonce);
-  int fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL, 0600);
-  if (fd < 0) {
+/* A new /dev/shm object `name` of `bytes`, its pages reserved now (a full /dev/shm fails here, not with
+   SIGBUS later), mapped; MAP_FAILED with why (name unlinked) on failure. *fd keeps it open, or NULL closes it. */
+static void *map_new(const char *name, size_t bytes, int *fd, char *why, size_t whylen) {
+  int f = shm_open(name, O_RDWR | O_CREAT | O_EXCL, 0600);
+  if (f < 0) {
     snprintf(why, whylen, "shm_open %s: %s", name, strerror(errno));
-    return NULL;
+    return MAP_FAILED;
   }
-  size_t bytes = segment_bytes(size);
-  int e = ftruncate(fd, (off_t)bytes) != 0 ? errno : posix_fallocate(fd, 0, (off_t)bytes);
-  void *p = e ? MAP_FAILED : mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  int e = ftruncate(f, (off_t)bytes) != 0 ? errno : posix_fallocate(f, 0, (off_t)bytes);
+  void *p = e ? MAP_FAILED : mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, f, 0);
   if (p == MAP_FAILED) {
     snprintf(why, whylen, "reserving %zu bytes of /dev/shm: %s", bytes, strerror(e ? e : errno));
-    close(fd);
     shm_unlink(name);
-    return NULL;
   }
-  dlua_shm_t *s = calloc(1, sizeof *s);
-  char *scratch = malloc(SHM_SLOT_BYTES);
-  if (!s || !scratch) {
-    free(s);
-    free(scratch);
-    munmap(p, bytes);
-    close(fd);
-    shm_unlink(name);
-    snprintf(why, whylen, "out of memory");
-    return NULL;
-  }
-  *s = (dlua_shm_t){.rank = 0, .size = size, .fd = fd, .base = p, .bytes = bytes, .scratch = scratch};
-  shm_header_t *h = p;
-  *h = (shm_header_t){.magic = SHM_MAGIC, .nonce = nonce, .size = size, .slot_bytes = SHM_SLOT_BYTES};
-  return s;
+  if (p == MAP_FAILED || !fd)
+    close(f);
+  else
+    *fd = f;
+  return p;
 }
 
-/* Ranks 1..: the segment rank 0 named, checked to be the one it made (same magic, nonce, size). */
-static dlua_shm_t *attach(int rank, int size, const char *name, uint64_t nonce, char *why, size_t whylen) {
-  int fd = shm_open(name, O_RDWR, 0);
-  if (fd < 0) {
-    snprintf(why, whylen, "shm_open %s on rank %d: %s", name, rank, strerror(errno));
-    return NULL;
-  }
-  size_t bytes = segment_bytes(size);
+/* Another rank's object `name`, mapped if it has exactly `bytes`; MAP_FAILED otherwise, with *open_errno
+   shm_open's errno when it could not even be opened (else 0). */
+static void *map_existing(const char *name, size_t bytes, int *fd, int *open_errno) {
+  int f = shm_open(name, O_RDWR, 0);
+  *open_errno = f < 0 ? errno : 0;
   struct stat st;
-  void *p = fstat(fd, &st) == 0 && (size_t)st.st_size == bytes
-                ? mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+  void *p = f >= 0 && fstat(f, &st) == 0 && (size_t)st.st_size == bytes
+                ? mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, f, 0)
                 : MAP_FAILED;
-  const shm_header_t *h = p;
-  if (p == MAP_FAILED || h->magic != SHM_MAGIC || h->nonce != nonce || h->size != size ||
-      h->slot_bytes != SHM_SLOT_BYTES) {
-    snprintf(why, whylen, "rank %d found another segment under %s", rank, name);
-    if (p != MAP_FAILED) munmap(p, bytes);
-    close(fd);
-    return NULL;
-  }
+  if (f >= 0 && (p == MAP_FAILED || !fd)) close(f);
+  if (p != MAP_FAILED && fd) *fd = f;
+  return p;
+}
+
+/* The mapped segment as this rank's handle; NULL (mapping and fd released) when out of memory. */
+static dlua_shm_t *wrap_segment(int rank, int size, int fd, void *p, size_t bytes, char *why, size_t whylen) {
   dlua_shm_t *s = calloc(1, sizeof *s);
   char *scratch = malloc(SHM_SLOT_BYTES);
   if (!s || !scratch) {
@@ -202,6 +183,43 @@ static dlua_shm_t *attach(int rank, int size, const char *name, uint64_t nonce, 
   }
   *s = (dlua_shm_t){.rank = rank, .size = size, .fd = fd, .base = p, .bytes = bytes, .scratch = scratch};
   return s;
+}
+
+/* Rank 0: a fresh segment, its header written. */
+static dlua_shm_t *create(int size, char *name, size_t namelen, uint64_t nonce, char *why, size_t whylen) {
+  static unsigned counter;
+  snprintf(name, namelen, "/dlua-%d-%u-%08x", (int)getpid(), __atomic_add_fetch(&counter, 1, __ATOMIC_RELAXED),
+           (unsigned)nonce);
+  size_t bytes = segment_bytes(size);
+  int fd = -1;
+  void *p = map_new(name, bytes, &fd, why, whylen);
+  if (p == MAP_FAILED) return NULL;
+  *(shm_header_t *)p = (shm_header_t){.magic = SHM_MAGIC, .nonce = nonce, .size = size, .slot_bytes = SHM_SLOT_BYTES};
+  dlua_shm_t *s = wrap_segment(0, size, fd, p, bytes, why, whylen);
+  if (!s) shm_unlink(name);
+  return s;
+}
+
+/* Ranks 1..: the segment rank 0 named, checked to be the one it made (same size, magic, nonce). */
+static dlua_shm_t *attach(int rank, int size, const char *name, uint64_t nonce, char *why, size_t whylen) {
+  size_t bytes = segment_bytes(size);
+  int fd = -1, open_errno;
+  void *p = map_existing(name, bytes, &fd, &open_errno);
+  if (open_errno) {
+    snprintf(why, whylen, "shm_open %s on rank %d: %s", name, rank, strerror(open_errno));
+    return NULL;
+  }
+  const shm_header_t *h = p;
+  if (p == MAP_FAILED || h->magic != SHM_MAGIC || h->nonce != nonce || h->size != size ||
+      h->slot_bytes != SHM_SLOT_BYTES) {
+    snprintf(why, whylen, "rank %d found another segment under %s", rank, name);
+    if (p != MAP_FAILED) {
+      munmap(p, bytes);
+      close(fd);
+    }
+    return NULL;
+  }
+  return wrap_segment(rank, size, fd, p, bytes, why, whylen);
 }
 
 static void drop(dlua_shm_t *s) {
@@ -343,8 +361,8 @@ static void region_unmap(shm_region_t *g) {
 }
 
 dlua_status_t dlua_shm_region_new(dlua_shm_t *s, dlua_store_t *store, const char *prefix, int64_t id, size_t bytes,
-                                  int64_t timeout_ms, void **out, char *why, size_t whylen) {
-  *out = NULL;
+                                  int64_t timeout_ms, void **out, void **handle, char *why, size_t whylen) {
+  *out = *handle = NULL;
   const int n = s->size, r = s->rank;
   size_t map = (bytes + 4095) & ~(size_t)4095;
   if (map == 0) map = 4096;
@@ -355,20 +373,13 @@ dlua_status_t dlua_shm_region_new(dlua_shm_t *s, dlua_store_t *store, const char
   if (g) *g = (shm_region_t){.owner = s, .rank = r, .size = n, .bytes = map};
   // 1. This rank's copy, pages reserved, under a fresh name.
   snprintf(name, sizeof name, "/dlua-%d-r%" PRId64 "-%08x", (int)getpid(), id, (unsigned)random_nonce());
-  int fd = ok ? shm_open(name, O_RDWR | O_CREAT | O_EXCL, 0600) : -1;
-  if (fd < 0) {
+  char failure[128] = "out of memory";
+  void *own = ok ? map_new(name, map, NULL, failure, sizeof failure) : MAP_FAILED;
+  if (own == MAP_FAILED) {
     ok = 0;
-    snprintf(why, whylen, "rank %d: shm_open %s: %s", r, name, strerror(errno));
+    snprintf(why, whylen, "rank %d: %s", r, failure);
   } else {
-    int e = ftruncate(fd, (off_t)map) != 0 ? errno : posix_fallocate(fd, 0, (off_t)map);
-    void *p = e ? MAP_FAILED : mmap(NULL, map, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (p == MAP_FAILED) {
-      ok = 0;
-      snprintf(why, whylen, "rank %d: reserving %zu bytes of /dev/shm: %s", r, map, strerror(e ? e : errno));
-    } else {
-      g->base[r] = p;
-    }
-    close(fd);
+    g->base[r] = own;
   }
   snprintf(what, sizeof what, "region%" PRId64 "/name", id);
   dlua_status_t st = put(store, prefix, what, r, ok ? name : "-");
@@ -381,12 +392,8 @@ dlua_status_t dlua_shm_region_new(dlua_shm_t *s, dlua_store_t *store, const char
       snprintf(why, whylen, "rank %d could not make its copy", q);
       break;
     }
-    int qfd = shm_open(vals[q], O_RDWR, 0);
-    struct stat stt;
-    void *p = qfd >= 0 && fstat(qfd, &stt) == 0 && (size_t)stt.st_size == map
-                  ? mmap(NULL, map, PROT_READ | PROT_WRITE, MAP_SHARED, qfd, 0)
-                  : MAP_FAILED;
-    if (qfd >= 0) close(qfd);
+    int open_errno;
+    void *p = map_existing(vals[q], map, NULL, &open_errno);
     if (p == MAP_FAILED) {
       ok = 0;
       snprintf(why, whylen, "rank %d: mapping rank %d's copy %s failed", r, q, vals[q]);
@@ -399,7 +406,7 @@ dlua_status_t dlua_shm_region_new(dlua_shm_t *s, dlua_store_t *store, const char
   snprintf(what, sizeof what, "region%" PRId64 "/mapped", id);
   if (st == DLUA_OK) st = put(store, prefix, what, r, ok ? "1" : "0");
   if (st == DLUA_OK) st = gather(store, prefix, what, n, timeout_ms, vals);
-  if (fd >= 0) shm_unlink(name);
+  if (own != MAP_FAILED) shm_unlink(name);  // (map_new unlinked it itself on failure)
   for (int q = 0; st == DLUA_OK && q < n; q++)
     if (strcmp(vals[q], "1")) {
       if (ok) snprintf(why, whylen, "rank %d could not map every copy", q);
@@ -416,6 +423,7 @@ dlua_status_t dlua_shm_region_new(dlua_shm_t *s, dlua_store_t *store, const char
   regions = g;
   pthread_mutex_unlock(&regions_mu);
   *out = g->base[r];
+  *handle = g;
   snprintf(why, whylen, "shared by all %d ranks", n);
   return DLUA_OK;
 }
@@ -431,15 +439,6 @@ void dlua_shm_region_free(void *ctx, void *data) {
     }
   pthread_mutex_unlock(&regions_mu);
   region_unmap(g);
-}
-
-void *dlua_shm_region_handle(void *own) {
-  shm_region_t *found = NULL;
-  pthread_mutex_lock(&regions_mu);
-  for (shm_region_t *g = regions; g && !found; g = g->next)
-    if (g->base[g->rank] == own) found = g;
-  pthread_mutex_unlock(&regions_mu);
-  return found;
 }
 
 void dlua_shm_close(dlua_shm_t *s) {
@@ -570,6 +569,24 @@ static dlua_shm_result_t data_in(dlua_shm_t *s, uint32_t g, int first, int64_t s
 
 static int64_t deadline_of(int64_t timeout_ms) { return now_ns() + timeout_ms * 1000000; }
 
+/* dst = src[0] op src[1] op ... op src[n-1], in rank order (dst may be src[0] or src[1], not a later one). */
+static void sum_ranks(dlua_pg_reduce_fn fn, void *dst, const char *const *src, int n, size_t len) {
+  fn(dst, src[0], src[1], len);
+  for (int q = 2; q < n; q++) fn(dst, dst, src[q], len);
+}
+
+/* All-reduce's split of m elements into one piece per rank: rank q owns [lo(q), hi(q)), pieces starting
+   on cache lines. */
+typedef struct {
+  size_t piece, m;
+} shm_split_t;
+static shm_split_t split(size_t m, int n, size_t es) {
+  size_t align = 64 / es, piece = (m + (size_t)n - 1) / (size_t)n;
+  return (shm_split_t){.piece = (piece + align - 1) / align * align, .m = m};
+}
+static size_t lo(shm_split_t sp, int q) { return (size_t)q * sp.piece < sp.m ? (size_t)q * sp.piece : sp.m; }
+static size_t hi(shm_split_t sp, int q) { return lo(sp, q) + sp.piece < sp.m ? lo(sp, q) + sp.piece : sp.m; }
+
 /* The region of this group that holds [p, p + len), and p's offset in it; NULL if none does. The region
    stays mapped while the caller holds a tensor on it (the work does). */
 static shm_region_t *region_of(dlua_shm_t *s, const void *p, size_t len, size_t *at) {
@@ -590,7 +607,7 @@ static shm_region_t *region_of(dlua_shm_t *s, const void *p, size_t len, size_t 
 static dlua_shm_result_t all_reduce_shared(dlua_shm_t *s, shm_region_t *rg, size_t at, size_t count, dlua_dtype_t dt,
                                            dlua_reduce_t op, int64_t seq, int64_t timeout_ms, char *err,
                                            size_t errlen) {
-  const size_t es = dlua_dtype_size(dt), align = 64 / es;
+  const size_t es = dlua_dtype_size(dt);
   const int n = s->size, r = s->rank;
   const int64_t deadline = deadline_of(timeout_ms);
   dlua_pg_reduce_fn fn = dlua_pg_reduce_fn_for(op, dt);
@@ -599,34 +616,26 @@ static dlua_shm_result_t all_reduce_shared(dlua_shm_t *s, shm_region_t *rg, size
   dlua_shm_result_t res = data_in(s, g, 1, seq, deadline, timeout_ms, err, errlen);
   if (res != DLUA_SHM_OK) return res;
   ++s->chunk;  // two chunk numbers: the rendezvous after the sums and the one at the end
-  size_t piece = (count + (size_t)n - 1) / (size_t)n;
-  piece = (piece + align - 1) / align * align;
-#define LO(q) ((size_t)(q) * piece < count ? (size_t)(q) * piece : count)
-#define HI(q) ((size_t)(q) * piece + piece < count ? (size_t)(q) * piece + piece : count)
-#define AT(q, i) (rg->base[(q)] + at * 1 + (i) * es)
-  size_t lo = LO(r), len = HI(r) - lo;
-  if (len && r < 2) {  // the destination is one of the first two operands: sum as it goes
-    char *dst = AT(r, lo);
-    fn(dst, AT(0, lo), AT(1, lo), len);
-    for (int q = 2; q < n; q++) fn(dst, dst, AT(q, lo), len);
-  } else if (len) {  // this rank's copy is read in its turn: sum a block at a time in scratch
-    size_t block = SHM_SLOT_BYTES / es;
-    for (size_t b = lo; b < lo + len; b += block) {
-      size_t k = lo + len - b < block ? lo + len - b : block;
-      fn(s->scratch, AT(0, b), AT(1, b), k);
-      for (int q = 2; q < n; q++) fn(s->scratch, s->scratch, AT(q, b), k);
-      memcpy(AT(r, b), s->scratch, k * es);
-    }
+  shm_split_t sp = split(count, n, es);
+#define AT(q, i) (rg->base[(q)] + at + (i) * es)
+  const char *src[n];
+  size_t mine = lo(sp, r), len = hi(sp, r) - mine;
+  // The destination is one of the first two operands (ranks 0, 1): sum as it goes. Otherwise this rank's
+  // copy is read in its turn: sum a block at a time in scratch.
+  size_t block = r < 2 ? len : SHM_SLOT_BYTES / es;
+  for (size_t b = mine; b < mine + len; b += block) {
+    size_t k = mine + len - b < block ? mine + len - b : block;
+    for (int q = 0; q < n; q++) src[q] = AT(q, b);
+    sum_ranks(fn, r < 2 ? AT(r, b) : s->scratch, src, n, k);
+    if (r >= 2) memcpy(AT(r, b), s->scratch, k * es);
   }
-  if (len && op == DLUA_PG_REDUCE_AVG) dlua_pg_divide_by(AT(r, lo), len, dt, n);
+  if (len && op == DLUA_PG_REDUCE_AVG) dlua_pg_divide_by(AT(r, mine), len, dt, n);
   int who = -1;
   post(s, 2 * g);
   if ((res = wait_all(s, 2 * g, deadline, &who)) != DLUA_SHM_OK) return failed(res, who, timeout_ms, err, errlen);
   for (int q = 0; q < n; q++)
-    if (q != r) memcpy(AT(r, LO(q)), AT(q, LO(q)), (HI(q) - LO(q)) * es);
+    if (q != r) memcpy(AT(r, lo(sp, q)), AT(q, lo(sp, q)), (hi(sp, q) - lo(sp, q)) * es);
 #undef AT
-#undef LO
-#undef HI
   post(s, 2 * (g + 1) - 1);
   if ((res = wait_all(s, 2 * (g + 1) - 1, deadline, &who)) != DLUA_SHM_OK)
     return failed(res, who, timeout_ms, err, errlen);
@@ -635,7 +644,7 @@ static dlua_shm_result_t all_reduce_shared(dlua_shm_t *s, shm_region_t *rg, size
 
 dlua_shm_result_t dlua_shm_all_reduce(dlua_shm_t *s, void *buf, size_t count, dlua_dtype_t dt, dlua_reduce_t op,
                                       int64_t seq, int64_t timeout_ms, char *err, size_t errlen) {
-  const size_t es = dlua_dtype_size(dt), per_chunk = SHM_SLOT_BYTES / es, align = 64 / es;  // pieces on cache lines
+  const size_t es = dlua_dtype_size(dt), per_chunk = SHM_SLOT_BYTES / es;
   dlua_pg_reduce_fn fn = dlua_pg_reduce_fn_for(op, dt);
   const int n = s->size, r = s->rank;
   const int64_t deadline = deadline_of(timeout_ms);
@@ -647,28 +656,24 @@ dlua_shm_result_t dlua_shm_all_reduce(dlua_shm_t *s, void *buf, size_t count, dl
   size_t off = 0;
   do {
     size_t m = count - off < per_chunk ? count - off : per_chunk;
-    size_t piece = (m + (size_t)n - 1) / (size_t)n;
-    piece = (piece + align - 1) / align * align;
+    shm_split_t sp = split(m, n, es);
     uint32_t g = ++s->chunk;
     int set = (int)(g & 1);
-#define LO(q) ((size_t)(q) * piece < m ? (size_t)(q) * piece : m)
-#define HI(q) ((size_t)(q) * piece + piece < m ? (size_t)(q) * piece + piece : m)
     char *mine = slot(s, set, r), *src = data + off * es;
+    size_t a = lo(sp, r), len = hi(sp, r) - a;
     // In: everything but the piece this rank reduces (it reads that one from its own buffer).
-    memcpy(mine, src, LO(r) * es);
-    memcpy(mine + HI(r) * es, src + HI(r) * es, (m - HI(r)) * es);
+    memcpy(mine, src, a * es);
+    memcpy(mine + (a + len) * es, src + (a + len) * es, (m - a - len) * es);
     dlua_shm_result_t res = data_in(s, g, off == 0, seq, deadline, timeout_ms, err, errlen);
     if (res != DLUA_SHM_OK) return res;
     // Reduce: this rank's piece, in rank order, into its own slot, where the others will read it.
-    size_t lo = LO(r), len = HI(r) - lo;
     if (len) {
-      char *dst = mine + lo * es;
-#define SRC(q) ((q) == r ? src + lo * es : slot(s, set, (q)) + lo * es)
-      fn(dst, SRC(0), SRC(1), len);
-      for (int q = 2; q < n; q++) fn(dst, dst, SRC(q), len);
-#undef SRC
+      char *dst = mine + a * es;
+      const char *from[n];
+      for (int q = 0; q < n; q++) from[q] = (q == r ? src : slot(s, set, q)) + a * es;
+      sum_ranks(fn, dst, from, n, len);
       if (op == DLUA_PG_REDUCE_AVG) dlua_pg_divide_by(dst, len, dt, n);
-      memcpy(src + lo * es, dst, len * es);
+      memcpy(src + a * es, dst, len * es);
     }
     int who = -1;
     post(s, 2 * g);
@@ -676,9 +681,7 @@ dlua_shm_result_t dlua_shm_all_reduce(dlua_shm_t *s, void *buf, size_t count, dl
     if (res != DLUA_SHM_OK) return failed(res, who, timeout_ms, err, errlen);
     // Out: the others' reduced pieces.
     for (int q = 0; q < n; q++)
-      if (q != r) memcpy(src + LO(q) * es, slot(s, set, q) + LO(q) * es, (HI(q) - LO(q)) * es);
-#undef LO
-#undef HI
+      if (q != r) memcpy(src + lo(sp, q) * es, slot(s, set, q) + lo(sp, q) * es, (hi(sp, q) - lo(sp, q)) * es);
     off += m;
   } while (off < count);
   return DLUA_SHM_OK;
@@ -705,10 +708,9 @@ dlua_shm_result_t dlua_shm_reduce_scatter(dlua_shm_t *s, const void *in, void *o
     // Reduce this rank's part over the ranks, in rank order, into out.
     if (c) {
       char *dst = (char *)out + off * es;
-#define SRC(q) (slot(s, set, (q)) + (size_t)r * c * es)
-      fn(dst, SRC(0), SRC(1), c);
-      for (int q = 2; q < n; q++) fn(dst, dst, SRC(q), c);
-#undef SRC
+      const char *from[n];
+      for (int q = 0; q < n; q++) from[q] = slot(s, set, q) + (size_t)r * c * es;
+      sum_ranks(fn, dst, from, n, c);
       if (op == DLUA_PG_REDUCE_AVG) dlua_pg_divide_by(dst, c, dt, n);
     }
     off += c;

@@ -45,10 +45,9 @@ dlua_shm_result_t dlua_shm_broadcast(dlua_shm_t *s, void *buf, size_t count, dlu
    arena). An all-reduce of a range inside one reads the peers' copies where they lie. Collective: every
    rank calls it with the same id and size, in the same order. *out is this rank's copy, or NULL when some
    rank could not make or map one (why says who; all ranks alike); an error status only when the store
-   failed. The region lives until dlua_shm_region_free(handle, ptr), even after the group closes. */
+   failed. The region lives until dlua_shm_region_free(*handle, *out), even after the group closes. */
 dlua_status_t dlua_shm_region_new(dlua_shm_t *s, dlua_store_t *store, const char *prefix, int64_t id, size_t bytes,
-                                  int64_t timeout_ms, void **out, char *why, size_t whylen);
-void *dlua_shm_region_handle(void *own);             /* the handle of the region whose copy here is own */
+                                  int64_t timeout_ms, void **out, void **handle, char *why, size_t whylen);
 void dlua_shm_region_free(void *handle, void *own);  /* a tensor deleter */
 
 /* Leaves the segment: peers still waiting on this rank see it gone. */
