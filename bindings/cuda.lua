@@ -14,6 +14,8 @@ local M = {}
 
 function M.device_count() return tonumber(C.dlua_cuda_device_count()) end
 function M.is_available() return C.dlua_cuda_device_count() > 0 end
+-- Whether this binary's CUDA devices are the CPU emulator (built with -DDLUA_CUDA=EMU, docs/cuda.md#emulator).
+function M.is_emulated() return C.dlua_cuda_emulated() ~= 0 end
 -- Why there is no device (the driver's message, or "built without CUDA"); nil when there is one.
 function M.unavailable_reason()
   local r = ffi.string(C.dlua_cuda_unavailable_reason())

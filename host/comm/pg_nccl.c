@@ -84,6 +84,10 @@ static void *try_glob(const char *pattern, char *tried, size_t n) {
 }
 
 static void nc_load(void) {
+#ifdef DLUA_CUDA_EMU
+  snprintf(nc_err, sizeof nc_err, "NCCL is not available in the CUDA emulator's build (use the gloo backend)");
+  return;
+#endif
   char tried[600] = "";
   void *h = NULL;
   const char *env = getenv("DLUA_NCCL_LIBRARY");

@@ -42,9 +42,14 @@ static cublasLtHandle_t handles[64];
 static int allow_tf32;  // PyTorch's default for matmul since 1.12: exact f32
 
 static void lt_load(void) {
+#ifdef DLUA_CUDA_EMU
+  /* The CUDA emulator's build loads its own cuBLASLt (host/cuemu/fake_cublaslt.c) and never a real one. */
+  static const char *const names[] = {DLUA_CUEMU_CUBLASLT, NULL};
+#else
   static const char *const names[] = {"libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so",
                                       "/usr/local/cuda/lib64/libcublasLt.so.13", "/usr/local/cuda/lib64/libcublasLt.so",
                                       NULL};
+#endif
   void *h = NULL;
   const char *why = "not found";
   for (int i = 0; names[i] && !h; i++) {

@@ -45,9 +45,16 @@ static void *try_glob(const char *pattern, char *why, size_t n) {
 static void api_load(void) {
   char why[512] = "", pat[700];
   void *h = NULL;
+#ifdef DLUA_CUDA_EMU
+  /* The CUDA emulator's build loads its own cuDNN (host/cuemu/fake_cudnn.c) and never a real one. */
+  const char *env = getenv("DLUA_CUDNN_LIBRARY");
+  h = try_open(env && *env ? env : DLUA_CUEMU_CUDNN, why, sizeof why);
+  if (!h) goto loaded;
+#else
   const char *env = getenv("DLUA_CUDNN_LIBRARY");
   if (env && *env) h = try_open(env, why, sizeof why);
   if (!h) h = try_open("libcudnn.so.9", why, sizeof why);
+#endif
   const char *roots[] = {getenv("CUDNN_ROOT"), getenv("CUDA_HOME"), getenv("CUDA_PATH"), "/usr/local/cuda"};
   for (int i = 0; i < 4 && !h; i++) {
     if (!roots[i] || !*roots[i]) continue;
@@ -61,6 +68,9 @@ static void api_load(void) {
              i == 2 ? "/.local" : "");
     h = try_glob(pat, why, sizeof why);
   }
+#ifdef DLUA_CUDA_EMU
+loaded:
+#endif
   if (!h) {
     snprintf(api_error, sizeof api_error,
              "cannot load cuDNN (libcudnn.so.9; set LD_LIBRARY_PATH or DLUA_CUDNN_LIBRARY to the CUDA toolkit's "

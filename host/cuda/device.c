@@ -184,9 +184,15 @@ const char *dlua_cuda_runtime_info(void) {
     off += (size_t)snprintf(info + off, sizeof info - off, "\ncuda:%d %s, %.1f GiB, sm_%d%d", d, p.name,
                             (double)p.totalGlobalMem / (1 << 30), p.major, p.minor);
   }
+#ifdef DLUA_CUDA_EMU  // the emulator's own libraries (host/cuemu), and no NCCL
+  static const char *const cudnn[] = {DLUA_CUEMU_CUDNN, NULL};
+  static const char *const cublas[] = {DLUA_CUEMU_CUBLASLT, NULL};
+  static const char *const nccl[] = {NULL};
+#else
   static const char *const cudnn[] = {"libcudnn.so.9", "libcudnn.so", NULL};
   static const char *const cublas[] = {"libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so", NULL};
   static const char *const nccl[] = {"libnccl.so.2", "libnccl.so", NULL};
+#endif
   char a[256], b[256], c[256];
   lib_version(a, sizeof a, "cuDNN", cudnn, "cudnnGetVersion", 0);
   lib_version(b, sizeof b, "cuBLASLt", cublas, "cublasLtGetVersion", 0);

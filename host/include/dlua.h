@@ -25,6 +25,7 @@ const char *dlua_status_name(dlua_status_t status);
 const char *dlua_version(void);
 const char *dlua_cuda_build_info(void); /* "CUDA 13.0, cuDNN 9.19.0, NCCL 2.28.9" or "no CUDA" */
 int dlua_has_cuda_build(void);
+int dlua_cuda_emulated(void); /* 1 when built with DLUA_CUDA=EMU: "cuda" devices are the CPU emulator (host/cuemu) */
 
 /* Threads used by CPU kernels (one pool, shared with oneDNN). n < 1 is an error. */
 dlua_status_t dlua_set_num_threads(int n);
