@@ -224,6 +224,15 @@ function M.randn_like(t, opts)
   return r
 end
 
+-- t on `device` (a C ordinal): t itself when it is there, else a copy there (t is freed).
+local function on_device(t, device)
+  local name = core.device_name(device)
+  if t.device == name then return t end
+  local d = t:to(name)
+  t:free()
+  return d
+end
+
 -- arange(end) / arange(start, end [, step]) [, opts]: [start, end) as PyTorch; int64 when
 -- every bound is an integer, else float32.
 function M.arange(a, b, c, d)
@@ -238,10 +247,10 @@ function M.arange(a, b, c, d)
   for _, v in ipairs({ start, stop, step }) do number_arg('arange', v, 'a bound') end
   if start == nil then raise('arange: expected arange(end) or arange(start, end [, step])') end
   local o = core.options('arange', opts, creation_opts)
-  core.device('arange', o.device)
+  local device = core.device('arange', o.device)
   local ints = core.is_int(start) and core.is_int(stop) and core.is_int(step)
   local dtype = core.dtype('arange', o.dtype, ints and I64 or F32)
-  return new('arange', C.dlua_tensor_arange, 4, start, stop, step, dtype)
+  return on_device(new('arange', C.dlua_tensor_arange, 4, start, stop, step, dtype), device)
 end
 
 function M.linspace(start, stop, steps, opts)
@@ -251,8 +260,9 @@ function M.linspace(start, stop, steps, opts)
     raise(format('linspace: steps must be a non-negative integer, got %s', tostring(steps)))
   end
   local o = core.options('linspace', opts, creation_opts)
-  core.device('linspace', o.device)
-  return new('linspace', C.dlua_tensor_linspace, 4, start, stop, steps, core.dtype('linspace', o.dtype, F32))
+  local device = core.device('linspace', o.device)
+  return on_device(new('linspace', C.dlua_tensor_linspace, 4, start, stop, steps, core.dtype('linspace', o.dtype, F32)),
+    device)
 end
 
 -- eye(n [, m] [, opts])
@@ -265,8 +275,8 @@ function M.eye(n, m, opts)
     end
   end
   local o = core.options('eye', opts, creation_opts)
-  core.device('eye', o.device)
-  return new('eye', C.dlua_tensor_eye, 3, n, m, core.dtype('eye', o.dtype, F32))
+  local device = core.device('eye', o.device)
+  return on_device(new('eye', C.dlua_tensor_eye, 3, n, m, core.dtype('eye', o.dtype, F32)), device)
 end
 
 function M.rand(...)
@@ -307,12 +317,8 @@ function M.randperm(n, opts)
   local o = core.options('randperm', opts, random_opts)
   local device = core.device('randperm', o.device)
   -- The shuffle is sequential: drawn on the host, then copied to the device (the same values).
-  local t = new('randperm', C.dlua_tensor_randperm, 4, n, 1, core.dtype('randperm', o.dtype, I64),
-    opt_generator('randperm', o))
-  if device == CPU then return t end
-  local d = t:to(core.device_name(device))
-  t:free()
-  return d
+  return on_device(new('randperm', C.dlua_tensor_randperm, 4, n, 1, core.dtype('randperm', o.dtype, I64),
+    opt_generator('randperm', o)), device)
 end
 
 -- In-place fills from a generator.
@@ -365,11 +371,13 @@ end
 
 function M.tensor(data, opts)
   local o = core.options('tensor', opts, creation_opts)
-  core.device('tensor', o.device)
+  local device = core.device('tensor', o.device)
   if core.is_tensor(data) then
     local p = handle('tensor', data)
     local dtype = core.dtype('tensor', o.dtype, core.dtype_of(p))
-    return new('tensor', C.dlua_tensor_to_dtype, 2, data, dtype)
+    -- a copy, as torch.tensor(t): on t's own device unless device= says another
+    local t = new('tensor', C.dlua_tensor_to_dtype, 2, data, dtype)
+    return o.device == nil and t or on_device(t, device)
   end
   local kind = type(data)
   if kind ~= 'table' and kind ~= 'number' and kind ~= 'boolean' then
@@ -417,7 +425,7 @@ function M.tensor(data, opts)
   fill(data, 0)
   local sizes = ffi.new('int64_t[8]')
   for k = 1, ndim do sizes[k - 1] = shape[k] end
-  return new('tensor', C.dlua_tensor_from_data, 4, ndim, sizes, dtype, buf)
+  return on_device(new('tensor', C.dlua_tensor_from_data, 4, ndim, sizes, dtype, buf), device)
 end
 
 ---------------------------------------------------------------------------------------------

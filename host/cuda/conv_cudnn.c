@@ -642,10 +642,15 @@ dlua_status_t dlua_cuda_conv2d_backward_weights(dlua_tensor_t *grad_w, dlua_tens
     if (!accumulate) {
       s = dlua_tensor_reduce(&grad_bias, NULL, grad_y, DLUA_REDUCE_SUM, 3, dims, 0, 0.0, 0);
     } else {
-      dlua_tensor_t *sum = NULL;
-      s = dlua_tensor_reduce(&sum, NULL, grad_y, DLUA_REDUCE_SUM, 3, dims, 0, 0.0, 0);
+      // Added to what grad_bias holds: the sum of a 16-bit grad_y is kept in float32 until that addition, so
+      // the result is rounded once, as on the CPU (a float16 sum first would cost up to half its own ulp).
+      dlua_tensor_t *sum = NULL, *wide = NULL;
+      const int narrow = grad_y->dtype == DLUA_DTYPE_F16 || grad_y->dtype == DLUA_DTYPE_BF16;
+      if (narrow) s = dlua_tensor_to_dtype(&wide, grad_y, DLUA_DTYPE_F32);
+      if (s == DLUA_OK) s = dlua_tensor_reduce(&sum, NULL, narrow ? wide : grad_y, DLUA_REDUCE_SUM, 3, dims, 0, 0.0, 0);
       if (s == DLUA_OK) s = fold_back(grad_bias, sum, 1);
       dlua_tensor_free(sum);
+      dlua_tensor_free(wide);
     }
   }
   return s;

@@ -75,7 +75,7 @@ local function check(name, fn, ...)
   local cpu_in, dev_in = { ... }, {}
   for i = 1, n do
     local x = cpu_in[i]
-    if type(x) == 'table' and x.device ~= nil and x.dtype ~= nil then
+    if dlua.is_tensor(x) then
       cpu_in[i] = dup(x, 'cpu')
       dev_in[i] = dup(x, dev)
     else
@@ -360,44 +360,46 @@ if on_gpu then
     fail('bn determinism', 'two runs differ')
   end
 
-  -- Timing: ResNet-50's widest batch-norm, bf16 channels-last, training forward + backward with ReLU.
-  local cuda = dlua.cuda
-  local N, C, H = 128, 256, 56
-  local xb = dlua.randn(N, C, H, H):to { device = dev, dtype = 'bfloat16' }:contiguous('channels_last')
-  local dyb = (xb * 0.5):contiguous('channels_last')
-  local gm, bt = dlua.ones(C, { device = dev }), dlua.zeros(C, { device = dev })
-  local rmb, rvb = dlua.zeros(C, { device = dev }), dlua.ones(C, { device = dev })
-  local ggb, gbb = dlua.zeros(C, { device = dev }), dlua.zeros(C, { device = dev })
-  local function step()
-    local yb, smb, sib = K.batch_norm(xb, gm, bt, nil, rmb, rvb, true, 0.1, 1e-5, true, true)
-    local gi = K.batch_norm_backward(dyb, xb, yb, gm, nil, smb, sib, ggb, gbb, true, true, false)
-    yb:free(); gi:free()
+  if H.timed(notes) then
+    -- Timing: ResNet-50's widest batch-norm, bf16 channels-last, training forward + backward with ReLU.
+    local cuda = dlua.cuda
+    local N, C, H = 128, 256, 56
+    local xb = dlua.randn(N, C, H, H):to { device = dev, dtype = 'bfloat16' }:contiguous('channels_last')
+    local dyb = (xb * 0.5):contiguous('channels_last')
+    local gm, bt = dlua.ones(C, { device = dev }), dlua.zeros(C, { device = dev })
+    local rmb, rvb = dlua.zeros(C, { device = dev }), dlua.ones(C, { device = dev })
+    local ggb, gbb = dlua.zeros(C, { device = dev }), dlua.zeros(C, { device = dev })
+    local function step()
+      local yb, smb, sib = K.batch_norm(xb, gm, bt, nil, rmb, rvb, true, 0.1, 1e-5, true, true)
+      local gi = K.batch_norm_backward(dyb, xb, yb, gm, nil, smb, sib, ggb, gbb, true, true, false)
+      yb:free(); gi:free()
+    end
+    step()
+    cuda.synchronize()
+    local e0, e1 = cuda.Event { enable_timing = true }, cuda.Event { enable_timing = true }
+    local reps = 20
+    e0:record()
+    for _ = 1, reps do step() end
+    e1:record()
+    e1:synchronize()
+    local ms = e0:elapsed_time(e1) / reps
+    -- bytes moved: forward reads x twice and writes y; backward reads x, dy, y twice and writes dx
+    local bytes = 10 * N * C * H * H * 2
+    notes[#notes + 1] = string.format('BN fwd+bwd %dx%dx%dx%d bf16 NHWC relu: %.3f ms  %.0f GB/s', N, C, H, H, ms, bytes / ms / 1e6)
+    local xp = dlua.randn(N, 64, 112, 112):to { device = dev, dtype = 'bfloat16' }:contiguous('channels_last')
+    local mc = { 3, 3, 2, 2, 1, 1, 1, 1, false }
+    local function pstep()
+      local yp, ip = K.max_pool2d(xp, mc, true)
+      K.max_pool2d_backward(yp, ip, xp):free()
+      yp:free(); ip:free()
+    end
+    pstep()
+    e0:record()
+    for _ = 1, 10 do pstep() end
+    e1:record()
+    e1:synchronize()
+    notes[#notes + 1] = string.format('max_pool 3x3/2 fwd+bwd %dx64x112x112 bf16 NHWC: %.3f ms', N, e0:elapsed_time(e1) / 10)
   end
-  step()
-  cuda.synchronize()
-  local e0, e1 = cuda.Event { enable_timing = true }, cuda.Event { enable_timing = true }
-  local reps = 20
-  e0:record()
-  for _ = 1, reps do step() end
-  e1:record()
-  e1:synchronize()
-  local ms = e0:elapsed_time(e1) / reps
-  -- bytes moved: forward reads x twice and writes y; backward reads x, dy, y twice and writes dx
-  local bytes = 10 * N * C * H * H * 2
-  notes[#notes + 1] = string.format('BN fwd+bwd %dx%dx%dx%d bf16 NHWC relu: %.3f ms  %.0f GB/s', N, C, H, H, ms, bytes / ms / 1e6)
-  local xp = dlua.randn(N, 64, 112, 112):to { device = dev, dtype = 'bfloat16' }:contiguous('channels_last')
-  local mc = { 3, 3, 2, 2, 1, 1, 1, 1, false }
-  local function pstep()
-    local yp, ip = K.max_pool2d(xp, mc, true)
-    K.max_pool2d_backward(yp, ip, xp):free()
-    yp:free(); ip:free()
-  end
-  pstep()
-  e0:record()
-  for _ = 1, 10 do pstep() end
-  e1:record()
-  e1:synchronize()
-  notes[#notes + 1] = string.format('max_pool 3x3/2 fwd+bwd %dx64x112x112 bf16 NHWC: %.3f ms', N, e0:elapsed_time(e1) / 10)
 end
 
 ------------------------------------------------------------------------------------------------
