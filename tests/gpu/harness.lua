@@ -75,6 +75,17 @@ function H.rel_error(ref, got)
   return (diff / denom):max():item()
 end
 
+-- Whether the CUDA devices are the CPU emulator (a -DDLUA_CUDA=EMU build, docs/cuda.md#emulator): the
+-- comparisons run as on a GPU; the timings are skipped (H.timed).
+H.emulated = dlua.cuda.is_emulated()
+
+-- Whether to run a script's timing section: not on the emulator, where it says so in the notes.
+function H.timed(notes)
+  if not H.emulated then return true end
+  notes[#notes + 1] = 'timings: skipped (the CUDA device is the CPU emulator)'
+  return false
+end
+
 -- Milliseconds per call of fn on the current CUDA stream (one warm-up call, then reps timed by events).
 function H.time_ms(fn, reps)
   local cuda = dlua.cuda

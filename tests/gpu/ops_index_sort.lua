@@ -414,21 +414,23 @@ if on_gpu then
     if r1:ne(r2):any():item() then fail('scatter_add_ determinism ' .. shape_str(s), 'two runs differ') end
   end
 
-  local cuda = dlua.cuda
-  local time_ms = H.time_ms
-  local function note(fmt, ...) notes[#notes + 1] = string.format(fmt, ...) end
-  local big = dlua.randn(16 * 1024 * 1024):to(dev)
-  note('sort f32 16M (one row)        %8.3f ms', time_ms(function() local v, i = big:sort(); v:free(); i:free() end, 5))
-  local rows = big:view(16384, 1024)
-  note('sort f32 16384 rows x 1024    %8.3f ms', time_ms(function() local v, i = rows:sort(2); v:free(); i:free() end, 5))
-  note('topk f32 16M k=16384          %8.3f ms', time_ms(function() local v, i = big:topk(16384); v:free(); i:free() end, 5))
-  local ix = idx(16384, { 4096 }):to(dev)
-  note('index_select 4096 of 16384 rows x 1024 f32 %8.3f ms', time_ms(function() rows:index_select(1, ix):free() end, 10))
-  local bins = idx(1000, { 16 * 1024 * 1024 }):to(dev)
-  local acc = dlua.zeros(1000):to(dev)
-  note('scatter_add_ 16M into 1000 bins %8.3f ms', time_ms(function() acc:scatter_add_(1, bins, big) end, 5))
-  note('var f32 16M                   %8.3f ms', time_ms(function() big:var() end, 10))
-  big:free(); bins:free()
+  if H.timed(notes) then
+    local cuda = dlua.cuda
+    local time_ms = H.time_ms
+    local function note(fmt, ...) notes[#notes + 1] = string.format(fmt, ...) end
+    local big = dlua.randn(16 * 1024 * 1024):to(dev)
+    note('sort f32 16M (one row)        %8.3f ms', time_ms(function() local v, i = big:sort(); v:free(); i:free() end, 5))
+    local rows = big:view(16384, 1024)
+    note('sort f32 16384 rows x 1024    %8.3f ms', time_ms(function() local v, i = rows:sort(2); v:free(); i:free() end, 5))
+    note('topk f32 16M k=16384          %8.3f ms', time_ms(function() local v, i = big:topk(16384); v:free(); i:free() end, 5))
+    local ix = idx(16384, { 4096 }):to(dev)
+    note('index_select 4096 of 16384 rows x 1024 f32 %8.3f ms', time_ms(function() rows:index_select(1, ix):free() end, 10))
+    local bins = idx(1000, { 16 * 1024 * 1024 }):to(dev)
+    local acc = dlua.zeros(1000):to(dev)
+    note('scatter_add_ 16M into 1000 bins %8.3f ms', time_ms(function() acc:scatter_add_(1, bins, big) end, 5))
+    note('var f32 16M                   %8.3f ms', time_ms(function() big:var() end, 10))
+    big:free(); bins:free()
+  end
 end
 
 ------------------------------------------------------------------------------------------------
