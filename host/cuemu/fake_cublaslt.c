@@ -16,81 +16,22 @@
 #include <stdlib.h>
 #include <string.h>
 #include "cuemu.h"
+#include "fake_common.h"
 
-/* ---- f16 / bf16 ---------------------------------------------------------------------------------- */
-
-static float f16_to_float(uint16_t h) {
-  uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, x;
-  if (exp == 0) {  // zero or subnormal: man * 2^-24, exact in float
-    float v = (float)man * (1.0f / 16777216.0f);
-    return sign ? -v : v;
-  }
-  x = exp == 0x1f ? sign | 0x7f800000u | (man << 13) : sign | ((exp + 112) << 23) | (man << 13);
-  float f;
-  memcpy(&f, &x, sizeof f);
-  return f;
-}
-
-static uint16_t float_to_f16(float f) {  // round to nearest, ties to even
-  uint32_t x;
-  memcpy(&x, &f, sizeof x);
-  uint16_t sign = (uint16_t)((x >> 16) & 0x8000);
-  uint32_t ax = x & 0x7fffffffu;
-  if (ax > 0x7f800000u) return sign | 0x7e00 | (uint16_t)((ax >> 13) & 0x3ff);  // NaN, kept quiet
-  if (ax >= 0x477ff000u) return sign | 0x7c00;  // >= 65520 (halfway past 65504, odd) and inf: inf
-  if (ax >= 0x38800000u) {                      // a normal half: rebias the exponent, drop 13 mantissa bits
-    uint32_t r = ax - 0x38000000u, h = r >> 13, rem = r & 0x1fff;
-    if (rem > 0x1000 || (rem == 0x1000 && (h & 1))) h++;  // a carry into the exponent is right
-    return sign | (uint16_t)h;
-  }
-  if (ax <= 0x33000000u) return sign;  // <= 2^-25 (the tie goes to the even 0)
-  int s = 126 - (int)(ax >> 23);       // subnormal: (1.m) * 2^e in units of 2^-24 is m' >> (-e - 1), s in 14..24
-  uint32_t m = (ax & 0x7fffffu) | 0x800000u, h = m >> s, rem = m & ((1u << s) - 1), half = 1u << (s - 1);
-  if (rem > half || (rem == half && (h & 1))) h++;  // reaching 0x400 is the smallest normal: right too
-  return sign | (uint16_t)h;
-}
-
-static float bf16_to_float(uint16_t h) {
-  uint32_t x = (uint32_t)h << 16;
-  float f;
-  memcpy(&f, &x, sizeof f);
-  return f;
-}
-
-static uint16_t float_to_bf16(float f) {  // round to nearest, ties to even
-  uint32_t x;
-  memcpy(&x, &f, sizeof x);
-  if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40);  // NaN, kept quiet
-  return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1)) >> 16);                  // overflow to inf is right
-}
-
-static size_t type_size(cudaDataType t) {
+/* The element type of a layout (FK_NONE: not supported). */
+static fk_type_t fk_of(cudaDataType t) {
   switch (t) {
-    case CUDA_R_64F: return 8;
-    case CUDA_R_32F: return 4;
-    case CUDA_R_16F:
-    case CUDA_R_16BF: return 2;
-    default: return 0;  // not supported
+    case CUDA_R_64F: return FK_F64;
+    case CUDA_R_32F: return FK_F32;
+    case CUDA_R_16F: return FK_F16;
+    case CUDA_R_16BF: return FK_BF16;
+    default: return FK_NONE;
   }
 }
 
-static double load(cudaDataType t, const void *p, int64_t i) {
-  switch (t) {
-    case CUDA_R_64F: return ((const double *)p)[i];
-    case CUDA_R_32F: return ((const float *)p)[i];
-    case CUDA_R_16F: return f16_to_float(((const uint16_t *)p)[i]);
-    default: return bf16_to_float(((const uint16_t *)p)[i]);
-  }
-}
-
-static void store(cudaDataType t, void *p, int64_t i, double v) {
-  switch (t) {
-    case CUDA_R_64F: ((double *)p)[i] = v; break;
-    case CUDA_R_32F: ((float *)p)[i] = (float)v; break;
-    case CUDA_R_16F: ((uint16_t *)p)[i] = float_to_f16((float)v); break;
-    default: ((uint16_t *)p)[i] = float_to_bf16((float)v); break;
-  }
-}
+static size_t type_size(cudaDataType t) { return fk_size(fk_of(t)); }
+static double load(cudaDataType t, const void *p, int64_t i) { return fk_load(fk_of(t), p, i); }
+static void store(cudaDataType t, void *p, int64_t i, double v) { fk_store(fk_of(t), p, i, v); }
 
 /* ---- handles and descriptors ---------------------------------------------------------------------- */
 

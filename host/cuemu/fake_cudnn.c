@@ -36,6 +36,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "cuemu.h"
+#include "fake_common.h"
 
 /* ---- errors -------------------------------------------------------------------------------------------------- */
 
@@ -118,66 +119,22 @@ const char *cudnnGetErrorString(cudnnStatus_t status) {
 
 /* ---- f16 / bf16 ---------------------------------------------------------------------------------------------- */
 
-static float bits_to_float(uint32_t u) {
-  float f;
-  memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-static uint32_t float_to_bits(float f) {
-  uint32_t u;
-  memcpy(&u, &f, sizeof u);
-  return u;
-}
-
-static float half_to_float(uint16_t h) {
-  uint32_t sign = (uint32_t)(h >> 15) << 31, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
-  if (e == 0) {  // zero or subnormal: m units of 2^-24, exact in float
-    float v = (float)m * 0x1p-24f;
-    return sign ? -v : v;
-  }
-  if (e == 31) return bits_to_float(sign | 0x7f800000u | (m << 13));  // inf, NaN (payload kept)
-  return bits_to_float(sign | ((e - 15 + 127) << 23) | (m << 13));
-}
-
-/* Rounds the integer v to a multiple of 2^k (k >= 1), ties to even, and returns v >> k. */
-static uint32_t shift_round_even(uint32_t v, int k) {
-  uint32_t q = v >> k, r = v & ((1u << k) - 1), mid = 1u << (k - 1);
-  return q + (r > mid || (r == mid && (q & 1)));
-}
-
-static uint16_t float_to_half(float f) {
-  uint32_t u = float_to_bits(f), sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
-  int e = (int)(a >> 23) - 127;  // unbiased exponent
-  if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u | ((a >> 13) & 0x1ffu));  // NaN, made quiet
-  if (a == 0x7f800000u || e > 15) return (uint16_t)(sign | 0x7c00u);            // inf, or too big
-  if (e < -25) return (uint16_t)sign;                                             // below half the least subnormal
-  uint32_t m = (a & 0x7fffffu) | 0x800000u;                                        // 24-bit significand
-  if (e < -14) return (uint16_t)(sign | shift_round_even(m, -e - 1));  // subnormal: 2^-24 units; may become normal
-  // normal: 10 fraction bits; a carry out of the significand bumps the exponent, past 15 it gives inf, as it should
-  uint32_t r = ((uint32_t)(e + 15) << 10) + shift_round_even(m, 13) - 0x400u;
-  return (uint16_t)(sign | (r >= 0x7c00u ? 0x7c00u : r));
-}
-
-static float bf16_to_float(uint16_t b) { return bits_to_float((uint32_t)b << 16); }
-
-static uint16_t float_to_bf16(float f) {
-  uint32_t u = float_to_bits(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x0040u);  // NaN, made quiet
-  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);  // ties to even; the largest values round to inf
-}
-
 /* ---- element access ------------------------------------------------------------------------------------------ */
 
-static size_t dtype_size(cudnnDataType_t t) {
+/* The element type of a descriptor (FK_NONE: not supported). */
+static fk_type_t fk_of(cudnnDataType_t t) {
   switch (t) {
-    case CUDNN_DATA_DOUBLE: return 8;
-    case CUDNN_DATA_FLOAT: return 4;
-    case CUDNN_DATA_HALF:
-    case CUDNN_DATA_BFLOAT16: return 2;
-    default: return 0;
+    case CUDNN_DATA_DOUBLE: return FK_F64;
+    case CUDNN_DATA_FLOAT: return FK_F32;
+    case CUDNN_DATA_HALF: return FK_F16;
+    case CUDNN_DATA_BFLOAT16: return FK_BF16;
+    default: return FK_NONE;
   }
 }
+
+static size_t dtype_size(cudnnDataType_t t) { return fk_size(fk_of(t)); }
+static double load(cudnnDataType_t t, const void *p, int64_t i) { return fk_load(fk_of(t), p, i); }
+static void store(cudnnDataType_t t, void *p, int64_t i, double v) { fk_store(fk_of(t), p, i, v); }
 
 static const char *dtype_name(cudnnDataType_t t) {
   switch (t) {
@@ -189,23 +146,6 @@ static const char *dtype_name(cudnnDataType_t t) {
   }
 }
 
-static double load(cudnnDataType_t t, const void *p, int64_t i) {
-  switch (t) {
-    case CUDNN_DATA_DOUBLE: return ((const double *)p)[i];
-    case CUDNN_DATA_FLOAT: return ((const float *)p)[i];
-    case CUDNN_DATA_HALF: return half_to_float(((const uint16_t *)p)[i]);
-    default: return bf16_to_float(((const uint16_t *)p)[i]);
-  }
-}
-
-static void store(cudnnDataType_t t, void *p, int64_t i, double v) {
-  switch (t) {
-    case CUDNN_DATA_DOUBLE: ((double *)p)[i] = v; break;
-    case CUDNN_DATA_FLOAT: ((float *)p)[i] = (float)v; break;
-    case CUDNN_DATA_HALF: ((uint16_t *)p)[i] = float_to_half((float)v); break;
-    default: ((uint16_t *)p)[i] = float_to_bf16((float)v); break;
-  }
-}
 
 /* ---- handles and descriptors --------------------------------------------------------------------------------- */
 

@@ -36,6 +36,23 @@ static size_t skip_lexeme(size_t i) {
   return i;
 }
 
+/* From i at parenthesis depth `depth`: the index of `stop` at depth 0 (stop NULL: of the ')' that closes depth 1),
+   skipping comments and literals; n when there is none. */
+static size_t scan(size_t i, int depth, const char *stop) {
+  while (i < n) {
+    size_t s = skip_lexeme(i);
+    if (s != i) {
+      i = s;
+      continue;
+    }
+    if (stop && depth == 0 && strncmp(src + i, stop, strlen(stop)) == 0) return i;
+    if (src[i] == '(') depth++;
+    if (src[i] == ')' && --depth == 0 && !stop) return i;
+    i++;
+  }
+  return n;
+}
+
 static int ident(char c) { return c == '_' || c == ':' || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9'); }
 
 int main(int argc, char **argv) {
@@ -90,37 +107,15 @@ int main(int argc, char **argv) {
     }
     while (ks > done && ident(src[ks - 1])) ks--;
     if (ks == ke) die(argv[1], i, "no kernel name before <<<");
-    /* The configuration up to >>> at parenthesis depth 0. */
-    size_t cs = i + 3, ce = cs;
-    int depth = 0;
-    while (ce < n && !(depth == 0 && strncmp(src + ce, ">>>", 3) == 0)) {
-      size_t s = skip_lexeme(ce);
-      if (s != ce) {
-        ce = s;
-        continue;
-      }
-      if (src[ce] == '(') depth++;
-      if (src[ce] == ')') depth--;
-      ce++;
-    }
+    /* The configuration up to >>> at parenthesis depth 0, then the arguments up to their ')'. */
+    size_t cs = i + 3, ce = scan(cs, 0, ">>>");
     if (ce >= n) die(argv[1], i, "no >>> after <<<");
     size_t as = ce + 3;
     while (as < n && (src[as] == ' ' || src[as] == '\t' || src[as] == '\n')) as++;
     if (as >= n || src[as] != '(') die(argv[1], i, "no argument list after >>>");
-    size_t ae = as + 1;
-    depth = 1;
-    while (ae < n && depth > 0) {
-      size_t s = skip_lexeme(ae);
-      if (s != ae) {
-        ae = s;
-        continue;
-      }
-      if (src[ae] == '(') depth++;
-      if (src[ae] == ')') depth--;
-      ae++;
-    }
-    if (depth) die(argv[1], i, "unbalanced kernel arguments");
-    /* ae is just past the closing parenthesis. */
+    size_t ae = scan(as + 1, 1, NULL);
+    if (ae >= n) die(argv[1], i, "unbalanced kernel arguments");
+    ae++; /* just past the closing parenthesis */
     fwrite(src + done, 1, ks - done, o);
     fputs("::cuemu::launch(::cuemu::Cfg(", o);
     fwrite(src + cs, 1, ce - cs, o);
