@@ -91,16 +91,29 @@ if mode == 'check' then
   expect('f32 step: loss vs CPU', math.abs(lr_ - lg) <= 1e-4 * math.abs(lr_), string.format('%.6f vs %.6f', lg, lr_))
   expect('f32 step: logits vs CPU', rel(got.model.output, ref.model.output) < 1e-4,
     string.format('rel err %.2e', rel(got.model.output, ref.model.output)))
-  local worst, wname = 0, ''
-  local gp, rp = got.model:named_parameters(), ref.model:named_parameters()
-  for i, e in ipairs(rp) do
-    local r = rel(gp[i].grad, e.grad)
-    if r > worst then worst, wname = r, e.name end
+  -- How far the CPU moves from itself when the input changes by one part in 10^6 (a few f32 roundings): at
+  -- 64x64 and batch 8, layer4 is 2x2 and batch-norm's statistics come from 32 values, so ResNet-50 at
+  -- initialisation turns that into about 1e-2 in some batch-norm gradients. A device sums every convolution
+  -- in another order, a change of the same kind and size, so its gradients may differ from the CPU's by a
+  -- few times this spread, and no more (a fixed 1e-3 failed on the emulator, and would on any GPU).
+  local pert = setup('cpu', 'float32', image, 1)
+  step(pert, xc * (1 + 1e-6), yc, true)
+  local function worst_of(field, a, b)
+    local w, wn = 0, ''
+    local pa, pb = a.model:named_parameters(), b.model:named_parameters()
+    for i, e in ipairs(pb) do
+      local r = rel(pa[i][field], e[field])
+      if r > w then w, wn = r, e.name end
+    end
+    return w, wn
   end
-  expect('f32 step: every gradient vs CPU (worst)', worst < 1e-3, string.format('rel err %.2e (%s)', worst, wname))
-  local pw = 0
-  for i, e in ipairs(rp) do pw = math.max(pw, rel(gp[i].param, e.param)) end
-  expect('f32 step: weights after SGD vs CPU (worst)', pw < 1e-5, string.format('rel err %.2e', pw))
+  for _, field in ipairs({ 'grad', 'param' }) do
+    local spread = worst_of(field, pert, ref)
+    local worst, wname = worst_of(field, got, ref)
+    local what = field == 'grad' and 'every gradient' or 'weights after SGD'
+    expect(string.format('f32 step: %s vs CPU (worst)', what), worst <= 4 * spread + 1e-5,
+      string.format('rel err %.2e (%s); the CPU with its input moved by 1e-6: %.2e', worst, wname, spread))
+  end
   local rb, gb = ref.model.bn1.running_var, got.model.bn1.running_var
   expect('f32 step: bn1 running_var vs CPU', rel(gb, rb) < 1e-4, string.format('rel err %.2e', rel(gb, rb)))
 

@@ -104,6 +104,25 @@ describe('dlua.cuda with a device', function()
     assert.is_true(cuda.memory_stats('pinned').allocated >= 4000)
   end)
 
+  gpu_it('creates tensors on the device that device= names, as torch.tensor(..., device=) does', function()
+    local want = 'cuda:' .. cuda.current_device()
+    local made = {
+      tensor = dlua.tensor({ { 1, 2 }, { 3, 4 } }, { device = 'cuda' }),
+      copy = dlua.tensor(dlua.ones(3), { device = 'cuda' }),
+      arange = dlua.arange(5, { device = 'cuda' }),
+      linspace = dlua.linspace(0, 1, 5, { device = 'cuda' }),
+      eye = dlua.eye(3, { device = 'cuda' }),
+      randperm = dlua.randperm(6, { device = 'cuda' }),
+    }
+    for name, t in pairs(made) do assert.equals(want, t.device, name) end
+    assert.equals(4, made.tensor:cpu()[2][2])
+    assert.equals(0.75, made.linspace:cpu()[4])
+    assert.equals(1, made.eye:cpu()[3][3])
+    -- a tensor of a tensor stays on its device unless device= says another
+    assert.equals(want, dlua.tensor(made.arange).device)
+    assert.equals('cpu', dlua.tensor(made.arange, { device = 'cpu' }).device)
+  end)
+
   gpu_it('caches device memory: steady state needs no cudaMalloc', function()
     cuda.synchronize()
     local x = dlua.zeros(1) -- warm up the allocator for the CPU side
