@@ -18,6 +18,7 @@ typedef struct block {
   void **uses;            /* other streams recorded while live */
   int nuses, capuses;
   int nevents;            /* outstanding events before a freed block may be reused */
+  uint64_t born;          /* the device's allocation clock when it was handed out */
   unsigned char allocated, pending, small;
 } block_t;
 
@@ -43,6 +44,7 @@ typedef struct {
   pending_t *pend;
   int npend, cappend;
   dlua_memory_stats_t st;
+  uint64_t clock;  /* allocations handed out so far */
 } dev_t_;
 
 struct dlua_caching_alloc {
@@ -450,6 +452,7 @@ dlua_status_t dlua_caching_alloc_malloc(dlua_caching_alloc_t *a, int device, voi
   }
   b->allocated = 1;
   b->requested = bytes;
+  b->born = ++d->clock;
   d->st.allocated += (int64_t)b->size;
   d->st.requested += (int64_t)bytes;
   if (d->st.allocated > d->st.peak_allocated) d->st.peak_allocated = d->st.allocated;
@@ -538,6 +541,26 @@ dlua_status_t dlua_caching_alloc_block_info(dlua_caching_alloc_t *a, int device,
   pthread_mutex_unlock(&d->lock);
   if (!b) return DLUA_ERR(DLUA_ERR_ARG, "block_info: %p is not a live allocation", ptr);
   return DLUA_OK;
+}
+
+dlua_status_t dlua_caching_alloc_born(dlua_caching_alloc_t *a, int device, void *ptr, uint64_t *born) {
+  DLUA_TRY(check_device(a, "block_born", device));
+  dev_t_ *d = &a->devs[device];
+  pthread_mutex_lock(&d->lock);
+  block_t *b = hash_take(d, ptr, 0);
+  if (b) *born = b->born;
+  pthread_mutex_unlock(&d->lock);
+  if (!b) return DLUA_ERR(DLUA_ERR_ARG, "block_born: %p is not a live allocation", ptr);
+  return DLUA_OK;
+}
+
+uint64_t dlua_caching_alloc_clock(dlua_caching_alloc_t *a, int device) {
+  if (device < 0 || device >= a->ndevices) return 0;
+  dev_t_ *d = &a->devs[device];
+  pthread_mutex_lock(&d->lock);
+  uint64_t c = d->clock;
+  pthread_mutex_unlock(&d->lock);
+  return c;
 }
 
 void dlua_caching_alloc_empty_cache(dlua_caching_alloc_t *a, int device) {

@@ -19,6 +19,9 @@ struct dlua_cuda_stream {
   cudaStream_t s;
   int device;
   struct dlua_cuda_stream *next_free;
+  int active;        /* threads whose current stream it is (atomic) */
+  uint64_t released; /* the allocator's clock when it last stopped being current (atomic) */
+  int listed;        /* in side[device] (under stream_lock) */
 };
 
 struct dlua_cuda_event {
@@ -211,6 +214,31 @@ static dlua_cuda_stream_t *free_streams[MAX_DEVICES];
 static dlua_cuda_stream_t default_streams[MAX_DEVICES];  // s = 0 (the legacy default stream)
 static __thread dlua_cuda_stream_t *current[MAX_DEVICES];
 
+/* Automatic record_stream. Work queued on a stream other than a block's own may use the block; freeing it must
+   then not hand its memory out again before that work ran. A block may have been used by every stream that was
+   current (on any thread) at some time since the block was handed out: dlua_cuda_free records those streams
+   on it, so the allocator waits for their work (events) before reuse. The streams ever made current are listed
+   per device; a program that never leaves the default stream pays nothing. (PyTorch leaves this to the user:
+   t.record_stream(s), or memory reused under running work.) */
+enum { MAX_SIDE = 256 };
+static dlua_cuda_stream_t *side[MAX_DEVICES][MAX_SIDE];
+static int nside[MAX_DEVICES];
+
+static void stream_enter(dlua_cuda_stream_t *s) {
+  __atomic_add_fetch(&s->active, 1, __ATOMIC_SEQ_CST);
+  pthread_mutex_lock(&stream_lock);
+  if (!s->listed && nside[s->device] < MAX_SIDE) {
+    side[s->device][nside[s->device]++] = s;
+    s->listed = 1;
+  }
+  pthread_mutex_unlock(&stream_lock);
+}
+
+static void stream_leave(dlua_cuda_stream_t *s) {
+  __atomic_store_n(&s->released, dlua_caching_alloc_clock(dev_alloc, s->device), __ATOMIC_SEQ_CST);
+  __atomic_sub_fetch(&s->active, 1, __ATOMIC_SEQ_CST);
+}
+
 dlua_status_t dlua_cuda_stream_create(dlua_cuda_stream_t **out, int device) {
   *out = NULL;
   DLUA_TRY(need_device("Stream", &device));
@@ -239,7 +267,10 @@ void dlua_cuda_stream_destroy(dlua_cuda_stream_t *s) {
   if (!s || s->s == 0) return;
   cudaStreamSynchronize(s->s);
   for (int d = 0; d < MAX_DEVICES; d++)
-    if (current[d] == s) current[d] = NULL;
+    if (current[d] == s) {
+      stream_leave(s);
+      current[d] = NULL;
+    }
   pthread_mutex_lock(&stream_lock);
   s->next_free = free_streams[s->device];
   free_streams[s->device] = s;
@@ -261,7 +292,11 @@ dlua_cuda_stream_t *dlua_cuda_current_stream(int device) {
 dlua_status_t dlua_cuda_set_current_stream(int device, dlua_cuda_stream_t *s) {
   if (s) device = s->device;
   DLUA_TRY(need_device("set_stream", &device));
-  current[device] = s && s->s ? s : NULL;
+  dlua_cuda_stream_t *now = s && s->s ? s : NULL, *old = current[device];
+  if (now == old) return DLUA_OK;
+  if (now) stream_enter(now);
+  if (old) stream_leave(old);
+  current[device] = now;
   return DLUA_OK;
 }
 
@@ -471,7 +506,25 @@ dlua_status_t dlua_cuda_free(int device, void *ptr) {
   if (!ptr) return DLUA_OK;
   DLUA_TRY(need_device("cuda free", &device));
   size_t bytes = 0;
-  DLUA_TRY(dlua_caching_alloc_block_info(dev_alloc, device, ptr, &bytes, NULL));
+  void *own = NULL;
+  DLUA_TRY(dlua_caching_alloc_block_info(dev_alloc, device, ptr, &bytes, &own));
+  // A block of a side stream (made while it was current) is used on the default stream once that is current
+  // again, as a prefetched batch is: the default stream's work must end before the side stream reuses it.
+  if (own) DLUA_TRY(dlua_caching_alloc_record_stream(dev_alloc, device, ptr, NULL));
+  if (__atomic_load_n(&nside[device], __ATOMIC_ACQUIRE) > 0) {  // the streams that may have used it (above)
+    uint64_t born = 0;
+    DLUA_TRY(dlua_caching_alloc_born(dev_alloc, device, ptr, &born));
+    dlua_cuda_stream_t *users[MAX_SIDE];
+    int n = 0;
+    pthread_mutex_lock(&stream_lock);
+    for (int i = 0; i < nside[device]; i++) {
+      dlua_cuda_stream_t *s = side[device][i];
+      if (__atomic_load_n(&s->active, __ATOMIC_SEQ_CST) > 0 || __atomic_load_n(&s->released, __ATOMIC_SEQ_CST) >= born)
+        users[n++] = s;
+    }
+    pthread_mutex_unlock(&stream_lock);
+    for (int i = 0; i < n; i++) DLUA_TRY(dlua_caching_alloc_record_stream(dev_alloc, device, ptr, users[i]));
+  }
   DLUA_TRY(dlua_caching_alloc_free(dev_alloc, device, ptr));
   dlua_memory_note_free(device, bytes);
   return DLUA_OK;

@@ -179,6 +179,39 @@ describe('dlua.cuda with a device', function()
     end
   end)
 
+  -- Memory used by work on another stream is not handed out again before that work ran, without the
+  -- record_stream calls PyTorch needs. (On the emulator streams run only when waited for, so a block reused too
+  -- early gives a wrong value every time; on a GPU it is a race.)
+  gpu_it('keeps freed memory from reuse while another stream may still use it', function()
+    local n = 2 ^ 20
+    local s = cuda.Stream()
+    -- made on the default stream, read on s, freed, and the default stream allocates again
+    local a = dlua.ones(n, { device = 'cuda' })
+    cuda.synchronize()
+    local b
+    cuda.with_stream(s, function() b = a * 2 end)
+    a:free()
+    local c = dlua.full({ n }, 5, { device = 'cuda' })
+    cuda.current_stream():synchronize() -- the default stream's fill runs before s's product
+    s:synchronize()
+    assert.equals(2, b:max():item())
+    assert.equals(2, b:min():item())
+    -- made on s (a prefetched batch), read on the default stream, freed, and s allocates again
+    local p
+    cuda.with_stream(s, function() p = dlua.full({ n }, 3, { device = 'cuda' }) end)
+    s:synchronize()
+    local q = p * 2
+    p:free()
+    local r
+    cuda.with_stream(s, function() r = dlua.full({ n }, 7, { device = 'cuda' }) end)
+    s:synchronize() -- s's fill runs before the default stream's product
+    cuda.synchronize()
+    assert.equals(6, q:max():item())
+    assert.equals(6, q:min():item())
+    b:free(); c:free(); q:free(); r:free()
+    s:destroy()
+  end)
+
   gpu_it('runs streams and events', function()
     local s = cuda.Stream()
     local e = cuda.Event { enable_timing = true }
