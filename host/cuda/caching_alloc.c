@@ -167,8 +167,7 @@ static int should_split(const block_t *b, size_t n) {
   return b->small ? rest >= DLUA_CALLOC_BLOCK_ALIGN : rest > DLUA_CALLOC_SMALL_MAX;
 }
 
-/* "1.50 GiB" */
-static const char *human(char *buf, size_t len, int64_t n) {
+const char *dlua_caching_alloc_human(char *buf, size_t len, int64_t n) {
   const char *unit[] = {"bytes", "KiB", "MiB", "GiB", "TiB"};
   double v = (double)n;
   int u = 0;
@@ -350,10 +349,11 @@ static dlua_status_t oom_error(dlua_caching_alloc_t *a, int device, size_t bytes
   return DLUA_ERR(DLUA_ERR_OOM,
                   "out of memory allocating %s (%zu bytes) on %s%s: %s allocated in %lld blocks, %s reserved in "
                   "%lld segments (largest cached free block %s), peak allocated %s, %lld raw allocations",
-                  human(req, sizeof req, (int64_t)bytes), bytes, dev, detail, human(al, sizeof al, d->st.allocated),
-                  (long long)d->st.blocks, human(rs, sizeof rs, d->st.reserved), (long long)d->st.segments,
-                  human(lf, sizeof lf, largest_free(d)), human(pk, sizeof pk, d->st.peak_allocated),
-                  (long long)d->st.num_raw_allocs);
+                  dlua_caching_alloc_human(req, sizeof req, (int64_t)bytes), bytes, dev, detail,
+                  dlua_caching_alloc_human(al, sizeof al, d->st.allocated), (long long)d->st.blocks,
+                  dlua_caching_alloc_human(rs, sizeof rs, d->st.reserved), (long long)d->st.segments,
+                  dlua_caching_alloc_human(lf, sizeof lf, largest_free(d)),
+                  dlua_caching_alloc_human(pk, sizeof pk, d->st.peak_allocated), (long long)d->st.num_raw_allocs);
 }
 
 /* A new segment holding one free block (not in any pool yet). */

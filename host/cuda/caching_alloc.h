@@ -64,6 +64,8 @@ dlua_status_t dlua_caching_alloc_block_info(dlua_caching_alloc_t *a, int device,
 /* The device's allocation clock (allocations handed out so far), and its value when the live block at ptr was
    handed out: the device layer compares it with when other streams were current (automatic record_stream). */
 uint64_t dlua_caching_alloc_clock(dlua_caching_alloc_t *a, int device);
+/* n bytes for a message: "1.50 GiB", "512 bytes". Returns buf. */
+const char *dlua_caching_alloc_human(char *buf, size_t len, int64_t n);
 dlua_status_t dlua_caching_alloc_born(dlua_caching_alloc_t *a, int device, void *ptr, uint64_t *born);
 
 /* Returns the unused segments to the source (waiting for pending events when it can). */

@@ -497,7 +497,22 @@ dlua_status_t dlua_cuda_malloc(void **ptr, int device, size_t bytes, dlua_cuda_s
   DLUA_TRY(need_device("cuda alloc", &device));
   if (!stream) stream = dlua_cuda_current_stream(device);
   if (stream == &default_streams[device]) stream = NULL;  // one key for the default stream
-  DLUA_TRY(dlua_caching_alloc_malloc(dev_alloc, device, stream, bytes, ptr));
+  dlua_status_t st = dlua_caching_alloc_malloc(dev_alloc, device, stream, bytes, ptr);
+  if (st == DLUA_ERR_OOM) {  // the allocator's account, then what the device has (other processes use it too)
+    char why[900];
+    snprintf(why, sizeof why, "%s", dlua_last_error());
+    char *at = strrchr(why, '(');
+    if (at && at > why && at[-1] == ' ' && strchr(at, ':')) at[-1] = 0;  // its "(file:line)": ours follows
+    size_t free_b = 0, total = 0;
+    guard_t g = guard_enter(device);
+    if (cudaMemGetInfo(&free_b, &total) != cudaSuccess) cudaGetLastError();
+    guard_exit(g);
+    char t[40], f[40];
+    return DLUA_ERR(DLUA_ERR_OOM, "%s; cuda:%d has %s in all, %s of it free", why, device,
+                    dlua_caching_alloc_human(t, sizeof t, (int64_t)total),
+                    dlua_caching_alloc_human(f, sizeof f, (int64_t)free_b));
+  }
+  if (st != DLUA_OK) return st;
   dlua_memory_note_alloc(device, bytes);
   return DLUA_OK;
 }
