@@ -29,6 +29,12 @@ function M.gloo(host, port, token, name, rank, size, timeout_s)
   return self
 end
 
+-- nil when NCCL loads, else why not.
+function M.nccl_unavailable()
+  local why = C.dlua_pg_nccl_unavailable()
+  return why ~= nil and ffi.string(why) or nil
+end
+
 -- Joins an NCCL group on CUDA device `device` (errors: no device, no libnccl.so.2, a rank missing).
 function M.nccl(host, port, token, name, rank, size, device, timeout_s)
   local out = ffi.new('dlua_pg_t *[1]')

@@ -14,6 +14,8 @@
 
 #ifndef DLUA_HAVE_CUDA
 
+const char *dlua_pg_nccl_unavailable(void) { return "built without CUDA"; }
+
 dlua_status_t dlua_pg_nccl_new(const char *store_host, int store_port, const char *token, const char *name, int rank,
                                int size, int device, int64_t timeout_ms, dlua_pg_t **out) {
   if (out) *out = NULL;
@@ -85,7 +87,7 @@ static void *try_glob(const char *pattern, char *tried, size_t n) {
 
 static void nc_load(void) {
 #ifdef DLUA_CUDA_EMU
-  snprintf(nc_err, sizeof nc_err, "NCCL is not available in the CUDA emulator's build (use the gloo backend)");
+  snprintf(nc_err, sizeof nc_err, "the CUDA emulator's build has no NCCL; use gloo");
   return;
 #endif
   char tried[600] = "";
@@ -612,6 +614,11 @@ static void nc_close(void *c, int broken) {
 }
 
 static const dlua_pg_backend_t nccl_backend = {"nccl", nc_join, nc_prepare, nc_run, nc_allgather_host, nc_close};
+
+const char *dlua_pg_nccl_unavailable(void) {
+  pthread_once(&nc_once, nc_load);
+  return nc.h ? NULL : nc_err;
+}
 
 dlua_status_t dlua_pg_nccl_new(const char *store_host, int store_port, const char *token, const char *name, int rank,
                                int size, int device, int64_t timeout_ms, dlua_pg_t **out) {

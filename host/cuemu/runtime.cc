@@ -49,6 +49,19 @@ struct Config {
   int order = -1;  // -1: rotate; 0 forward, 1 reverse, 2 shuffled
   Config() {
     if (const char *v = getenv("CUEMU_DEVICES")) devices = std::max(0, std::min(kMaxDevices, atoi(v)));
+    // as the driver: CUDA_VISIBLE_DEVICES lists the devices shown (empty: none), up to the first invalid entry
+    if (const char *v = getenv("CUDA_VISIBLE_DEVICES")) {
+      int shown = 0;
+      for (const char *p = v; *p;) {
+        char *end;
+        long d = strtol(p, &end, 10);
+        if (end == p || d < 0 || d >= devices) break;
+        shown++;
+        p = *end == ',' ? end + 1 : end;
+        if (*end && *end != ',') break;
+      }
+      devices = shown;
+    }
     if (const char *v = getenv("CUEMU_SMS")) sms = std::max(1, atoi(v));
     if (const char *v = getenv("CUEMU_MEMORY")) memory = (size_t)strtoull(v, NULL, 0);
     if (const char *v = getenv("CUEMU_ORDER")) {

@@ -295,6 +295,8 @@ dlua_status_t dlua_pg_gloo_new(const char *store_host, int store_port, const cha
    non-blocking, so a missing rank fails the join after timeout_ms. Works run on the group's own stream
    after the caller's current stream, and complete when the GPU has finished them. Without CUDA, a
    device or libnccl.so.2: DLUA_ERR_ARG naming why ("no CUDA device available (...)"). */
+/* NULL when libnccl.so.2 loads (a usable version), else why not. */
+const char *dlua_pg_nccl_unavailable(void);
 dlua_status_t dlua_pg_nccl_new(const char *store_host, int store_port, const char *token, const char *name, int rank, int size, int device, int64_t timeout_ms, dlua_pg_t **pg);
 const char *dlua_pg_backend(const dlua_pg_t *pg); /* "gloo" or "nccl" */
 /* How all-reduce travels: "shm" (gloo group, all ranks on this host), "tcp" (gloo) or "nccl"; *why (if

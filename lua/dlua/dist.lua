@@ -121,6 +121,9 @@ function dist.init(opts)
   if type(timeout) ~= 'number' or timeout <= 0 then fail(2, 'dist.init: timeout must be a positive number of seconds') end
   local e = dist._environment()
   local use_nccl = ndev > 0 and (backend == 'nccl' or e.local_world <= ndev)
+  -- auto without a loadable NCCL (as PyTorch's default): each rank still takes its GPU, gloo stages CUDA tensors
+  local nccl_why = use_nccl and backend == 'auto' and binding.nccl_unavailable() or nil
+  if nccl_why then use_nccl = false end
   if backend == 'nccl' and not use_nccl then
     fail(2, "dist.init: backend nccl: %d ranks on this node share %d GPU%s; NCCL needs one per rank (backend='gloo' "
          .. 'stages CUDA tensors through host memory)', e.local_world, ndev, ndev == 1 and '' or 's')
@@ -142,6 +145,11 @@ function dist.init(opts)
     dlua.cuda.set_device(s.device)
     s.world_nccl = binding.nccl(e.host, e.port, e.token, 'nccl0', e.rank, e.world, s.device, timeout)
   end
+  if nccl_why then
+    s.device = e.local_rank % ndev
+    dlua.cuda.set_device(s.device)
+    if e.rank == 0 then io.stderr:write(string.format('dist.init: NCCL unavailable (%s): CUDA tensors go through gloo\n', nccl_why)) end
+  end
   s.next_group = 1
   local debug_on = opts.debug
   if debug_on == nil then debug_on = os.getenv('DLUA_DIST_DEBUG') == '1' end
@@ -155,6 +163,11 @@ function dist.init(opts)
 end
 
 function dist.is_initialized() return S ~= nil end
+-- Whether NCCL can be used (libnccl.so.2 loads, version 2.14 or newer), and if not why: torch.distributed.is_nccl_available.
+function dist.is_nccl_available()
+  local why = binding.nccl_unavailable()
+  return why == nil, why
+end
 function dist.rank() need_init('rank', 2) return S.rank end
 function dist.world_size() need_init('world_size', 2) return S.world end
 function dist.local_rank() need_init('local_rank', 2) return S.local_rank end

@@ -19,7 +19,8 @@ out=$(DLUA_BUNDLE_OUT="$tmp/bundle" bash "$root/scripts/gpu_bundle.sh" "$build" 
   && tar -tJf "$tmp/bundle/dlua-gpu.tar.xz" | grep -q '^./lib/libdnnl.so'
 check "gpu_bundle.sh writes a bundle with dlua, its libraries and a glibc" $? "rc=$rc: $out"
 
-out=$(DLUA_BUNDLE="$tmp/bundle/dlua-gpu.tar.xz" DLUA_BUNDLE_LOADER=1 OUT="$tmp/out" timeout 300 \
+# (CUDA_VISIBLE_DEVICES empty: no GPU even where there is one, or where the build is the CUDA emulator's)
+out=$(CUDA_VISIBLE_DEVICES= DLUA_BUNDLE="$tmp/bundle/dlua-gpu.tar.xz" DLUA_BUNDLE_LOADER=1 OUT="$tmp/out" timeout 300 \
   bash "$root/tests/gpu/run.sh" "$tmp/run" 2>&1); rc=$?
 [ $rc = 0 ] && grep -q "unpacking" <<<"$out" && grep -q "running dlua through the bundle's glibc" <<<"$out" \
   && grep -q "^dlua [0-9]" <<<"$out" && [ -f "$tmp/out/gpu-report.txt" ]

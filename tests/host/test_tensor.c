@@ -3,6 +3,7 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -152,7 +153,12 @@ START_TEST(test_bad_creation) {
   int64_t nine[9] = {1, 1, 1, 1, 1, 1, 1, 1, 1};
   assert_error(dlua_tensor_zeros(&t, 9, nine, DLUA_DTYPE_F32, DLUA_CPU), DLUA_ERR_ARG, "zeros: 9 dimensions");
   assert_error(dlua_tensor_empty(&t, 1, nine, (dlua_dtype_t)42, DLUA_CPU), DLUA_ERR_ARG, "invalid dtype 42");
-  assert_error(dlua_tensor_empty(&t, 1, nine, DLUA_DTYPE_F32, 0), DLUA_ERR_ARG, "no CUDA device");
+  // a CUDA device this machine lacks (any, without a GPU; the one past the last, with some)
+  const int missing = dlua_cuda_device_count();
+  char why[64];
+  if (missing == 0) snprintf(why, sizeof why, "no CUDA device");
+  else snprintf(why, sizeof why, "no device cuda:%d", missing);
+  assert_error(dlua_tensor_empty(&t, 1, nine, DLUA_DTYPE_F32, missing), DLUA_ERR_ARG, why);
   assert_error(dlua_tensor_empty(&t, 1, nine, DLUA_DTYPE_F32, -7), DLUA_ERR_ARG, "invalid device -7");
   int64_t huge[] = {1ll << 40, 1ll << 30};
   assert_error(dlua_tensor_empty(&t, 2, huge, DLUA_DTYPE_F32, DLUA_CPU), DLUA_ERR_OOM, "too large");
