@@ -126,6 +126,7 @@ function(dlua_cuemu_sources target sources)
       target_include_directories(cuemu_${_lib} PRIVATE ${_emu} ${CMAKE_SOURCE_DIR}/host ${CMAKE_SOURCE_DIR}/host/include
         ${CUDAToolkit_INCLUDE_DIRS} ${CUDNN_INCLUDE_DIR})
       target_compile_options(cuemu_${_lib} PRIVATE ${DLUA_WARN})
+      target_link_libraries(cuemu_${_lib} PRIVATE OpenMP::OpenMP_C)
       set_target_properties(cuemu_${_lib} PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/cuemu)
     endforeach()
   endif()

@@ -563,7 +563,8 @@ static void run_convolution(void *arg) {
 #define PX(n, c, h, w) ((((n) * C + (c)) * H + (h)) * W + (w))
 #define PW(k, c, r, s) ((((k) * Cg + (c)) * R + (r)) * S + (s))
 #define PY(n, k, h, w) ((((n) * K + (k)) * OH + (h)) * OW + (w))
-  // Each output element: its sum (when the inputs are read), then alpha * sum + beta * prior.
+  // Each output element: its sum (when the inputs are read), then alpha * sum + beta * prior. Elements are
+  // independent and each sums in a fixed order, so the loops over them run on all cores with the same bits.
 #define EMIT(i0, i1, i2, i3, ...)                                    \
   do {                                                               \
     double v = 0;                                                    \
@@ -578,6 +579,7 @@ static void run_convolution(void *arg) {
   } while (0)
   switch (j->dir) {
     case DIR_FWD:  // y[n, k, oh, ow] = sum over c, r, s of x[n, g Cg + c, oh sh - ph + r dh, ...] w[k, c, r, s]
+#pragma omp parallel for collapse(2) schedule(static)
       for (int64_t n = 0; n < N; n++)
         for (int64_t k = 0; k < K; k++)
           for (int64_t oh = 0; oh < OH; oh++)
@@ -598,6 +600,7 @@ static void run_convolution(void *arg) {
       break;
     case DIR_BWD_DATA:  // dx[n, ci, ih, iw] = sum of dy[n, k, oh, ow] w[k, c, r, s] over the k of ci's group and
                         // the taps (r, oh) of ih and (s, ow) of iw
+#pragma omp parallel for collapse(2) schedule(static)
       for (int64_t n = 0; n < N; n++)
         for (int64_t ci = 0; ci < C; ci++)
           for (int64_t ih = 0; ih < H; ih++)
@@ -613,6 +616,7 @@ static void run_convolution(void *arg) {
               });
       break;
     default:  // dw[k, c, r, s] = sum over n, oh, ow of dy[n, k, oh, ow] x[n, g Cg + c, oh sh - ph + r dh, ...]
+#pragma omp parallel for collapse(2) schedule(static)
       for (int64_t k = 0; k < K; k++)
         for (int64_t c = 0; c < Cg; c++)
           for (int64_t r = 0; r < R; r++)
