@@ -399,7 +399,7 @@ void dlua_loader_free(dlua_loader_t *l) {
   if (l->pool) {
     pthread_mutex_lock(&l->pool->mu);
     l->pool->closed = 1;
-    for (int i = 0; i < l->pool->nfree; i++) dlua_cpu_free(l->pool->free[i], l->pool->bytes);
+    for (int i = 0; i < l->pool->nfree; i++) pool_free_buf(l->pool, l->pool->free[i]);  // pinned or not
     l->pool->nfree = 0;
     pthread_mutex_unlock(&l->pool->mu);
     pool_release(l->pool);
