@@ -463,7 +463,20 @@ void fault_handler(int sig, siginfo_t *si, void *) {
   signal(sig, SIG_DFL);  // the access faults again and ends the process as it would have
 }
 
-void run_kernel(const Cfg &c, const char *name, const std::function<void()> &fn) {
+/* Another device's memory is out of a kernel's reach (no peer access here): closed while it runs. */
+struct OtherDevicesClosed {
+  int device;
+  explicit OtherDevicesClosed(int d) : device(d) { set(PROT_NONE); }
+  ~OtherDevicesClosed() { set(PROT_READ | PROT_WRITE); }
+  void set(int prot) {
+    if (cfg().devices < 2) return;
+    for (auto &kv : allocs)
+      if (kv.second.device != device) mprotect(kv.second.map, kv.second.maplen - kPage, prot);
+  }
+};
+
+void run_kernel(const Cfg &c, int device, const char *name, const std::function<void()> &fn) {
+  OtherDevicesClosed closed(device);
   const size_t nt = (size_t)c.block.x * c.block.y * c.block.z;
   ensure_fibers(nt);
   install_handler();
@@ -483,10 +496,14 @@ void run_kernel(const Cfg &c, const char *name, const std::function<void()> &fn)
     fault_jmp = nullptr;
     char msg[512];
     const Alloc *al = find_alloc((void *)fault_addr);
+    char where[96] = "";
+    if (al && al->device != device)
+      snprintf(where, sizeof where, ", in memory of cuda:%d (the kernel runs on cuda:%d)", al->device, device);
+    else if (al && fault_addr >= (uintptr_t)al->p + al->n)
+      snprintf(where, sizeof where, ", past the end of an allocation");
     snprintf(msg, sizeof msg, "kernel %s: illegal memory access at %p (block %u,%u,%u thread %u,%u,%u)%s", name,
              (void *)fault_addr, cuemu_blockIdx.x, cuemu_blockIdx.y, cuemu_blockIdx.z, current ? current->tid.x : 0,
-             current ? current->tid.y : 0, current ? current->tid.z : 0,
-             al ? (fault_addr >= (uintptr_t)al->p + al->n ? ", past the end of an allocation" : "") : "");
+             current ? current->tid.y : 0, current ? current->tid.z : 0, where);
     cuemu_fail("%s", msg);
     sticky = cudaErrorIllegalAddress;
     return;
@@ -550,7 +567,8 @@ void launch_raw(const Cfg &c, const char *name, std::function<void()> fn) {
   }
   Cfg cc = c;
   std::string nm = name;
-  submit(s, [cc, nm, fn]() { run_kernel(cc, nm.c_str(), fn); });
+  const int dev = s->device;
+  submit(s, [cc, dev, nm, fn]() { run_kernel(cc, dev, nm.c_str(), fn); });
 }
 
 }  // namespace cuemu

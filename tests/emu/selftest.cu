@@ -4,6 +4,7 @@
 // never reach. Built through the same rewrite as the backend's .cu files; exit status 1 on any failure.
 #include <cuda_runtime_api.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -66,6 +67,7 @@ __global__ void half_barrier(int *p) {
 }
 
 int main() {
+  setenv("CUEMU_DEVICES", "2", 0);  // two devices, for check 8 (read at the first CUDA call)
   const int B = 4, N = B * 256;
   int *din, *dout;
   CHECK(cudaMalloc((void **)&din, N * sizeof(int)) == cudaSuccess, "cudaMalloc");
@@ -166,6 +168,19 @@ int main() {
           k == 0 ? "a write past an allocation" : "a barrier half the block never reaches",
           k == 0 ? "cudaErrorIllegalAddress" : "cudaErrorLaunchFailure", st);
   }
+  // 8. A kernel on cuda:0 writing memory of cuda:1 (no peer access) faults too.
+  fflush(stdout);
+  pid = fork();
+  if (pid == 0) {
+    int *other = NULL;
+    cudaSetDevice(1);
+    cudaMalloc((void **)&other, N * sizeof(int));
+    cudaSetDevice(0);
+    fill<<<1, 32>>>(other, N, 1);
+    _exit(cudaDeviceSynchronize() == cudaErrorIllegalAddress ? 0 : 1);
+  }
+  waitpid(pid, &st, 0);
+  CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0, "a kernel on cuda:0 wrote cuda:1's memory unnoticed (status %d)", st);
   printf("(the messages above were expected)\n");
   printf("cuemu selftest: %d checks, %d failures\n", checks, failures);
   return failures ? 1 : 0;
