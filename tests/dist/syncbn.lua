@@ -1,7 +1,9 @@
 -- SyncBatchNorm end to end: N ranks under DDP, each on its slice of a global batch, equal one process with plain
 -- BatchNorm2d on the whole batch (outputs, running statistics, gradients after DDP, input gradients), f64 and f32,
 -- NCHW and channels-last, fused ReLU and residual input; evaluation without communication; sub-groups.
--- Run: dlua --nproc N tests/dist/syncbn.lua
+-- Run: dlua --nproc N tests/dist/syncbn.lua [device]
+-- device 'cuda': the DDP + SyncBatchNorm model runs on each rank's CUDA device (CUDA tensors through the process
+-- group), the one-process reference stays on the CPU; parts 3 and 4 (groups) use CPU tensors either way.
 local dlua = require 'dlua'
 local nn = require 'dlua.nn'
 local optim = require 'dlua.optim'
@@ -9,6 +11,8 @@ local resnet = require 'models.resnet'
 local dist = dlua.dist
 dist.init{ timeout = 60 }
 local rank, world = dist.rank(), dist.world_size()
+local dev = arg[1] or 'cpu'
+local function host(t) return t:cpu() end
 local checks = 0
 local function fail(fmt, ...) error(string.format('rank %d: ' .. fmt, rank, ...), 2) end
 
@@ -62,6 +66,9 @@ for _, dtype in ipairs({ 'float64', 'float32' }) do
     local ref = net(3, dtype)
     local ref_opt = optim.SGD(ref, { lr = 0.1, momentum = 0.9 })
     local model = nn.SyncBatchNorm.convert(net(3, dtype), { group = (dtype == 'float32' and cl) and own_group or nil })
+    model:to(dev)
+    local on = model:flatten().params[dtype].device
+    if on:sub(1, #dev) ~= dev then fail('the model is on %s, not %s', on, dev) end
     local ddp = dist.DDP(model, { bucket_mb = 0.0005, first_bucket_mb = 0.0002 })
     local opt = optim.SGD(ddp, { lr = 0.1, momentum = 0.9 })
     local crit, ref_crit = nn.CrossEntropyLoss(), nn.CrossEntropyLoss()
@@ -74,23 +81,23 @@ for _, dtype in ipairs({ 'float64', 'float32' }) do
       local rgx = ref:backward(x, ref_crit:backward(rout, y))
 
       opt:zero_grad()
-      local xs, ys = layout(my_rows(x):contiguous()), my_rows(y):contiguous()
+      local xs, ys = layout(my_rows(x):contiguous():to(dev)), my_rows(y):contiguous():to(dev)
       local out = ddp:forward(xs)
-      local d = max_rel(out, my_rows(rout))
+      local d = max_rel(host(out), my_rows(rout))
       if d > tol then fail('%s step %d: output differs from one process by %g', what, s, d) end
       crit:forward(out, ys)
       local gx = ddp:backward(xs, crit:backward(out, ys))
       ddp:wait()
       -- each rank's loss is the mean over its B rows, the reference's over world * B: the input
       -- gradient is world times the reference's slice (DDP divides the parameter gradients back)
-      d = max_rel(gx, my_rows(rgx) * world)
+      d = max_rel(host(gx), my_rows(rgx) * world)
       if d > tol then fail('%s step %d: input gradient differs by %g', what, s, d) end
-      d = max_rel(model:flatten().grads[dtype], ref:flatten().grads[dtype])
+      d = max_rel(host(model:flatten().grads[dtype]), ref:flatten().grads[dtype])
       if d > tol then fail('%s step %d: gradients after DDP differ from one process by %g', what, s, d) end
       local mine, theirs = bn_modules(model), bn_modules(ref)
       for i, e in ipairs(mine) do
         for _, f in ipairs({ 'running_mean', 'running_var' }) do
-          d = max_rel(e.m[f], theirs[i].m[f])
+          d = max_rel(host(e.m[f]), theirs[i].m[f])
           if d > tol then fail('%s step %d: %s.%s differs by %g', what, s, e.name, f, d) end
         end
         if e.m.num_batches_tracked:item() ~= s then fail('%s: num_batches_tracked %d', e.name, e.m.num_batches_tracked:item()) end
@@ -98,7 +105,7 @@ for _, dtype in ipairs({ 'float64', 'float32' }) do
       opt:step()
       ref_opt:step()
     end
-    local d = max_rel(model:flatten().params[dtype], ref:flatten().params[dtype])
+    local d = max_rel(host(model:flatten().params[dtype]), ref:flatten().params[dtype])
     if d > tol then fail('%s: parameters after 3 steps differ by %g', what, d) end
     checks = checks + 1
 
@@ -107,7 +114,7 @@ for _, dtype in ipairs({ 'float64', 'float32' }) do
       ref:evaluate(); model:evaluate()
       local x = layout(global_batch(9, dtype))
       if rank == 0 then
-        local dd = max_rel(model:forward(x), ref:forward(x))
+        local dd = max_rel(host(model:forward(x:to(dev))), ref:forward(x))
         if dd > tol then fail('evaluation differs from BatchNorm2d by %g', dd) end
       end
       dist.barrier()

@@ -54,6 +54,7 @@ ddp=$root/tests/dist/ddp.lua
 step "DDP on CUDA (#7): N ranks = one process on the N-times batch, accumulation, no_sync, unused parameters, overlap"
 check "ddp cuda, NCCL world 1" 180 "$dlua" "$ddp" cuda auto
 check "ddp cuda, gloo staging, 2 ranks on one GPU" 240 "$dlua" --nproc 2 "$ddp" cuda gloo
+check "SyncBatchNorm + DDP on cuda vs one CPU process, gloo staging, 2 ranks on one GPU" 240 "$dlua" --nproc 2 "$root/tests/dist/syncbn.lua" cuda
 if [ "$ngpu" -ge 2 ]; then
   check "ddp cuda, NCCL 2 ranks" 240 "$dlua" --nproc 2 "$ddp" cuda auto
 fi
