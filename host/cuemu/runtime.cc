@@ -78,12 +78,14 @@ Config &cfg() {
 
 thread_local cudaError_t last_error = cudaSuccess;
 cudaError_t sticky = cudaSuccess;  // a fault in device work: every later call fails, as on a GPU
-std::string sticky_text;
 
 cudaError_t ret(cudaError_t e) {
   if (e != cudaSuccess) last_error = e;
   return e;
 }
+
+/* What a call that waited for device work answers: the sticky error, if that work faulted. */
+cudaError_t after_wait() { return ret(sticky); }
 
 /* ---- device memory ------------------------------------------------------------------------------------ */
 
@@ -100,15 +102,17 @@ size_t used[kMaxDevices];
 int open_depth = 0;
 const size_t kPage = 4096;
 
-void protect_all(int prot) {
-  for (auto &kv : allocs) mprotect(kv.second.map, kv.second.maplen - kPage, prot);
+/* Sets the protection of every allocation (but their guard pages), except those of device `except`. */
+void protect(int prot, int except = -1) {
+  for (auto &kv : allocs)
+    if (kv.second.device != except) mprotect(kv.second.map, kv.second.maplen - kPage, prot);
 }
 struct DeviceOpen {  // device memory readable and writable while device work runs
   DeviceOpen() {
-    if (open_depth++ == 0) protect_all(PROT_READ | PROT_WRITE);
+    if (open_depth++ == 0) protect(PROT_READ | PROT_WRITE);
   }
   ~DeviceOpen() {
-    if (--open_depth == 0) protect_all(PROT_NONE);
+    if (--open_depth == 0) protect(PROT_NONE);
   }
 };
 
@@ -155,8 +159,6 @@ Stream *stream_of(cudaStream_t s) {
   }
   return (Stream *)s;
 }
-
-void run_until(Stream *s, uint64_t pos);
 
 void run_one(Stream *s) {
   std::function<void()> f = std::move(s->q.front());
@@ -215,7 +217,6 @@ struct Fiber {
   uint3 tid;
   int state = DONE;
   int wop = 0, warg = 0, wwidth = 32;
-  unsigned wmask = 0;
   uint64_t wval = 0, wres = 0;
 };
 const size_t kStack = 256 * 1024;
@@ -223,7 +224,6 @@ std::vector<Fiber> fibers;
 Fiber *current = nullptr;
 void *sched_sp = nullptr;
 const std::function<void()> *body = nullptr;
-const char *kernel_name = "";
 sigjmp_buf *fault_jmp = nullptr;
 volatile uintptr_t fault_addr = 0;
 
@@ -466,12 +466,11 @@ void fault_handler(int sig, siginfo_t *si, void *) {
 /* Another device's memory is out of a kernel's reach (no peer access here): closed while it runs. */
 struct OtherDevicesClosed {
   int device;
-  explicit OtherDevicesClosed(int d) : device(d) { set(PROT_NONE); }
-  ~OtherDevicesClosed() { set(PROT_READ | PROT_WRITE); }
-  void set(int prot) {
-    if (cfg().devices < 2) return;
-    for (auto &kv : allocs)
-      if (kv.second.device != device) mprotect(kv.second.map, kv.second.maplen - kPage, prot);
+  explicit OtherDevicesClosed(int d) : device(d) {
+    if (cfg().devices > 1) protect(PROT_NONE, device);
+  }
+  ~OtherDevicesClosed() {
+    if (cfg().devices > 1) protect(PROT_READ | PROT_WRITE, device);
   }
 };
 
@@ -489,9 +488,7 @@ void run_kernel(const Cfg &c, int device, const char *name, const std::function<
   cuemu_blockDim = c.block;
   cuemu_gridDim = c.grid;
   body = &fn;
-  kernel_name = name;
   sigjmp_buf jb;
-  size_t bi = 0;
   if (sigsetjmp(jb, 1)) {
     fault_jmp = nullptr;
     char msg[512];
@@ -509,7 +506,7 @@ void run_kernel(const Cfg &c, int device, const char *name, const std::function<
     return;
   }
   fault_jmp = &jb;
-  for (bi = 0; bi < nb; bi++) {
+  for (size_t bi = 0; bi < nb; bi++) {
     size_t b = border[bi];
     cuemu_blockIdx = u3((unsigned)(b % c.grid.x), (unsigned)(b / c.grid.x % c.grid.y),
                                 (unsigned)(b / ((size_t)c.grid.x * c.grid.y)));
@@ -534,7 +531,7 @@ bool device_ok(int d) { return d >= 0 && d < cfg().devices; }
 uint64_t warp_op(int op, unsigned mask, uint64_t value, int arg, int width) {
   Fiber *f = current;
   f->wop = op;
-  f->wmask = mask;
+  (void)mask;  // every live lane of the warp takes part, whatever the mask says
   f->wval = value;
   f->warg = arg;
   f->wwidth = width;
@@ -614,8 +611,7 @@ void cuemu_fail(const char *fmt, ...) {
   std::lock_guard<std::recursive_mutex> g(mu);
   if (sticky == cudaSuccess) {
     sticky = cudaErrorLaunchFailure;
-    sticky_text = buf;
-    fprintf(stderr, "cuemu: %s\n", buf);
+      fprintf(stderr, "cuemu: %s\n", buf);
   }
 }
 
@@ -638,39 +634,34 @@ cudaError_t cudaPeekAtLastError(void) {
   return last_error;
 }
 
+/* The errors this runtime gives: name and text, as the real runtime's. */
+static const struct {
+  cudaError_t e;
+  const char *name, *text;
+} errors[] = {
+    {cudaSuccess, "cudaSuccess", "no error"},
+    {cudaErrorInvalidValue, "cudaErrorInvalidValue", "invalid argument"},
+    {cudaErrorMemoryAllocation, "cudaErrorMemoryAllocation", "out of memory"},
+    {cudaErrorInvalidConfiguration, "cudaErrorInvalidConfiguration", "invalid configuration argument"},
+    {cudaErrorInvalidDevice, "cudaErrorInvalidDevice", "invalid device ordinal"},
+    {cudaErrorNoDevice, "cudaErrorNoDevice", "no CUDA-capable device is detected"},
+    {cudaErrorNotReady, "cudaErrorNotReady", "device not ready"},
+    {cudaErrorIllegalAddress, "cudaErrorIllegalAddress", "an illegal memory access was encountered"},
+    {cudaErrorLaunchFailure, "cudaErrorLaunchFailure", "unspecified launch failure"},
+    {cudaErrorInvalidResourceHandle, "cudaErrorInvalidResourceHandle", "invalid resource handle"},
+    {cudaErrorInvalidDevicePointer, "cudaErrorInvalidDevicePointer", "invalid device pointer"},
+    {cudaErrorInvalidMemcpyDirection, "cudaErrorInvalidMemcpyDirection", "invalid copy direction for memcpy"},
+};
+
 const char *cudaGetErrorName(cudaError_t e) {
-  switch (e) {
-    case cudaSuccess: return "cudaSuccess";
-    case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
-    case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
-    case cudaErrorInvalidConfiguration: return "cudaErrorInvalidConfiguration";
-    case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
-    case cudaErrorNoDevice: return "cudaErrorNoDevice";
-    case cudaErrorNotReady: return "cudaErrorNotReady";
-    case cudaErrorIllegalAddress: return "cudaErrorIllegalAddress";
-    case cudaErrorLaunchFailure: return "cudaErrorLaunchFailure";
-    case cudaErrorInvalidResourceHandle: return "cudaErrorInvalidResourceHandle";
-    case cudaErrorInvalidDevicePointer: return "cudaErrorInvalidDevicePointer";
-    case cudaErrorInvalidMemcpyDirection: return "cudaErrorInvalidMemcpyDirection";
-    default: return "cudaErrorUnknown";
-  }
+  for (const auto &x : errors)
+    if (x.e == e) return x.name;
+  return "cudaErrorUnknown";
 }
 const char *cudaGetErrorString(cudaError_t e) {
-  switch (e) {
-    case cudaSuccess: return "no error";
-    case cudaErrorInvalidValue: return "invalid argument";
-    case cudaErrorMemoryAllocation: return "out of memory";
-    case cudaErrorInvalidConfiguration: return "invalid configuration argument";
-    case cudaErrorInvalidDevice: return "invalid device ordinal";
-    case cudaErrorNoDevice: return "no CUDA-capable device is detected";
-    case cudaErrorNotReady: return "device not ready";
-    case cudaErrorIllegalAddress: return "an illegal memory access was encountered";
-    case cudaErrorLaunchFailure: return "unspecified launch failure";
-    case cudaErrorInvalidResourceHandle: return "invalid resource handle";
-    case cudaErrorInvalidDevicePointer: return "invalid device pointer";
-    case cudaErrorInvalidMemcpyDirection: return "invalid copy direction for memcpy";
-    default: return "unknown error";
-  }
+  for (const auto &x : errors)
+    if (x.e == e) return x.text;
+  return "unknown error";
 }
 
 cudaError_t cudaRuntimeGetVersion(int *v) {
@@ -773,7 +764,7 @@ cudaError_t cudaFree(void *p) {
   used[it->second.device] -= it->second.n;
   munmap(it->second.map, it->second.maplen);
   allocs.erase(it);
-  return sticky != cudaSuccess ? ret(sticky) : cudaSuccess;
+  return after_wait();
 }
 
 cudaError_t cudaHostAlloc(void **p, size_t n, unsigned int) {
@@ -824,7 +815,7 @@ cudaError_t cudaStreamDestroy(cudaStream_t h) {
 cudaError_t cudaStreamSynchronize(cudaStream_t h) {
   LOCK;
   drain(stream_of(h));
-  return sticky != cudaSuccess ? ret(sticky) : cudaSuccess;
+  return after_wait();
 }
 
 cudaError_t cudaStreamQuery(cudaStream_t h) {
@@ -834,13 +825,13 @@ cudaError_t cudaStreamQuery(cudaStream_t h) {
     drain(s);  // not ready now; ready when asked again
     return cudaErrorNotReady;
   }
-  return sticky != cudaSuccess ? ret(sticky) : cudaSuccess;
+  return after_wait();
 }
 
 cudaError_t cudaDeviceSynchronize(void) {
   LOCK;
   drain_device(cur_device);
-  return sticky != cudaSuccess ? ret(sticky) : cudaSuccess;
+  return after_wait();
 }
 
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t *out, unsigned int flags) {
@@ -879,14 +870,14 @@ cudaError_t cudaEventQuery(cudaEvent_t h) {
     run_until(e->s, e->pos);  // not ready now; ready when asked again
     return cudaErrorNotReady;
   }
-  return sticky != cudaSuccess ? ret(sticky) : cudaSuccess;
+  return after_wait();
 }
 
 cudaError_t cudaEventSynchronize(cudaEvent_t h) {
   LOCK;
   Event *e = (Event *)h;
   if (!event_done(e)) run_until(e->s, e->pos);
-  return sticky != cudaSuccess ? ret(sticky) : cudaSuccess;
+  return after_wait();
 }
 
 cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t a, cudaEvent_t b) {
@@ -914,12 +905,8 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t st, cudaEvent_t h, unsigned int) {
 /* Checks one side of a copy: device memory must lie inside one allocation; host memory must not be device memory.
    Sets *pin for pinned host memory. */
 static cudaError_t side(const void *p, size_t n, bool device, bool *pin) {
-  const Alloc *al = find_alloc(p);
-  if (device) {
-    if (!al || (const char *)p < al->p || (const char *)p + n > al->p + al->n) return cudaErrorInvalidValue;
-    return cudaSuccess;
-  }
-  if (al) return cudaErrorInvalidValue;
+  if (device) return cuemu_memory_kind(p, n) == 1 ? cudaSuccess : cudaErrorInvalidValue;
+  if (find_alloc(p)) return cudaErrorInvalidValue;
   *pin = cuemu_memory_kind(p, n) == 2;
   return cudaSuccess;
 }
@@ -944,7 +931,7 @@ static cudaError_t copy(void *dst, const void *src, size_t n, cudaMemcpyKind kin
     submit(s, [dst, src, n]() { memcpy(dst, src, n); });
   }
   if (sync || (!dst_dev && !dpin)) drain(s);  // a pageable destination is written before the call returns
-  return sticky != cudaSuccess ? ret(sticky) : cudaSuccess;
+  return after_wait();
 }
 
 cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, cudaMemcpyKind kind, cudaStream_t st) {
@@ -974,7 +961,7 @@ cudaError_t cudaMemset(void *p, int v, size_t n) {
   LOCK;
   cudaError_t e = cudaMemsetAsync(p, v, n, 0);
   if (e == cudaSuccess) drain_device(cur_device);
-  return e != cudaSuccess ? e : sticky != cudaSuccess ? ret(sticky) : cudaSuccess;
+  return e != cudaSuccess ? e : after_wait();
 }
 
 }  // extern "C"
