@@ -529,7 +529,8 @@ dlua_status_t dlua_caching_alloc_record_stream(dlua_caching_alloc_t *a, int devi
   return s;
 }
 
-dlua_status_t dlua_caching_alloc_block_info(dlua_caching_alloc_t *a, int device, void *ptr, size_t *bytes, void **stream) {
+dlua_status_t dlua_caching_alloc_block_info(dlua_caching_alloc_t *a, int device, void *ptr, size_t *bytes, void **stream,
+                                            uint64_t *born) {
   DLUA_TRY(check_device(a, "block_info", device));
   dev_t_ *d = &a->devs[device];
   pthread_mutex_lock(&d->lock);
@@ -537,20 +538,10 @@ dlua_status_t dlua_caching_alloc_block_info(dlua_caching_alloc_t *a, int device,
   if (b) {
     if (bytes) *bytes = b->requested;
     if (stream) *stream = b->stream;
+    if (born) *born = b->born;
   }
   pthread_mutex_unlock(&d->lock);
   if (!b) return DLUA_ERR(DLUA_ERR_ARG, "block_info: %p is not a live allocation", ptr);
-  return DLUA_OK;
-}
-
-dlua_status_t dlua_caching_alloc_born(dlua_caching_alloc_t *a, int device, void *ptr, uint64_t *born) {
-  DLUA_TRY(check_device(a, "block_born", device));
-  dev_t_ *d = &a->devs[device];
-  pthread_mutex_lock(&d->lock);
-  block_t *b = hash_take(d, ptr, 0);
-  if (b) *born = b->born;
-  pthread_mutex_unlock(&d->lock);
-  if (!b) return DLUA_ERR(DLUA_ERR_ARG, "block_born: %p is not a live allocation", ptr);
   return DLUA_OK;
 }
 

@@ -59,14 +59,15 @@ dlua_status_t dlua_caching_alloc_malloc(dlua_caching_alloc_t *a, int device, voi
 dlua_status_t dlua_caching_alloc_free(dlua_caching_alloc_t *a, int device, void *ptr);
 /* Notes that work on `stream` uses the live block at ptr (PyTorch's record_stream). */
 dlua_status_t dlua_caching_alloc_record_stream(dlua_caching_alloc_t *a, int device, void *ptr, void *stream);
-/* Requested size and stream of the live block at ptr (DLUA_ERR_ARG if ptr is not one). */
-dlua_status_t dlua_caching_alloc_block_info(dlua_caching_alloc_t *a, int device, void *ptr, size_t *bytes, void **stream);
-/* The device's allocation clock (allocations handed out so far), and its value when the live block at ptr was
-   handed out: the device layer compares it with when other streams were current (automatic record_stream). */
+/* Requested size, stream and birth (the allocation clock when it was handed out) of the live block at ptr
+   (DLUA_ERR_ARG if ptr is not one); NULL outputs are skipped. */
+dlua_status_t dlua_caching_alloc_block_info(dlua_caching_alloc_t *a, int device, void *ptr, size_t *bytes, void **stream,
+                                            uint64_t *born);
+/* The device's allocation clock (allocations handed out so far): the device layer compares a block's birth with
+   when other streams were current (automatic record_stream). */
 uint64_t dlua_caching_alloc_clock(dlua_caching_alloc_t *a, int device);
 /* n bytes for a message: "1.50 GiB", "512 bytes". Returns buf. */
 const char *dlua_caching_alloc_human(char *buf, size_t len, int64_t n);
-dlua_status_t dlua_caching_alloc_born(dlua_caching_alloc_t *a, int device, void *ptr, uint64_t *born);
 
 /* Returns the unused segments to the source (waiting for pending events when it can). */
 void dlua_caching_alloc_empty_cache(dlua_caching_alloc_t *a, int device);

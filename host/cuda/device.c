@@ -522,13 +522,12 @@ dlua_status_t dlua_cuda_free(int device, void *ptr) {
   DLUA_TRY(need_device("cuda free", &device));
   size_t bytes = 0;
   void *own = NULL;
-  DLUA_TRY(dlua_caching_alloc_block_info(dev_alloc, device, ptr, &bytes, &own));
+  uint64_t born = 0;
+  DLUA_TRY(dlua_caching_alloc_block_info(dev_alloc, device, ptr, &bytes, &own, &born));
   // A block of a side stream (made while it was current) is used on the default stream once that is current
   // again, as a prefetched batch is: the default stream's work must end before the side stream reuses it.
   if (own) DLUA_TRY(dlua_caching_alloc_record_stream(dev_alloc, device, ptr, NULL));
   if (__atomic_load_n(&nside[device], __ATOMIC_ACQUIRE) > 0) {  // the streams that may have used it (above)
-    uint64_t born = 0;
-    DLUA_TRY(dlua_caching_alloc_born(dev_alloc, device, ptr, &born));
     dlua_cuda_stream_t *users[MAX_SIDE];
     int n = 0;
     pthread_mutex_lock(&stream_lock);

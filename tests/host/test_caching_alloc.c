@@ -258,7 +258,7 @@ START_TEST(test_zero_bytes_and_bad_frees) {
   ck_assert_ptr_nonnull(strstr(dlua_last_error(), "device 7"));
   size_t n;
   void *s;
-  ck_assert_int_eq(dlua_caching_alloc_block_info(a, 0, q, &n, &s), DLUA_OK);
+  ck_assert_int_eq(dlua_caching_alloc_block_info(a, 0, q, &n, &s, NULL), DLUA_OK);
   ck_assert_int_eq(n, 0);
   ck_assert_ptr_null(s);
   free_ok(a, q);
@@ -280,7 +280,7 @@ START_TEST(test_streams_are_separate) {
   ck_assert_ptr_eq(pa2, pa);
   size_t n;
   void *st;
-  ck_assert_int_eq(dlua_caching_alloc_block_info(a, 0, pb, &n, &st), DLUA_OK);
+  ck_assert_int_eq(dlua_caching_alloc_block_info(a, 0, pb, &n, &st, NULL), DLUA_OK);
   ck_assert_ptr_eq(st, S(2));
   ck_assert_int_eq(n, 4096);
   // recording a block's own stream is a no-op: freeing it needs no event
