@@ -32,6 +32,7 @@ static void *try_open(const char *path, char *why, size_t n) {
   return NULL;
 }
 
+#ifndef DLUA_CUDA_EMU
 static void *try_glob(const char *pattern, char *why, size_t n) {
   glob_t g;
   void *h = NULL;
@@ -42,34 +43,38 @@ static void *try_glob(const char *pattern, char *why, size_t n) {
   return h;
 }
 
-static void api_load(void) {
-  char why[512] = "", pat[700];
+/* The real libcudnn.so.9: DLUA_CUDNN_LIBRARY, the loader's path, the CUDA trees, Python's nvidia/cudnn/lib. */
+static void *search(char *why, size_t n) {
+  char pat[700];
   void *h = NULL;
-#ifdef DLUA_CUDA_EMU
-  /* The CUDA emulator's build loads its own cuDNN (host/cuemu/fake_cudnn.c) and never a real one. */
   const char *env = getenv("DLUA_CUDNN_LIBRARY");
-  h = try_open(env && *env ? env : DLUA_CUEMU_CUDNN, why, sizeof why);
-  if (!h) goto loaded;
-#else
-  const char *env = getenv("DLUA_CUDNN_LIBRARY");
-  if (env && *env) h = try_open(env, why, sizeof why);
-  if (!h) h = try_open("libcudnn.so.9", why, sizeof why);
-#endif
+  if (env && *env) h = try_open(env, why, n);
+  if (!h) h = try_open("libcudnn.so.9", why, n);
   const char *roots[] = {getenv("CUDNN_ROOT"), getenv("CUDA_HOME"), getenv("CUDA_PATH"), "/usr/local/cuda"};
   for (int i = 0; i < 4 && !h; i++) {
     if (!roots[i] || !*roots[i]) continue;
     snprintf(pat, sizeof pat, "%s/lib*/libcudnn.so.9", roots[i]);
-    h = try_glob(pat, why, sizeof why);
+    h = try_glob(pat, why, n);
   }
   const char *prefixes[] = {getenv("VIRTUAL_ENV"), getenv("CONDA_PREFIX"), getenv("HOME"), "/usr/local", "/usr"};
   for (int i = 0; i < 5 && !h; i++) {
     if (!prefixes[i] || !*prefixes[i]) continue;
     snprintf(pat, sizeof pat, "%s%s/lib/python3*/*-packages/nvidia/cudnn/lib/libcudnn.so.9", prefixes[i],
              i == 2 ? "/.local" : "");
-    h = try_glob(pat, why, sizeof why);
+    h = try_glob(pat, why, n);
   }
+  return h;
+}
+#endif
+
+static void api_load(void) {
+  char why[512] = "";
 #ifdef DLUA_CUDA_EMU
-loaded:
+  /* The CUDA emulator's build loads its own cuDNN (host/cuemu/fake_cudnn.c) and never a real one. */
+  const char *env = getenv("DLUA_CUDNN_LIBRARY");
+  void *h = try_open(env && *env ? env : DLUA_CUEMU_CUDNN, why, sizeof why);
+#else
+  void *h = search(why, sizeof why);
 #endif
   if (!h) {
     snprintf(api_error, sizeof api_error,
