@@ -290,13 +290,13 @@ typedef enum { DLUA_PG_REDUCE_SUM = 0, DLUA_PG_REDUCE_AVG = 1, DLUA_PG_REDUCE_MA
    the job token, under the key prefix `name` (unique per group: "pg0", "pg1"...). timeout_ms bounds the
    join and every collective. */
 dlua_status_t dlua_pg_gloo_new(const char *store_host, int store_port, const char *token, const char *name, int rank, int size, int64_t timeout_ms, dlua_pg_t **pg);
+/* NULL when libnccl.so.2 loads (a usable version), else why not. */
+const char *dlua_pg_nccl_unavailable(void);
 /* Joins an NCCL group whose collectives take CUDA tensors on `device` (its GPU; each rank its own).
    Rank 0's unique id travels through the store under "<name>/nccl/id"; the communicator is created
    non-blocking, so a missing rank fails the join after timeout_ms. Works run on the group's own stream
    after the caller's current stream, and complete when the GPU has finished them. Without CUDA, a
    device or libnccl.so.2: DLUA_ERR_ARG naming why ("no CUDA device available (...)"). */
-/* NULL when libnccl.so.2 loads (a usable version), else why not. */
-const char *dlua_pg_nccl_unavailable(void);
 dlua_status_t dlua_pg_nccl_new(const char *store_host, int store_port, const char *token, const char *name, int rank, int size, int device, int64_t timeout_ms, dlua_pg_t **pg);
 const char *dlua_pg_backend(const dlua_pg_t *pg); /* "gloo" or "nccl" */
 /* How all-reduce travels: "shm" (gloo group, all ranks on this host), "tcp" (gloo) or "nccl"; *why (if

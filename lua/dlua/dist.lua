@@ -140,15 +140,13 @@ function dist.init(opts)
   s.host, s.port, s.token = e.host, e.port, e.token
   s.store = store_binding.connect(e.host, e.port, e.token, timeout)
   if backend ~= 'nccl' then s.world_group = binding.gloo(e.host, e.port, e.token, 'pg0', e.rank, e.world, timeout) end
-  if use_nccl then  -- this rank's GPU: LOCAL_RANK modulo the GPUs, made current
+  if use_nccl or nccl_why then  -- this rank's GPU: LOCAL_RANK modulo the GPUs, made current
     s.device = e.local_rank % ndev
     dlua.cuda.set_device(s.device)
-    s.world_nccl = binding.nccl(e.host, e.port, e.token, 'nccl0', e.rank, e.world, s.device, timeout)
   end
-  if nccl_why then
-    s.device = e.local_rank % ndev
-    dlua.cuda.set_device(s.device)
-    if e.rank == 0 then io.stderr:write(string.format('dist.init: NCCL unavailable (%s): CUDA tensors go through gloo\n', nccl_why)) end
+  if use_nccl then s.world_nccl = binding.nccl(e.host, e.port, e.token, 'nccl0', e.rank, e.world, s.device, timeout) end
+  if nccl_why and e.rank == 0 then
+    io.stderr:write(string.format('dist.init: NCCL unavailable (%s): CUDA tensors go through gloo\n', nccl_why))
   end
   s.next_group = 1
   local debug_on = opts.debug
