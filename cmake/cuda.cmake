@@ -117,6 +117,17 @@ endfunction()
 # The emulator build of the backend: each .cu rewritten by tools/cuemu/rewrite.c (launches become calls) and
 # compiled as C++ with host/cuemu/kernel.h first; host/cuemu/runtime.cc stands in for the CUDA runtime, and the
 # fake cuBLASLt and cuDNN are shared libraries that blaslt.c and cudnn.c load from the build tree.
+# out_var <- the C++ file that the rewrite makes of the .cu file src, compiled with kernel.h first.
+function(dlua_cuemu_rewrite out_var src)
+  get_filename_component(_name ${src} NAME_WE)
+  set(_cc ${CMAKE_BINARY_DIR}/cuemu/${_name}.cu.cc)
+  add_custom_command(OUTPUT ${_cc} COMMAND cuemu_rewrite ${src} ${_cc} DEPENDS cuemu_rewrite ${src}
+                     COMMENT "cuemu: rewriting ${_name}.cu")
+  set_source_files_properties(${_cc} PROPERTIES COMPILE_OPTIONS
+    "-include;${CMAKE_SOURCE_DIR}/host/cuemu/kernel.h;-Wno-unknown-pragmas;-Wno-unused-parameter;-fno-strict-aliasing")
+  set(${out_var} ${_cc} PARENT_SCOPE)
+endfunction()
+
 function(dlua_cuemu_sources target sources)
   set(_emu ${CMAKE_SOURCE_DIR}/host/cuemu)
   if(NOT TARGET cuemu_rewrite)
@@ -134,12 +145,7 @@ function(dlua_cuemu_sources target sources)
   foreach(_src ${sources})
     get_filename_component(_ext ${_src} EXT)
     if(_ext STREQUAL ".cu")
-      get_filename_component(_name ${_src} NAME_WE)
-      set(_cc ${CMAKE_BINARY_DIR}/cuemu/${_name}.cu.cc)
-      add_custom_command(OUTPUT ${_cc} COMMAND cuemu_rewrite ${_src} ${_cc} DEPENDS cuemu_rewrite ${_src}
-                         COMMENT "cuemu: rewriting ${_name}.cu")
-      set_source_files_properties(${_cc} PROPERTIES COMPILE_OPTIONS
-        "-include;${_emu}/kernel.h;-Wno-unknown-pragmas;-Wno-unused-parameter;-fno-strict-aliasing")
+      dlua_cuemu_rewrite(_cc ${_src})
       list(APPEND _out ${_cc})
     else()
       list(APPEND _out ${_src})
