@@ -5,10 +5,95 @@ local Module = {}
 Module.__index = Module
 Module.__name = 'Module'
 
+---------------------------------------------------------------------------------------------
+-- Errors name the module and the caller's line. A forward or backward called from outside any
+-- module (the model's root) runs protected; an error raised anywhere below it is re-raised as
+--   train.lua:42: layer3.1.conv2 (Conv2d) forward: expected (N, 3, H, W), got ...
+-- naming the innermost module on the stack by its state-dict path and the first line of code
+-- outside dlua's own tree (lua/dlua, bindings, models) that called the model. Calls below the
+-- root run unwrapped: one integer test each.
+
+local depth = 0  -- > 0 while a root forward/backward runs
+local tree = debug.getinfo(1, 'S').source:match('^@(.*)lua/dlua/nn/module%.lua$')
+local function is_library(src)
+  if tree == nil or src:sub(1, 1) ~= '@' then return src == '=[C]' end
+  local rel = src:sub(2, #tree + 1) == tree and src:sub(#tree + 2) or nil
+  return rel ~= nil and (rel:find('^lua/dlua/') or rel:find('^bindings/') or rel:find('^models/')) ~= nil
+end
+
+local function is_module(v) return type(v) == 'table' and rawget(v, '_children') ~= nil and rawget(v, '_params') ~= nil end
+
+-- xpcall handler: the message and the innermost module on the stack where it was raised.
+local function catch(e)
+  local level = 2
+  while true do
+    local info = debug.getinfo(level, 'f')
+    if not info then break end
+    local _, v = debug.getlocal(level, 1)
+    if is_module(v) then return { e, v } end
+    level = level + 1
+  end
+  return { e }
+end
+
+-- The path of `target` below `root` ('' for the root itself), or nil.
+local function path_of(root, target)
+  local found
+  root:walk(function(prefix, m) if found == nil and m == target then found = prefix end end)
+  return found
+end
+
+-- "file:line" of the first caller outside dlua's tree, counting from `level`.
+local function user_line(level)
+  while true do
+    local info = debug.getinfo(level, 'Sl')
+    if not info then return nil end
+    if not is_library(info.source) and info.currentline > 0 then return info.short_src .. ':' .. info.currentline end
+    level = level + 1
+  end
+end
+
+local function annotate(root, phase, caught)
+  local e, m = caught[1], caught[2]
+  if type(e) ~= 'string' or e:find('interrupted$') then return e end
+  local pos, text = e:match('^([^\n]-:%d+): (.*)$')
+  if not pos then text = e end
+  local where = user_line(4)
+  m = m or root
+  local path = path_of(root, m)
+  local name = m.__name or 'Module'
+  local who = (path == nil or path == '') and name or string.format('%s (%s)', path, name)
+  text = text:gsub('^' .. name:gsub('%p', '%%%0') .. ': ', '', 1)
+  local msg = string.format('%s %s: %s', who, phase, text)
+  -- where a line outside dlua raised it (a bug in the user's own module, say), keep that line too
+  if pos and where and pos ~= where and (text:find('^attempt to') or text:find('^bad argument')
+      or not pos:find('lua/dlua/', 1, true) and not pos:find('bindings/', 1, true) and not pos:find('models/', 1, true)) then
+    msg = msg .. ' [raised at ' .. pos .. ']'
+  end
+  return where and (where .. ': ' .. msg) or msg
+end
+
+local function guarded(phase, fn)
+  return function(self, ...)
+    if depth > 0 then return fn(self, ...) end
+    depth = 1
+    local r = { xpcall(fn, catch, self, ...) }
+    depth = 0
+    if not r[1] then error(annotate(self, phase, r[2]), 0) end
+    return unpack(r, 2, table.maxn(r))
+  end
+end
+
+-- A class's forward and backward are wrapped as they are defined (guarded above).
+local function define(cls, key, value)
+  if (key == 'forward' or key == 'backward') and type(value) == 'function' then value = guarded(key, value) end
+  rawset(cls, key, value)
+end
+
 -- Declares a module class: `local Linear = Module:extend('Linear')`; instances are made by
 -- calling the class (`Linear(4, 2)`), which runs `__init(self, ...)`.
 function Module:extend(name)
-  local cls = setmetatable({}, { __index = self, __call = function(c, ...) return c.new(c, ...) end })
+  local cls = setmetatable({}, { __index = self, __call = function(c, ...) return c.new(c, ...) end, __newindex = define })
   cls.__index = cls
   cls.__name = name
   cls.__tostring, cls.__call = self.__tostring, self.__call

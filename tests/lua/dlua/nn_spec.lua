@@ -147,9 +147,56 @@ describe('dlua.nn modules', function()
 
   it('name the module and the shape when the input is wrong', function()
     local m = nn.Linear(4, 2)
+    local line = debug.getinfo(1, 'l').currentline + 1
     local ok, err = pcall(function() m:forward(dlua.zeros(3, 5)) end)
     assert.is_false(ok)
-    assert.matches('nn_spec.lua:%d+: Linear: expected %(N, 4%), got input of shape dlua.Size%(3, 5%)', err)
+    assert.matches('nn_spec.lua:' .. line .. ': Linear forward: expected %(N, 4%), got input of shape dlua.Size%(3, 5%)', err)
+  end)
+
+  -- the error names the failing child by its state-dict path and the line that called the model,
+  -- not the container's line inside dlua.nn
+  it('name the failing child by its path and the caller\'s line, in forward and backward', function()
+    local resnet = require 'models.resnet'
+    local net = resnet.resnet18({ num_classes = 10 })
+    net.layer3['1'].conv2.weight = dlua.randn(256, 7, 3, 3)  -- wrong input channels, deep in the tree
+    local line = debug.getinfo(1, 'l').currentline + 1
+    local ok, err = pcall(function() return net:forward(dlua.randn(2, 3, 32, 32)) end)
+    assert.is_false(ok)
+    assert.matches('^[^\n]*nn_spec.lua:' .. line .. ': layer3.1.conv2 %(Conv2d%) forward: conv2d: ', err)
+    assert.is_nil(err:find('nn/init.lua', 1, true), err)
+
+    local seq = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Sequential(nn.Linear(3, 3), nn.Linear(5, 2)))
+    line = debug.getinfo(1, 'l').currentline + 1
+    ok, err = pcall(seq.forward, seq, dlua.randn(2, 4))
+    assert.matches('nn_spec.lua:' .. line .. ': 2.1 %(Linear%) forward: expected %(N, 5%)', err)
+
+    local good = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    local x = dlua.randn(2, 4)
+    good:forward(x)
+    line = debug.getinfo(1, 'l').currentline + 1
+    ok, err = pcall(function() good:backward(x, dlua.randn(2, 7)) end)
+    assert.is_false(ok)
+    assert.matches('nn_spec.lua:' .. line .. ': 2 %(Linear%) backward: ', err)
+    -- the model still works after an error (no state left behind by the failed call)
+    assert.equals(2, good:forward(x):size(2))
+    assert.equals(4, good:backward(x, dlua.ones(2, 2)):size(2))
+  end)
+
+  it('keep the line of a bug in a user module, and let a user module\'s own errors through', function()
+    local Bad = nn.Module:extend('Bad')
+    local bug_line = debug.getinfo(1, 'l').currentline + 1
+    function Bad:forward(x) local t = nil; return t.field end
+    local m = nn.Sequential(nn.Identity(), Bad())
+    local line = debug.getinfo(1, 'l').currentline + 1
+    local ok, err = pcall(function() return m:forward(dlua.zeros(1)) end)
+    assert.is_false(ok)
+    assert.matches('nn_spec.lua:' .. line .. ': 1 %(Bad%) forward: attempt to index', err)
+    assert.matches('%[raised at [^%]]*nn_spec.lua:' .. bug_line .. '%]', err)
+    -- non-string errors pass through untouched
+    local Thrower = nn.Module:extend('Thrower')
+    function Thrower:forward() error({ code = 7 }) end
+    ok, err = pcall(function() return nn.Sequential(Thrower()):forward(dlua.zeros(1)) end)
+    assert.same({ code = 7 }, err)
   end)
 
   it('train a small model: the loss goes down', function()
