@@ -853,6 +853,7 @@ dlua_status_t dlua_io_list_dir(const char *path, char **names, size_t *len);
 void dlua_io_free(void *p);
 /* Atomic small file: temporary name, write, fsync, rename, fsync of the directory. */
 dlua_status_t dlua_io_write_file(const char *path, const char *data, size_t len);
+/* Removes a checkpoint directory: its index.json first (so it stops being complete at once), its other plain files, then itself. */
 dlua_status_t dlua_io_remove_dir(const char *dir);
 /* zlib's CRC32 of n bytes, continuing from crc (0 to start). */
 uint32_t dlua_crc32(uint32_t crc, const void *data, size_t n);

@@ -179,6 +179,16 @@ dlua_status_t dlua_io_remove_dir(const char *dir) {
   DLUA_TRY(dlua_io_list_dir(dir, &names, &len));
   dlua_status_t s = DLUA_OK;
   size_t dl = strlen(dir);
+  // index.json first: a checkpoint directory stops being complete before any of its files goes,
+  // so a removal cut short never leaves something that looks loadable.
+  char *index = malloc(dl + 16);
+  if (!index) s = DLUA_ERR(DLUA_ERR_OOM, "remove_dir: out of memory");
+  if (index) {
+    sprintf(index, "%s/index.json", dir);
+    if (unlink(index) != 0 && errno != ENOENT) s = DLUA_ERR(DLUA_ERR_IO, "removing %s: %s", index, strerror(errno));
+    if (s == DLUA_OK) s = dlua_io_fsync_dir_of(index);
+    free(index);
+  }
   for (size_t off = 0; off < len && s == DLUA_OK; off += strlen(names + off) + 1) {
     const char *nm = names + off;
     char *p = malloc(dl + strlen(nm) + 2);
