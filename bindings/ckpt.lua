@@ -111,10 +111,16 @@ function M.job()
   return setmetatable({ h = ffi.gc(out[0], C.dlua_ckpt_job_free), keep = {} }, Job)
 end
 
--- A safetensors file of names[i] -> tensors[i] with string metadata; snapshot: copy the tensors now.
-function Job:add_file(path, names, tensors, meta_keys, meta_values, snapshot, level)
+-- A safetensors file of names[i] -> tensors[i] with string metadata; modes[i] (nil: all 0): 0 write
+-- the live tensor, 1 copy it now, 2 copy it on the job's thread before writing (see dlua.h).
+function Job:add_file(path, names, tensors, meta_keys, meta_values, modes, level)
+  local m = nil
+  if modes then
+    m = ffi.new('int[?]', math.max(#modes, 1))
+    for i, v in ipairs(modes) do m[i - 1] = v end
+  end
   local st = C.dlua_ckpt_job_add_file(jh(self, 'save'), path, #names, cstrings(names), handles('save', tensors),
-    #meta_keys, cstrings(meta_keys), cstrings(meta_values), snapshot and 1 or 0)
+    #meta_keys, cstrings(meta_keys), cstrings(meta_values), m)
   core.keepalive(tensors, 'save')
   check(st, 'save', level)
 end
@@ -143,6 +149,7 @@ function Job:add_remove(dir, level) check(C.dlua_ckpt_job_add_remove(jh(self, 's
 function Job:run(level) check(C.dlua_ckpt_job_run(jh(self, 'save')), 'save', level) end
 function Job:start(level) check(C.dlua_ckpt_job_start(jh(self, 'save')), 'save', level) end
 function Job:done() return self.h == nil or C.dlua_ckpt_job_done(self.h) ~= 0 end
+function Job:wait_snapshot() if self.h ~= nil then C.dlua_ckpt_job_wait_snapshot(self.h) end end
 function Job:wait(level) check(C.dlua_ckpt_job_wait(jh(self, 'wait')), 'save', level) end
 function Job:snapshot_bytes() return self.h and tonumber(C.dlua_ckpt_job_snapshot_bytes(self.h)) or 0 end
 function Job:snapshot_peak() return self.h and tonumber(C.dlua_ckpt_job_snapshot_peak(self.h)) or 0 end

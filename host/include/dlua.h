@@ -816,14 +816,17 @@ dlua_status_t dlua_st_read(dlua_st_file_t *f, int64_t i, dlua_tensor_t **out);
    checksum is checked before dst is touched. */
 dlua_status_t dlua_st_read_into(dlua_st_file_t *f, int64_t i, dlua_tensor_t *dst);
 
-/* A checkpoint job: steps run in order on the caller's thread (run) or on a background thread
-   (start), the next save waiting for the previous one (wait). add_file with snapshot = 1 copies
-   the tensors now into host memory (pinned for CUDA tensors; freed as each is written), so
-   training may change them at once; snapshot = 0 keeps references (for run). After a failed step
-   the rest are skipped, except signals, which then carry the error. */
+/* A checkpoint job: steps run in order on the caller's thread (run) or on a background one
+   (start), the next save waiting for the previous one (wait). add_file's snapshot[i] (NULL: all 0)
+   says how tensor i is taken: 0 a reference, written from the live tensor (for run); 1 copied now
+   into host memory (pinned for CUDA tensors), so training may change it at once; 2 (CPU tensors)
+   copied into host memory by the background thread before it writes anything: the caller promises
+   not to change it until dlua_ckpt_job_wait_snapshot returns (the optimizer's next step waits, while
+   forward and backward run). Snapshot memory is freed as each tensor is written. After a failed
+   step the rest are skipped, except signals, which then carry the error. */
 typedef struct dlua_ckpt_job dlua_ckpt_job_t;
 dlua_status_t dlua_ckpt_job_new(dlua_ckpt_job_t **out);
-dlua_status_t dlua_ckpt_job_add_file(dlua_ckpt_job_t *job, const char *path, int64_t n, const char *const *names, dlua_tensor_t *const *tensors, int64_t nmeta, const char *const *keys, const char *const *values, int snapshot);
+dlua_status_t dlua_ckpt_job_add_file(dlua_ckpt_job_t *job, const char *path, int64_t n, const char *const *names, dlua_tensor_t *const *tensors, int64_t nmeta, const char *const *keys, const char *const *values, const int *snapshot);
 /* A small file (index, pointer) written atomically as the safetensors files are. */
 dlua_status_t dlua_ckpt_job_add_text(dlua_ckpt_job_t *job, const char *path, const char *data, size_t len);
 /* Sets `key` in the store to "ok", or to the error of an earlier step. */
@@ -836,6 +839,9 @@ dlua_status_t dlua_ckpt_job_add_remove(dlua_ckpt_job_t *job, const char *dir);
 dlua_status_t dlua_ckpt_job_run(dlua_ckpt_job_t *job);
 dlua_status_t dlua_ckpt_job_start(dlua_ckpt_job_t *job);
 int dlua_ckpt_job_done(const dlua_ckpt_job_t *job); /* 1 once every step has run (or the job never started) */
+/* Returns once every snapshot = 2 tensor has been copied (at once when there are none, or the job
+   is done or never started). */
+void dlua_ckpt_job_wait_snapshot(dlua_ckpt_job_t *job);
 /* Joins the thread; the job's status, its message in dlua_last_error(). */
 dlua_status_t dlua_ckpt_job_wait(dlua_ckpt_job_t *job);
 /* Host bytes the job's snapshot holds now, and at most (both 0 without snapshots). */

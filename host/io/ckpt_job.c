@@ -18,10 +18,11 @@ typedef struct {
   char *name;
   int dtype, ndim;
   int64_t sizes[DLUA_MAX_DIMS];
-  dlua_tensor_t *ref; /* snapshot 0 */
-  void *host;         /* snapshot 1: bytes, row-major */
+  dlua_tensor_t *ref; /* snapshot 0; 2 until copied */
+  void *host;         /* snapshot 1 and 2: bytes, row-major */
   size_t bytes;
   int pinned;         /* host came from dlua_cuda_host_alloc */
+  int deferred;       /* snapshot 2: ref is copied into host by the job's thread */
 } item_t;
 
 typedef struct {
@@ -48,6 +49,10 @@ struct dlua_ckpt_job {
   dlua_status_t status;
   char message[2048];
   int64_t snap_bytes;    /* atomic */
+  int ndeferred;         /* snapshot = 2 tensors not yet copied */
+  int snap_ready;        /* under lock: the deferred copies are done */
+  pthread_mutex_t lock;
+  pthread_cond_t cond;
   int64_t snap_peak;
   double seconds;
 };
@@ -59,6 +64,10 @@ static double now_s(void) {
 }
 
 static void free_item(dlua_ckpt_job_t *job, item_t *it) {
+  if (it->deferred) {
+    it->deferred = 0;
+    job->ndeferred--;
+  }
   free(it->name);
   it->name = NULL;
   if (it->ref) dlua_tensor_free(it->ref);
@@ -95,6 +104,9 @@ dlua_status_t dlua_ckpt_job_new(dlua_ckpt_job_t **out) {
   *out = calloc(1, sizeof **out);
   if (!*out) return DLUA_ERR(DLUA_ERR_OOM, "checkpoint job: out of memory");
   (*out)->done = 1;
+  (*out)->snap_ready = 1;
+  pthread_mutex_init(&(*out)->lock, NULL);
+  pthread_cond_init(&(*out)->cond, NULL);
   return DLUA_OK;
 }
 
@@ -132,7 +144,7 @@ static dlua_status_t copy_out(const dlua_tensor_t *t, void *dst, size_t bytes) {
 
 dlua_status_t dlua_ckpt_job_add_file(dlua_ckpt_job_t *job, const char *path, int64_t n, const char *const *names,
                                      dlua_tensor_t *const *tensors, int64_t nmeta, const char *const *keys,
-                                     const char *const *values, int snapshot) {
+                                     const char *const *values, const int *snapshot) {
   if (!path || n < 0 || (n > 0 && (!names || !tensors)) || nmeta < 0 || (nmeta > 0 && (!keys || !values)))
     return DLUA_ERR(DLUA_ERR_ARG, "checkpoint job: bad arguments for a file");
   step_t *st = NULL;
@@ -166,10 +178,21 @@ dlua_status_t dlua_ckpt_job_add_file(dlua_ckpt_job_t *job, const char *path, int
     it->ndim = t->ndim;
     memcpy(it->sizes, t->sizes, sizeof it->sizes);
     it->bytes = (size_t)dlua_tensor_numel(t) * dlua_dtype_size(t->dtype);
-    if (!snapshot) {
-      it->ref = dlua_tensor_alias(t);  // keeps the storage alive until written
-      if (!it->ref) s = DLUA_ERR_OOM;
-      continue;
+    int mode = snapshot ? snapshot[i] : 0;
+    if (mode == 2 && t->device != DLUA_CPU) mode = 1;  // device memory: copied now (a stream orders it, not a promise)
+    if (mode < 0 || mode > 2) {
+      s = DLUA_ERR(DLUA_ERR_ARG, "checkpoint %s: snapshot mode %d for '%s' (0, 1 or 2)", path, mode, it->name);
+      break;
+    }
+    if (mode != 1) {
+      it->ref = dlua_tensor_alias(t);  // keeps the storage alive until written (or copied)
+      if (!it->ref) {
+        s = DLUA_ERR_OOM;
+        break;
+      }
+      if (mode == 0) continue;
+      it->deferred = 1;
+      job->ndeferred++;
     }
     if (t->device != DLUA_CPU) {
       // Pinned, so the device-to-host copy runs at full speed.
@@ -182,7 +205,7 @@ dlua_status_t dlua_ckpt_job_add_file(dlua_ckpt_job_t *job, const char *path, int
     if (s != DLUA_OK) break;
     int64_t now = __atomic_add_fetch(&job->snap_bytes, (int64_t)it->bytes, __ATOMIC_RELAXED);
     if (now > job->snap_peak) job->snap_peak = now;
-    s = copy_out(t, it->host, it->bytes);
+    if (!it->deferred) s = copy_out(t, it->host, it->bytes);
   }
   if (s != DLUA_OK) {
     free_step(job, st);
@@ -274,7 +297,7 @@ static dlua_status_t run_file(dlua_ckpt_job_t *job, step_t *st) {
   if (s == DLUA_OK) dlua_st_writer_set_interruptible(w, !job->in_background);
   for (int64_t i = 0; s == DLUA_OK && i < n; i++) {
     item_t *it = &st->items[i];
-    s = it->ref ? dlua_st_writer_put(w, i, it->ref) : dlua_st_writer_put_bytes(w, i, it->host, it->bytes);
+    s = it->host ? dlua_st_writer_put_bytes(w, i, it->host, it->bytes) : dlua_st_writer_put(w, i, it->ref);
     free_item(job, it);  // the snapshot memory goes as soon as it is on its way to the disk
   }
   if (s == DLUA_OK) s = dlua_st_writer_commit(w);
@@ -323,9 +346,39 @@ static dlua_status_t run_wait(step_t *st) {
   return s;
 }
 
+/* The deferred copies (snapshot 2), before anything is written; then the caller may go on. */
+static dlua_status_t take_deferred(dlua_ckpt_job_t *job) {
+  dlua_status_t s = DLUA_OK;
+  for (int i = 0; i < job->nsteps; i++) {
+    step_t *st = &job->steps[i];
+    for (int64_t k = 0; st->kind == STEP_FILE && k < st->n; k++) {
+      item_t *it = &st->items[k];
+      if (!it->deferred) continue;
+      if (s == DLUA_OK) s = dlua_tensor_to_data(it->ref, it->host, it->bytes);
+      dlua_tensor_free(it->ref);
+      it->ref = NULL;
+      it->deferred = 0;
+      job->ndeferred--;
+    }
+  }
+  pthread_mutex_lock(&job->lock);
+  job->snap_ready = 1;
+  pthread_cond_broadcast(&job->cond);
+  pthread_mutex_unlock(&job->lock);
+  return s;
+}
+
+void dlua_ckpt_job_wait_snapshot(dlua_ckpt_job_t *job) {
+  if (!job) return;
+  pthread_mutex_lock(&job->lock);
+  while (!job->snap_ready) pthread_cond_wait(&job->cond, &job->lock);
+  pthread_mutex_unlock(&job->lock);
+}
+
 static void run_steps(dlua_ckpt_job_t *job) {
   double t0 = now_s();
-  dlua_status_t s = DLUA_OK;
+  dlua_status_t s = take_deferred(job);
+  if (s != DLUA_OK) snprintf(job->message, sizeof job->message, "%s", dlua_last_error());
   for (int i = 0; i < job->nsteps; i++) {
     step_t *st = &job->steps[i];
     if (st->kind == STEP_SIGNAL) {
@@ -389,6 +442,7 @@ dlua_status_t dlua_ckpt_job_start(dlua_ckpt_job_t *job) {
   if (job->started) return DLUA_ERR(DLUA_ERR_ARG, "checkpoint job: already started");
   job->in_background = 1;
   job->done = 0;
+  job->snap_ready = job->ndeferred == 0;
   // Signals stay with the main thread (Ctrl-C must reach the training loop, not the writer).
   sigset_t all, old;
   sigfillset(&all);
@@ -397,6 +451,7 @@ dlua_status_t dlua_ckpt_job_start(dlua_ckpt_job_t *job) {
   pthread_sigmask(SIG_SETMASK, &old, NULL);
   if (rc != 0) {
     job->done = 1;
+    job->snap_ready = 1;
     return DLUA_ERR(DLUA_ERR_BACKEND, "checkpoint: cannot start the writer thread: %s", strerror(rc));
   }
   job->started = 1;
@@ -424,5 +479,7 @@ void dlua_ckpt_job_free(dlua_ckpt_job_t *job) {
   if (job->started && !job->joined) pthread_join(job->thread, NULL);
   for (int i = 0; i < job->nsteps; i++) free_step(job, &job->steps[i]);
   free(job->steps);
+  pthread_mutex_destroy(&job->lock);
+  pthread_cond_destroy(&job->cond);
   free(job);
 }

@@ -247,6 +247,9 @@ function ckpt.wait()
   local p = pending
   if not p then return nil end
   pending = nil
+  for _, g in ipairs(p.guards or {}) do
+    if rawget(g.obj, 'step') ~= g.own then rawset(g.obj, 'step', g.own) end
+  end
   local ok, err = pcall(function() p.job:wait(2) end)
   local stats = { path = p.path, step = p.step, seconds = p.job:seconds(), snapshot_bytes = p.job:snapshot_peak() }
   p.job:free()
@@ -256,6 +259,11 @@ end
 
 -- Whether a background save is still writing.
 function ckpt.busy() return pending ~= nil and not pending.job:done() end
+
+-- An async save copies parameters and optimizer state on its thread, while forward and backward
+-- run; the optimizer's next step waits for that copy by itself. Code that changes parameters
+-- otherwise (an EMA, weight surgery) calls this first.
+function ckpt.wait_snapshot() if pending then pending.job:wait_snapshot() end end
 
 local function dist_info()
   local dist = package.loaded['dlua.dist']
@@ -510,13 +518,42 @@ function ckpt.save(root, state, opts)
     removals = rotation(root, step, o.keep)
   end
 
+  -- async: what only an optimizer's step changes (its parameter arena, its state) is copied by the
+  -- writer thread while forward and backward run; that optimizer's next step waits for the copy.
+  -- Everything else (batch-norm statistics...) is copied now.
+  local owners, deferrable = {}, {}
+  if o.async then
+    for _, e in ipairs(entries) do
+      local obj = e.obj
+      if e.kind == 'object' and type(obj) == 'table' and type(obj.arena) == 'table' and type(obj.arena.params) == 'table'
+          and type(obj.state) == 'table' and has_method(obj, 'step') then
+        owners[#owners + 1] = obj
+        for _, p in pairs(obj.arena.params) do deferrable[#deferrable + 1] = p end
+        for _, bufs in pairs(obj.state) do
+          for _, t in pairs(bufs) do if dlua.is_tensor(t) then deferrable[#deferrable + 1] = t end end
+        end
+      end
+    end
+  end
+  local function mode_of(t)
+    if not o.async then return 0 end
+    if t.device == 'cpu' then
+      for _, d in ipairs(deferrable) do if t:same_storage(d) then return 2 end end
+    end
+    return 1
+  end
+
   local job = B.job()
   local bytes = 0
   local ok, err = pcall(function()
     for _, f in ipairs(order) do
       local spec = files[f]
-      for _, t in ipairs(spec.tensors) do bytes = bytes + tensor_bytes(t) end
-      job:add_file(stepdir .. '/' .. f, spec.names, spec.tensors, { 'dlua.step' }, { tostring(step) }, o.async, 3)
+      local modes = {}
+      for i, t in ipairs(spec.tensors) do
+        bytes = bytes + tensor_bytes(t)
+        modes[i] = mode_of(t)
+      end
+      job:add_file(stepdir .. '/' .. f, spec.names, spec.tensors, { 'dlua.step' }, { tostring(step) }, modes, 3)
     end
     if rank ~= 0 then
       job:add_signal(store, prefix .. 'done/' .. rank, 3)
@@ -538,7 +575,16 @@ function ckpt.save(root, state, opts)
   local info = { path = stepdir, step = step, bytes = bytes, snapshot_bytes = job:snapshot_bytes() }
   if o.async then
     job:start(1)
-    pending = { job = job, path = stepdir, step = step }
+    pending = { job = job, path = stepdir, step = step, guards = {} }
+    for _, obj in ipairs(owners) do
+      local own = rawget(obj, 'step')
+      pending.guards[#pending.guards + 1] = { obj = obj, own = own }
+      rawset(obj, 'step', function(self, ...)
+        rawset(obj, 'step', own)
+        job:wait_snapshot()
+        return obj.step(self, ...)
+      end)
+    end
     info.stall = dlua.perf_counter() - t0
   else
     local rok, rerr = pcall(function() job:run(3) end)

@@ -526,7 +526,8 @@ START_TEST(test_background_job_snapshot_and_memory) {
   const char *path = tmp_path("job.safetensors");
   dlua_ckpt_job_t *job = NULL;
   ck_assert_int_eq(dlua_ckpt_job_new(&job), DLUA_OK);
-  ck_assert_int_eq(dlua_ckpt_job_add_file(job, path, 1, names, &a, 0, NULL, NULL, 1), DLUA_OK);
+  const int now[1] = {1};
+  ck_assert_int_eq(dlua_ckpt_job_add_file(job, path, 1, names, &a, 0, NULL, NULL, now), DLUA_OK);
   ck_assert_int_eq(dlua_ckpt_job_snapshot_bytes(job), 4 << 20);
   ck_assert_int_eq(dlua_memory_allocated(DLUA_CPU), base + (4 << 20));
   ck_assert_int_eq(dlua_ckpt_job_add_text(job, tmp_path("latest"), "job\n", 4), DLUA_OK);
@@ -556,6 +557,44 @@ START_TEST(test_background_job_snapshot_and_memory) {
 }
 END_TEST
 
+START_TEST(test_deferred_snapshot) {
+  // mode 2: copied by the job's thread before it writes; wait_snapshot says when the tensor may change
+  const int64_t sz[1] = {1 << 20};
+  dlua_tensor_t *a = pattern(DLUA_DTYPE_F32, 1, sz, 6), *b = pattern(DLUA_DTYPE_F32, 1, sz, 7);
+  const int64_t base = dlua_memory_allocated(DLUA_CPU);
+  unsigned char *orig = malloc(4u << 20);
+  memcpy(orig, dlua_tensor_data(a), 4u << 20);
+  const char *names[] = {"a", "b"};
+  dlua_tensor_t *ts[] = {a, b};
+  const int modes[2] = {2, 1};
+  const char *path = tmp_path("deferred.safetensors");
+  dlua_ckpt_job_t *job = NULL;
+  ck_assert_int_eq(dlua_ckpt_job_new(&job), DLUA_OK);
+  ck_assert_int_eq(dlua_ckpt_job_add_file(job, path, 2, names, ts, 0, NULL, NULL, modes), DLUA_OK);
+  ck_assert_int_eq(dlua_ckpt_job_snapshot_bytes(job), 8 << 20);  // both buffers exist from the start
+  ck_assert_int_eq(dlua_ckpt_job_start(job), DLUA_OK);
+  ck_assert_int_eq(dlua_tensor_fill_(b, 3.0), DLUA_OK);  // b was copied at add: free to change
+  dlua_ckpt_job_wait_snapshot(job);
+  ck_assert_int_eq(dlua_tensor_fill_(a, -1.0), DLUA_OK);  // a only now
+  ck_assert_int_eq(dlua_ckpt_job_wait(job), DLUA_OK);
+  ck_assert_int_eq(dlua_memory_allocated(DLUA_CPU), base);
+  dlua_ckpt_job_free(job);
+  dlua_st_file_t *f = NULL;
+  ck_assert_int_eq(dlua_st_open(&f, path), DLUA_OK);
+  dlua_tensor_t *r = NULL;
+  ck_assert_int_eq(dlua_st_read(f, dlua_st_find(f, "a"), &r), DLUA_OK);
+  ck_assert_int_eq(memcmp(dlua_tensor_data(r), orig, 4u << 20), 0);
+  dlua_tensor_free(r);
+  ck_assert_int_eq(dlua_st_read(f, dlua_st_find(f, "b"), &r), DLUA_OK);
+  ck_assert_float_ne(((float *)dlua_tensor_data(r))[5], 3.0f);
+  dlua_tensor_free(r);
+  dlua_st_close(f);
+  free(orig);
+  dlua_tensor_free(a);
+  dlua_tensor_free(b);
+}
+END_TEST
+
 START_TEST(test_failed_step_skips_the_rest) {
   const int64_t sz[1] = {16};
   dlua_tensor_t *a = pattern(DLUA_DTYPE_F32, 1, sz, 5);
@@ -563,8 +602,9 @@ START_TEST(test_failed_step_skips_the_rest) {
   const int64_t base = dlua_memory_allocated(DLUA_CPU);
   dlua_ckpt_job_t *job = NULL;
   ck_assert_int_eq(dlua_ckpt_job_new(&job), DLUA_OK);
-  ck_assert_int_eq(dlua_ckpt_job_add_file(job, "/nonexistent-dir/a.safetensors", 1, names, &a, 0, NULL, NULL, 1), DLUA_OK);
-  ck_assert_int_eq(dlua_ckpt_job_add_file(job, tmp_path("b.safetensors"), 1, names, &a, 0, NULL, NULL, 1), DLUA_OK);
+  const int now[1] = {1};
+  ck_assert_int_eq(dlua_ckpt_job_add_file(job, "/nonexistent-dir/a.safetensors", 1, names, &a, 0, NULL, NULL, now), DLUA_OK);
+  ck_assert_int_eq(dlua_ckpt_job_add_file(job, tmp_path("b.safetensors"), 1, names, &a, 0, NULL, NULL, now), DLUA_OK);
   ck_assert_int_eq(dlua_ckpt_job_add_text(job, tmp_path("never"), "x", 1), DLUA_OK);
   ck_assert_int_eq(dlua_ckpt_job_start(job), DLUA_OK);
   ck_assert_int_eq(dlua_ckpt_job_wait(job), DLUA_ERR_IO);
@@ -619,6 +659,7 @@ int main(void) {
   tcase_add_test(tc, test_atomic_replacement_and_abort);
   tcase_add_test(tc, test_writer_argument_errors);
   tcase_add_test(tc, test_background_job_snapshot_and_memory);
+  tcase_add_test(tc, test_deferred_snapshot);
   tcase_add_test(tc, test_failed_step_skips_the_rest);
   tcase_add_test(tc, test_dir_helpers);
   suite_add_tcase(s, tc);
