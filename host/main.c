@@ -320,6 +320,7 @@ int main(int argc, char **argv) {
     if (!o.script && !o.script_stdin && !o.has_exec && !o.interactive) return 0;
   }
   if (o.nproc != 0) return launch(argc, argv, &o);
+  dlua_launch_rank_init();  // a rank of `dlua --nproc N`: where to say that it failed
   /* a rank under the launcher writes into a pipe: flush each line so output is live */
   if (getenv("DLUA_LAUNCHER")) setvbuf(stdout, NULL, _IOLBF, 0);
 
@@ -351,6 +352,8 @@ int main(int argc, char **argv) {
       status = dlua_repl(L);
     }
   }
+  /* before lua_close closes our process groups: that is what makes the peers fail */
+  if (status != 0) dlua_launch_report_failure();
   lua_close(L);
   return status == 0 ? 0 : 1;
 }

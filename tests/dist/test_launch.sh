@@ -53,6 +53,43 @@ for mode in error exit kill; do
   no_strays "rank 1 $mode"
 done
 
+# Whom the launcher blames: rank 1 fails before a barrier the others wait in, which then fails on them
+# too ("a peer closed its connection"), often within the same millisecond. The verdict must name rank 1
+# with its own error and line, every time, and list the others as stopped.
+cat >"$work/barrier.lua" <<'LUA'
+local dlua = require 'dlua'
+dlua.dist.init()
+if dlua.dist.rank() == 1 then
+  if arg[1] == 'error' then error('rank one broke') end
+  if arg[1] == 'exit' then os.exit(3) end
+  if arg[1] == 'kill' then os.execute('kill -9 ' .. io.open('/proc/self/stat'):read('*n')) end
+end
+dlua.dist.barrier()
+print('rank ' .. dlua.dist.rank() .. ' passed the barrier')
+LUA
+verdicts() {  # NPROC MODE RUNS EXPECTED-VERDICT: every run's summary is exactly the verdict and the stopped ranks
+  local n=$1 mode=$2 runs=$3 want=$4 stopped wrong=0 detail="" o c
+  if [ "$n" = 2 ]; then stopped="dlua: stopped rank 0"; else stopped="dlua: stopped ranks 0, 2"; fi
+  start=$(date +%s)
+  for _ in $(seq "$runs"); do
+    o=$(timeout 30 "$DLUA" --nproc "$n" "$work/barrier.lua" "$mode" 2>&1); c=$?
+    if [ $c -ne 1 ] || [ "$(grep '^dlua: ' <<<"$o")" != "$want
+$stopped" ] || grep -q "passed the barrier" <<<"$o"; then
+      wrong=$((wrong + 1))
+      detail="rc $c: $o"
+    fi
+  done
+  took=$(( $(date +%s) - start ))
+  expect "rank 1 $mode before a barrier, $n ranks: $runs of $runs verdicts name rank 1 ($took s)" '[ $wrong -eq 0 ]' "$wrong wrong; the last:
+$detail"
+  no_strays "rank 1 $mode before a barrier, $n ranks"
+}
+for n in 2 3; do
+  verdicts $n error 20 "dlua: rank 1 failed (exit code 1): $work/barrier.lua:4: rank one broke"
+  verdicts $n exit 5 "dlua: rank 1 failed (exit code 3)"
+  verdicts $n kill 5 "dlua: rank 1 failed (killed by signal 9 (SIGKILL))"
+done
+
 # Ctrl-C (SIGINT to the launcher) stops every rank and exits 130
 "$DLUA" --nproc 2 "$work/fail.lua" none >"$work/out" 2>&1 &
 pid=$!
