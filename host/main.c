@@ -29,7 +29,7 @@ static void print_usage(FILE *f) {
       "  --             stop handling options\n"
       "\n"
       "launching ranks (docs/launch.md):\n"
-      "  --nproc N      start N ranks of the script on this machine ('gpu': one per GPU)\n"
+      "  --nproc N      start N ranks of the script or -e code here ('gpu': one per GPU)\n"
       "  --nnodes M     the job spans M machines (default 1), each started with --nproc\n"
       "  --node-rank K  this machine is node K, 0..M-1\n"
       "  --master H:P   where node 0's rendezvous store listens (multi-node; single-node\n"
@@ -185,8 +185,8 @@ static int parse_options(int argc, char **argv, options_t *o) {
     fprintf(stderr, "dlua: --nnodes %d needs --master host:port (where node 0's store listens)\n", o->nnodes);
     return -1;
   }
-  if (o->nproc != 0 && !o->script && !o->script_stdin && !o->interactive) {
-    fprintf(stderr, "dlua: --nproc needs a script to run, or -i for the SPMD REPL\n");
+  if (o->nproc != 0 && !o->script && !o->script_stdin && !o->interactive && !o->has_exec) {
+    fprintf(stderr, "dlua: --nproc needs a script to run, -e code, or -i for the SPMD REPL\n");
     return -1;
   }
   if (o->nproc != 0 && o->script_stdin) {

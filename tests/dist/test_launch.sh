@@ -90,6 +90,20 @@ for n in 2 3; do
   verdicts $n kill 5 "dlua: rank 1 failed (killed by signal 9 (SIGKILL))"
 done
 
+# -e chunks and -l modules run on every rank, as a script does, also before one
+mkdir -p "$work/mods"
+echo 'return { answer = 40 + tonumber(os.getenv("RANK")) }' >"$work/mods/mymod.lua"
+echo 'print("script sees", x, arg[1])' >"$work/after_e.lua"
+out=$(timeout 30 "$DLUA" --nproc 2 -e 'print("e on", os.getenv("RANK"))' 2>&1); rc=$?
+expect "--nproc 2 -e runs the chunk on both ranks" '[ $rc -eq 0 ] && grep -qxP "\[0\] e on\t0" <<<"$out" && grep -qxP "\[1\] e on\t1" <<<"$out"' "$out"
+out=$(cd "$work" && DLUA_PATH="$work/mods" timeout 30 "$DLUA" --nproc 2 -l mymod -e 'print(mymod.answer)' 2>&1); rc=$?
+expect "--nproc 2 -l mod -e on both ranks" '[ $rc -eq 0 ] && grep -qx "\[0\] 40" <<<"$out" && grep -qx "\[1\] 41" <<<"$out"' "$out"
+out=$(timeout 30 "$DLUA" --nproc 2 -e 'x = 7' "$work/after_e.lua" z 2>&1); rc=$?
+expect "--nproc 2 -e then a script on both ranks" '[ $rc -eq 0 ] && [ "$(grep -cP "^\[[01]\] script sees\t7\tz$" <<<"$out")" = 2 ]' "$out"
+out=$(timeout 30 "$DLUA" --nproc 2 -e 'local d = dlua.dist; d.init(); if d.rank() == 1 then error("e broke") end; d.barrier()' 2>&1); rc=$?
+expect "--nproc 2 -e failing on rank 1 names it" '[ $rc -eq 1 ] && grep -qx "dlua: rank 1 failed (exit code 1): (command line):1: e broke" <<<"$out"' "$out"
+no_strays "--nproc with -e"
+
 # Ctrl-C (SIGINT to the launcher) stops every rank and exits 130
 "$DLUA" --nproc 2 "$work/fail.lua" none >"$work/out" 2>&1 &
 pid=$!
