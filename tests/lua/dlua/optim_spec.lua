@@ -631,15 +631,16 @@ dist.destroy()
     local root = dlua.root  -- the tree whose recipes/ and tests/ this dlua runs (ctest starts in build/)
     run(("'%s' '%s/tests/data/fake_fashion_mnist.lua' '%s' 256 100"):format(exe, root, dir))
     local env = ("DLUA_FASHION_MNIST_ROOT='%s' CUDA_VISIBLE_DEVICES= timeout 300 '%s' "):format(dir, exe)
-    local out = run(env .. root .. '/recipes/fashion_mnist.lua --epochs 1 --batch 64 --model small_cnn --threads 1 --clip-grad 0.05')
+    local out = run(env .. root .. '/recipes/fashion_mnist.lua --epochs 1 --batch 64 --model small_cnn --threads 1 '
+      .. '--clip-grad 0.05')
     local mean, max, clipped, steps = out:match('clip%-grad 0%.05: gradient norm mean (%S+), max (%S+); clipped (%d+) of (%d+) steps')
     assert(out:find('rc=0', 1, true) and mean, out)
     assert(tonumber(mean) > 0 and tonumber(mean) < math.huge and tonumber(max) >= tonumber(mean), out)
     assert.equals('4', steps)
     assert.equals('4', clipped)  -- a random-label CNN's gradients are far above 0.05
     assert(out:match('epoch 1  train loss (%d+%.%d+)'), out)
-    out = run(env .. '--nproc 2 ' .. root .. '/recipes/resnet50_ddp.lua --model resnet18 --limit 64 --batch 8 --eval-limit 16 '
-      .. '--image-size 28 --threads 1 --print-every 2 --clip-grad 0.1')
+    out = run(env .. '--nproc 2 ' .. root .. '/recipes/resnet50_ddp.lua --model resnet18 --limit 64 --batch 8 '
+      .. '--eval-limit 16 --image-size 28 --threads 1 --print-every 2 --clip-grad 0.1')
     local loss, norm = out:match('%[0%] epoch 1  step 4/4  loss (%d+%.%d+)  lr %S+  %S+ img/s  grad norm (%S+)')
     assert(out:find('rc=0', 1, true) and loss and tonumber(norm) > 0 and tonumber(norm) < math.huge, out)
     os.execute("rm -rf '" .. dir .. "'")
