@@ -26,16 +26,16 @@ static void print_usage(FILE *f) {
       "  -i             enter the REPL after running the script (or -e)\n"
       "  -v, --version  print the versions of dlua, LuaJIT and the CUDA libraries\n"
       "  -h, --help     print this help\n"
+      "  -              run the program read from standard input\n"
       "  --             stop handling options\n"
       "\n"
       "launching ranks (docs/launch.md):\n"
-      "  --nproc N      start N ranks of the script on this machine ('gpu': one per GPU)\n"
+      "  --nproc N      start N ranks of the script or -e code here ('gpu': one per GPU)\n"
       "  --nnodes M     the job spans M machines (default 1), each started with --nproc\n"
       "  --node-rank K  this machine is node K, 0..M-1\n"
       "  --master H:P   where node 0's rendezvous store listens (multi-node; single-node\n"
       "                 jobs use a free port on 127.0.0.1)\n"
       "  --ranks-output R  show only these ranks' output, e.g. 0 or 0,3\n"
-      "  -              run the program read from standard input\n"
       "\n"
       "environment:\n"
       "  DLUA_PATH      extra module folders or ?-templates, ';'-separated, searched first\n"
@@ -185,8 +185,8 @@ static int parse_options(int argc, char **argv, options_t *o) {
     fprintf(stderr, "dlua: --nnodes %d needs --master host:port (where node 0's store listens)\n", o->nnodes);
     return -1;
   }
-  if (o->nproc != 0 && !o->script && !o->script_stdin && !o->interactive) {
-    fprintf(stderr, "dlua: --nproc needs a script to run, or -i for the SPMD REPL\n");
+  if (o->nproc != 0 && !o->script && !o->script_stdin && !o->interactive && !o->has_exec) {
+    fprintf(stderr, "dlua: --nproc needs a script to run, -e code, or -i for the SPMD REPL\n");
     return -1;
   }
   if (o->nproc != 0 && o->script_stdin) {
@@ -320,6 +320,7 @@ int main(int argc, char **argv) {
     if (!o.script && !o.script_stdin && !o.has_exec && !o.interactive) return 0;
   }
   if (o.nproc != 0) return launch(argc, argv, &o);
+  dlua_launch_rank_init();  // a rank of `dlua --nproc N`: where to say that it failed
   /* a rank under the launcher writes into a pipe: flush each line so output is live */
   if (getenv("DLUA_LAUNCHER")) setvbuf(stdout, NULL, _IOLBF, 0);
 
@@ -351,6 +352,8 @@ int main(int argc, char **argv) {
       status = dlua_repl(L);
     }
   }
+  /* before lua_close closes our process groups: that is what makes the peers fail */
+  if (status != 0) dlua_launch_report_failure();
   lua_close(L);
   return status == 0 ? 0 : 1;
 }

@@ -11,7 +11,7 @@ local resnet = require 'models.resnet'
 local opt = cli.parse(arg, {
   epochs = 10, batch = 128, lr = 0.1, momentum = 0.9, weight_decay = 5e-4, warmup = 1,
   label_smoothing = 0.0, model = 'resnet20', threads = 0, seed = 1, data = '',
-  limit = 0, eval_batch = 1000, channels_last = true,
+  limit = 0, eval_batch = 1000, channels_last = true, clip_grad = 0,
 }, {
   description = 'Trains a ResNet on Fashion-MNIST (Debian package dataset-fashion-mnist).',
   help = {
@@ -27,6 +27,7 @@ local opt = cli.parse(arg, {
     limit = 'train on the first N images only (0: all), for quick checks',
     eval_batch = 'images per evaluation step',
     channels_last = 'keep activations in NHWC memory (faster convolutions)',
+    clip_grad = 'clip the gradients\' total 2-norm to N before each step (nn.utils.clip_grad_norm_; 0: off)',
   },
 })
 
@@ -128,6 +129,19 @@ local function epoch_set(epoch)
   return data.TensorDataset(train.x:index_select(1, idx), train.y:index_select(1, idx))
 end
 
+-- --clip-grad: the gradient norms before clipping, summarised per epoch.
+local clip = { n = 0, sum = 0, max = 0, clipped = 0 }
+function clip:add(norm)
+  self.n, self.sum, self.max = self.n + 1, self.sum + norm, math.max(self.max, norm)
+  if norm > opt.clip_grad then self.clipped = self.clipped + 1 end
+end
+function clip:report()
+  if self.n == 0 then return end
+  print(('clip-grad %g: gradient norm mean %.4g, max %.4g; clipped %d of %d steps'):format(opt.clip_grad,
+    self.sum / self.n, self.max, self.clipped, self.n))
+  self.n, self.sum, self.max, self.clipped = 0, 0, 0, 0
+end
+
 local step = 0
 local t_start = dlua.perf_counter()
 for epoch = 1, opt.epochs do
@@ -140,6 +154,7 @@ for epoch = 1, opt.epochs do
     local out = model:forward(input)
     local loss = criterion:forward(out, y):item()
     model:backward(input, criterion:backward(out, y))
+    if opt.clip_grad > 0 then clip:add(nn.utils.clip_grad_norm_(model, opt.clip_grad)) end  -- after DDP's all-reduce
     sgd:step()
     step = step + 1
     loss_sum, images = loss_sum + loss * y:numel(), images + y:numel()
@@ -157,6 +172,7 @@ for epoch = 1, opt.epochs do
     ips, loss_avg = t[1], t[2] / t[3]
   end
   print(('epoch %d  train loss %.4f  test accuracy %.4f  img/s %.0f'):format(epoch, loss_avg, evaluate(), ips))
+  clip:report()
 end
 print(('done in %.0f s'):format(dlua.perf_counter() - t_start))
 if distributed then dist.destroy() end

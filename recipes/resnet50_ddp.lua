@@ -13,6 +13,7 @@ local opt = cli.parse(arg, {
   data = '', epochs = 1, batch = 32, lr = 0.1, warmup = 5, accumulate = 1, image_size = 32, workers = 2,
   seed = 1, limit = 0, eval_limit = 0, model = 'resnet50', momentum = 0.9, weight_decay = 1e-4,
   bucket_mb = 25, threads = 0, channels_last = true, print_every = 10, sync_bn = false, device = 'auto',
+  clip_grad = 0,
 }, {
   description = 'Trains a ResNet (default ResNet-50) data-parallel with dlua.dist.DDP.',
   help = {
@@ -33,6 +34,7 @@ local opt = cli.parse(arg, {
     print_every = 'steps between progress lines',
     sync_bn = 'batch-norm statistics over all ranks (SyncBatchNorm) instead of per rank',
     device = "'auto' (this rank's GPU when each rank has one, else the CPU), 'cpu' or 'cuda'",
+    clip_grad = 'clip the all-reduced gradients\' total 2-norm to N before each step (0: off)',
   },
 })
 io.stdout:setvbuf('line')
@@ -174,6 +176,7 @@ end
 -- Training
 
 local step, acc = 0, 0
+local grad_norm  -- --clip-grad: the last step's gradient norm before clipping
 local t_start = dlua.perf_counter()
 for epoch = 1, opt.epochs do
   local t0, seen = dlua.perf_counter(), 0
@@ -188,6 +191,8 @@ for epoch = 1, opt.epochs do
     loss_sum:add_(loss:double() * y:numel())
     seen = seen + y:numel()
     if i % opt.accumulate == 0 then
+      -- waits for DDP's buckets, so the norm is the averaged gradients' (one device sync per step)
+      if opt.clip_grad > 0 then grad_norm = nn.utils.clip_grad_norm_(model, opt.clip_grad) end
       sgd:set_lr(schedule(step))
       sgd:step()
       sgd:zero_grad()
@@ -195,8 +200,8 @@ for epoch = 1, opt.epochs do
       local s = i / opt.accumulate
       if s % opt.print_every == 0 or s == steps_per_epoch then
         local dt = dlua.perf_counter() - t0
-        log('epoch %d  step %d/%d  loss %.4f  lr %.4g  %.1f img/s', epoch, s, steps_per_epoch, loss_sum:item() / seen,
-          schedule(step - 1), seen * world / dt)
+        log('epoch %d  step %d/%d  loss %.4f  lr %.4g  %.1f img/s%s', epoch, s, steps_per_epoch, loss_sum:item() / seen,
+          schedule(step - 1), seen * world / dt, grad_norm and ('  grad norm %.4g'):format(grad_norm) or '')
       end
     end
   end

@@ -6,13 +6,16 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/prctl.h>
+#include <sys/stat.h>
 #include <sys/types.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -27,8 +30,14 @@ enum {
   STOP_GRACE_MS = 3000,    /* SIGTERM to SIGKILL when a rank failed */
   INTERRUPT_GRACE_MS = 10000, /* SIGINT to SIGKILL after Ctrl-C */
   DRAIN_MS = 1000,         /* output still read after every rank ended */
-  WATCH_MS = 500           /* multi-node: how often the job's failure key is checked */
+  WATCH_MS = 500,          /* multi-node: how often the job's failure key is checked */
+  PEER_GRACE_MS = 1000,    /* a rank failed because a peer went away: how long to wait for the cause */
+  LAUNCH_FD = 3            /* the failure pipe's write end, in every rank */
 };
+
+/* What a failed rank said of itself on the failure pipe. */
+enum { CLAIM_NONE, CLAIM_OWN, CLAIM_PEER };
+static const char CLAIM_TAG[] = "dlua-rank-failed";
 
 typedef struct {
   char *data;
@@ -44,6 +53,8 @@ typedef struct {
   int stopped_by_us;  /* we sent it a signal before it ended */
   char last_error[512];
   int in_traceback;
+  int claim;          /* CLAIM_*: its line on the failure pipe, if any */
+  long claim_seq;     /* that line's place in the pipe, from 1 */
 } rank_t;
 
 struct dlua_job {
@@ -68,6 +79,12 @@ struct dlua_job {
   double kill_at;                 /* 0: no deadline; else SIGKILL the rest then */
   double all_ended_at;
   double next_watch;
+  int ctl[2];                     /* the failure pipe every rank writes to; -1 when closed */
+  char ctlbuf[256];               /* a line of it not yet complete */
+  size_t ctllen;
+  long claims;                    /* lines read from it */
+  double peer_since;              /* when a rank first failed because a peer went away (0: none) */
+  int announced;                  /* multi-node: the failure is posted in the store */
 };
 
 static double now_s(void) {
@@ -99,6 +116,42 @@ void dlua_launch_install_signals(void) {
 
 int dlua_launch_signals_seen(void) { return (int)g_signals; }
 void dlua_launch_signals_reset(void) { g_signals = 0; }
+
+/* ---- a rank's side ------------------------------------------------------------------ */
+
+static int g_report_fd = -1;
+static int g_local_rank = -1;
+static atomic_int g_peer_lost;
+
+void dlua_launch_rank_init(void) {
+  const char *v = getenv("DLUA_LAUNCH_FD");
+  const char *lr = getenv("LOCAL_RANK");
+  if (v == NULL) return;
+  int fd = atoi(v);
+  struct stat st;
+  /* only the pipe the launcher gave us: an inherited variable may name an unrelated fd */
+  if (fd > 2 && lr != NULL && fstat(fd, &st) == 0 && S_ISFIFO(st.st_mode)) {
+    fcntl(fd, F_SETFD, FD_CLOEXEC);
+    g_report_fd = fd;
+    g_local_rank = atoi(lr);
+  }
+  unsetenv("DLUA_LAUNCH_FD");
+}
+
+void dlua_launch_note_peer_lost(void) { atomic_store(&g_peer_lost, 1); }
+
+void dlua_launch_report_failure(void) {
+  if (g_report_fd < 0) return;
+  char line[64];
+  int n = snprintf(line, sizeof line, "%s %d %s\n", CLAIM_TAG, g_local_rank,
+                   atomic_load(&g_peer_lost) ? "peer" : "own");
+  /* one write under PIPE_BUF bytes: atomic, so the ranks' lines never interleave */
+  ssize_t w;
+  do w = write(g_report_fd, line, (size_t)n);
+  while (w < 0 && errno == EINTR);
+  close(g_report_fd);
+  g_report_fd = -1;
+}
 
 /* ---- output ------------------------------------------------------------------------- */
 
@@ -190,6 +243,34 @@ static void read_pipe(dlua_job_t *job, int li, int stream) {
   flush_lines(job, li, stream, 0);
 }
 
+/* Reads the failure pipe: each line claims a failure for a local rank, in the order written. */
+static void read_ctl(dlua_job_t *job) {
+  if (job->ctl[0] < 0) return;
+  for (;;) {
+    ssize_t n = read(job->ctl[0], job->ctlbuf + job->ctllen, sizeof job->ctlbuf - 1 - job->ctllen);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return;
+    job->ctllen += (size_t)n;
+    job->ctlbuf[job->ctllen] = '\0';
+    char *start = job->ctlbuf, *nl;
+    while ((nl = strchr(start, '\n')) != NULL) {
+      *nl = '\0';
+      int li = -1;
+      char kind[8] = "";
+      size_t tl = sizeof CLAIM_TAG - 1;
+      if (strncmp(start, CLAIM_TAG, tl) == 0 && sscanf(start + tl, "%d %7s", &li, kind) == 2 && li >= 0 &&
+          li < job->o.nproc && job->ranks[li].claim == CLAIM_NONE) {
+        job->ranks[li].claim = strcmp(kind, "peer") == 0 ? CLAIM_PEER : CLAIM_OWN;
+        job->ranks[li].claim_seq = ++job->claims;
+      }
+      start = nl + 1;
+    }
+    job->ctllen = strlen(start);
+    memmove(job->ctlbuf, start, job->ctllen);
+    if (job->ctllen == sizeof job->ctlbuf - 1) job->ctllen = 0;  // not ours: drop it
+  }
+}
+
 /* ---- ranks -------------------------------------------------------------------------- */
 
 static void signal_running(dlua_job_t *job, int sig, int except) {
@@ -237,9 +318,8 @@ static void describe_end(const rank_t *r, char *out, size_t cap) {
   }
 }
 
-/* Collects ended ranks; the first failure stops the rest. Called with job->mu held. */
+/* Collects ended ranks. Called with job->mu held. */
 static void reap(dlua_job_t *job) {
-  int newly_failed = -1;
   for (int i = 0; i < job->o.nproc; i++) {
     rank_t *r = &job->ranks[i];
     if (!r->running) continue;
@@ -248,29 +328,62 @@ static void reap(dlua_job_t *job) {
     if (p != r->pid) continue;
     r->running = 0;
     r->status = status;
-    if (!failed_status(status) || r->stopped_by_us || job->interrupted) continue;
-    /* several ranks ended in one round: blame one killed by a signal, else the lowest */
-    if (newly_failed < 0 || (WIFSIGNALED(status) && !WIFSIGNALED(job->ranks[newly_failed].status)))
-      newly_failed = i;
   }
-  if (newly_failed >= 0 && job->failed_rank < 0 && job->remote_failure[0] == '\0') {
-    job->failed_rank = newly_failed;
-    signal_running(job, SIGTERM, -1);
-    job->kill_at = now_s() + STOP_GRACE_MS / 1000.0;
-    if (job->store) {
-      rank_t *r = &job->ranks[newly_failed];
-      char how[96], what[700];
-      describe_end(r, how, sizeof how);
-      snprintf(what, sizeof what, "rank %d (node %d) failed (%s)%s%s", job->first_rank + newly_failed,
-               job->o.node_rank, how, r->last_error[0] ? ": " : "", r->last_error);
-      announce_failure(job, what);
+}
+
+/* Picks the rank to blame, once there is one, and stops the rest. The cause is, in order: the
+   first rank to claim a failure of its own code on the failure pipe (even before it exits: it
+   may hang closing its groups); a rank that failed without a claim (a signal, os.exit, a crash:
+   a signal first, else the lowest); and only when none turns up within PEER_GRACE_MS, the first
+   rank that failed because a peer went away (at once when every rank ended: `final`). Called with
+   job->mu held, after reap and read_ctl. */
+static void decide(dlua_job_t *job, int final) {
+  if (job->failed_rank >= 0 || job->remote_failure[0] || job->interrupted) return;
+  int own = -1, plain = -1, peer = -1;
+  for (int i = 0; i < job->o.nproc; i++) {
+    rank_t *r = &job->ranks[i];
+    if (r->stopped_by_us) continue;
+    if (r->claim == CLAIM_OWN) {
+      if (own < 0 || r->claim_seq < job->ranks[own].claim_seq) own = i;
+      continue;
+    }
+    if (r->running || !failed_status(r->status)) continue;
+    /* SIGPIPE: it wrote to a connection a peer had closed */
+    if (r->claim == CLAIM_PEER || (WIFSIGNALED(r->status) && WTERMSIG(r->status) == SIGPIPE)) {
+      long seq = r->claim == CLAIM_PEER ? r->claim_seq : LONG_MAX;
+      if (peer < 0 || seq < (job->ranks[peer].claim == CLAIM_PEER ? job->ranks[peer].claim_seq : LONG_MAX)) peer = i;
+    } else if (plain < 0 || (WIFSIGNALED(r->status) && !WIFSIGNALED(job->ranks[plain].status))) {
+      plain = i;
     }
   }
+  int culprit = own >= 0 ? own : plain;
+  if (culprit < 0 && peer >= 0) {
+    double t = now_s();
+    if (job->peer_since == 0) job->peer_since = t;
+    if (final || t - job->peer_since >= PEER_GRACE_MS / 1000.0) culprit = peer;
+  }
+  if (culprit < 0) return;
+  job->failed_rank = culprit;
+  signal_running(job, SIGTERM, culprit);
+  job->kill_at = now_s() + STOP_GRACE_MS / 1000.0;
+}
+
+/* Multi-node: posts the failure in the store once the failed rank ended (its error read). */
+static void announce_when_ended(dlua_job_t *job) {
+  if (job->store == NULL || job->failed_rank < 0 || job->announced) return;
+  rank_t *r = &job->ranks[job->failed_rank];
+  if (r->running) return;
+  job->announced = 1;
+  char how[96], what[700];
+  describe_end(r, how, sizeof how);
+  snprintf(what, sizeof what, "rank %d (node %d) failed (%s)%s%s", job->first_rank + job->failed_rank,
+           job->o.node_rank, how, r->last_error[0] ? ": " : "", r->last_error);
+  announce_failure(job, what);
 }
 
 /* Multi-node: another node's rank failed → stop ours. Called with job->mu held. */
 static void watch_remote(dlua_job_t *job) {
-  if (job->store == NULL || job->failed_rank >= 0 || job->remote_failure[0]) return;
+  if (job->store == NULL || job->failed_rank >= 0 || job->remote_failure[0] || job->interrupted) return;
   double t = now_s();
   if (t < job->next_watch) return;
   job->next_watch = t + WATCH_MS / 1000.0;
@@ -292,10 +405,16 @@ static void *pump_main(void *arg) {
   sigfillset(&all);
   pthread_sigmask(SIG_BLOCK, &all, NULL);
   int n = job->o.nproc;
-  struct pollfd *pf = calloc((size_t)(2 * n), sizeof *pf);
-  int *who = calloc((size_t)(2 * n), sizeof *who);
+  struct pollfd *pf = calloc((size_t)(2 * n + 1), sizeof *pf);
+  int *who = calloc((size_t)(2 * n + 1), sizeof *who);
   for (;;) {
     int k = 0;
+    if (job->ctl[0] >= 0 && pf) {
+      pf[k].fd = job->ctl[0];
+      pf[k].events = POLLIN;
+      pf[k].revents = 0;
+      who[k++] = -1;
+    }
     for (int i = 0; i < n; i++)
       for (int s = 0; s < 2; s++)
         if (job->ranks[i].fd[s] >= 0 && pf) {
@@ -308,12 +427,16 @@ static void *pump_main(void *arg) {
       int rc = poll(pf, (nfds_t)k, 50);
       if (rc > 0)
         for (int j = 0; j < k; j++)
-          if (pf[j].revents) read_pipe(job, who[j] / 2, who[j] % 2);
+          if (pf[j].revents && who[j] >= 0) read_pipe(job, who[j] / 2, who[j] % 2);
     } else {
       usleep(50 * 1000);
     }
     pthread_mutex_lock(&job->mu);
+    /* the pipe after reaping: a rank's line is written before it exits, so it is there by now */
     reap(job);
+    read_ctl(job);
+    decide(job, !any_running(job));
+    announce_when_ended(job);
     watch_remote(job);
     double t = now_s();
     if (job->kill_at > 0 && t >= job->kill_at && any_running(job)) {
@@ -415,7 +538,7 @@ static int parse_show(dlua_job_t *job) {
 static char **rank_env(const dlua_job_t *job, int li) {
   static const char *ours[] = {"RANK=", "WORLD_SIZE=", "LOCAL_RANK=", "LOCAL_WORLD_SIZE=", "GROUP_RANK=",
                                "NODE_RANK=", "MASTER_ADDR=", "MASTER_PORT=", "DLUA_JOB_TOKEN=",
-                               "DLUA_LAUNCHER=", "DLUA_SPMD_REPL=", NULL};
+                               "DLUA_LAUNCHER=", "DLUA_SPMD_REPL=", "DLUA_LAUNCH_FD=", NULL};
   size_t n = 0;
   while (environ[n]) n++;
   char **env = calloc(n + 16, sizeof *env);
@@ -441,6 +564,7 @@ static char **rank_env(const dlua_job_t *job, int li) {
   PUT("MASTER_PORT=%d", job->port);
   PUT("DLUA_JOB_TOKEN=%s", job->token);
   PUT("DLUA_LAUNCHER=1");
+  PUT("DLUA_LAUNCH_FD=%d", LAUNCH_FD);
   if (job->o.spmd_repl) PUT("DLUA_SPMD_REPL=1");
   if (!has_omp) {
     /* N ranks sharing the cores: each gets its share instead of N full thread pools */
@@ -495,10 +619,11 @@ static int spawn(dlua_job_t *job, int li, const char *exe) {
     signal(SIGTERM, SIG_DFL);
     signal(SIGHUP, SIG_DFL);
     signal(SIGPIPE, SIG_DFL);
-    int devnull = open("/dev/null", O_RDONLY);
+    int devnull = open("/dev/null", O_RDONLY | O_CLOEXEC);
     if (devnull >= 0) dup2(devnull, STDIN_FILENO);
     dup2(out[1], STDOUT_FILENO);
     dup2(err[1], STDERR_FILENO);
+    dup2(job->ctl[1], LAUNCH_FD);  // ctl[1] is above LAUNCH_FD, so the dup2s above never clobber it
     execve(exe, argv, env);
     static const char msg[] = "dlua: cannot start a rank: exec failed\n";
     ssize_t w = write(STDERR_FILENO, msg, sizeof msg - 1);
@@ -536,6 +661,7 @@ int dlua_job_start(const dlua_launch_opts_t *opts, dlua_job_t **out) {
   }
   job->o = *opts;
   job->failed_rank = -1;
+  job->ctl[0] = job->ctl[1] = -1;
   pthread_mutex_init(&job->mu, NULL);
   if (job->o.nnodes < 1) job->o.nnodes = 1;
   job->world = job->o.nproc * job->o.nnodes;
@@ -569,6 +695,20 @@ int dlua_job_start(const dlua_launch_opts_t *opts, dlua_job_t **out) {
   }
   if (multi && dlua_store_connect(job->host, job->port, job->token, 300000, &job->store) != DLUA_OK) {
     fprintf(stderr, "dlua: node %d cannot reach the job's store: %s\n", job->o.node_rank, dlua_last_error());
+    goto fail;
+  }
+
+  /* the failure pipe; its write end stays open here too, so the read end never reports a hang-up */
+  int ctl[2];
+  if (pipe2(ctl, O_CLOEXEC | O_NONBLOCK) != 0) {
+    fprintf(stderr, "dlua: cannot create the launcher's failure pipe: %s\n", strerror(errno));
+    goto fail;
+  }
+  job->ctl[0] = ctl[0];
+  job->ctl[1] = fcntl(ctl[1], F_DUPFD_CLOEXEC, LAUNCH_FD + 1);
+  close(ctl[1]);
+  if (job->ctl[1] < 0) {
+    fprintf(stderr, "dlua: cannot create the launcher's failure pipe: %s\n", strerror(errno));
     goto fail;
   }
 
@@ -674,13 +814,21 @@ int dlua_job_wait(dlua_job_t *job) {
   }
   if (job->failed_rank >= 0) {
     rank_t *r = &job->ranks[job->failed_rank];
-    char how[96];
+    char how[128];
     describe_end(r, how, sizeof how);
+    if (r->claim == CLAIM_OWN && r->stopped_by_us) {
+      /* it failed, then hung closing (e.g. a collective in flight): say so rather than only the kill */
+      char killed[sizeof how];
+      memcpy(killed, how, sizeof how);
+      snprintf(how, sizeof how, "an error, then %.80s as it did not exit", killed);
+    }
+    /* the others: stopped by us, or failed only because a peer (the failed rank) went away */
     char others[256] = "";
     size_t used = 0;
     int nstopped = 0;
     for (int i = 0; i < job->o.nproc && used < sizeof others - 16; i++) {
-      if (i == job->failed_rank || !job->ranks[i].stopped_by_us) continue;
+      const rank_t *q = &job->ranks[i];
+      if (i == job->failed_rank || !(q->stopped_by_us || q->claim == CLAIM_PEER)) continue;
       used += (size_t)snprintf(others + used, sizeof others - used, "%s%d", nstopped ? ", " : "",
                                job->first_rank + i);
       nstopped++;
@@ -716,6 +864,8 @@ void dlua_job_free(dlua_job_t *job) {
   free(job->show);
   if (job->store) dlua_store_close(job->store);
   if (job->server) dlua_store_server_stop(job->server);
+  for (int s = 0; s < 2; s++)
+    if (job->ctl[s] >= 0) close(job->ctl[s]);
   pthread_mutex_destroy(&job->mu);
   free(job);
 }

@@ -48,6 +48,24 @@ void dlua_job_free(dlua_job_t *job);
    context they cannot use). */
 int dlua_launch_gpu_count(void);
 
+/* ---- a rank's side (the process the launcher started) ----------------------------------
+   The launcher hands each rank the write end of one pipe that every rank shares (fd
+   DLUA_LAUNCH_FD). A rank whose program fails writes one line to it before its process groups
+   close: whether it saw a peer go away first. A peer fails only after our connections close,
+   so the cause's line precedes its consequences' in the pipe: that order, not exit timing,
+   tells the launcher whom to blame. */
+
+/* Takes DLUA_LAUNCH_FD out of the environment (a child dlua must not write to an unrelated fd)
+   and keeps the fd, close-on-exec. Call once at startup; without the variable, nothing. */
+void dlua_launch_rank_init(void);
+
+/* Records that a collective failed because a peer closed its connection or exited. Any thread. */
+void dlua_launch_note_peer_lost(void);
+
+/* Tells the launcher (if any) that this rank's program failed: "own" or, after a peer was
+   lost, "peer". Call before closing the Lua state. */
+void dlua_launch_report_failure(void);
+
 /* Installs the launcher's SIGINT/SIGTERM handling (a flag dlua_job_wait reads). */
 void dlua_launch_install_signals(void);
 /* Set by those handlers: how many Ctrl-C/SIGTERM arrived. */

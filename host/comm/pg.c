@@ -14,6 +14,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "comm/launch.h"
 #include "comm/pg.h"
 #include "comm/pg_internal.h"
 #include "comm/shm.h"
@@ -392,6 +393,8 @@ static void diagnose(dlua_pg_t *pg, dlua_work_t *w, dlua_gloo_result_t r, const 
              w->kind == K_BARRIER ? "" : w->desc, at_site ? " at " : "", w->site);
   dlua_status_t st = DLUA_ERR_TIMEOUT;
   if (r == DLUA_GLOO_OTHER || (r != DLUA_GLOO_TIMEOUT && any_exited)) st = DLUA_ERR_BACKEND;
+  /* this rank's failure, if it follows, is a consequence: the launcher blames the peer's */
+  if (r == DLUA_GLOO_IO || any_exited) dlua_launch_note_peer_lost();
   char how[200];
   if (r == DLUA_GLOO_TIMEOUT)
     snprintf(how, sizeof how, "timed out after %" PRId64 " ms", timeout_ms);

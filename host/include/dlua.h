@@ -406,6 +406,11 @@ dlua_status_t dlua_optim_sgd_step(dlua_tensor_t *param, const dlua_tensor_t *gra
    step counts this step (1 on the first). */
 dlua_status_t dlua_optim_adamw_step(dlua_tensor_t *param, const dlua_tensor_t *grad, dlua_tensor_t *exp_avg, dlua_tensor_t *exp_avg_sq, dlua_tensor_t *max_exp_avg_sq, int64_t offset, int64_t length, double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step, int amsgrad, int maximize, double grad_scale);
 
+/* torch.optim.Adam: g = grad (negated when maximize) + weight_decay * p (L2 coupled into the
+   gradient, so the moments see the decay), then AdamW's moments and update without its decoupled
+   decay. Arguments as dlua_optim_adamw_step. */
+dlua_status_t dlua_optim_adam_step(dlua_tensor_t *param, const dlua_tensor_t *grad, dlua_tensor_t *exp_avg, dlua_tensor_t *exp_avg_sq, dlua_tensor_t *max_exp_avg_sq, int64_t offset, int64_t length, double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step, int amsgrad, int maximize, double grad_scale);
+
 /* LARS as NVIDIA's LARC wraps SGD: for each of the n_ranges parameters [offsets[i],
    offsets[i] + lengths[i]) (disjoint), trust = trust_coefficient * |p| / (|g| + weight_decay *
    |p| + eps), d = (g + weight_decay * p) * trust; a parameter with exclude[i] != 0 (bias,
@@ -413,9 +418,27 @@ dlua_status_t dlua_optim_adamw_step(dlua_tensor_t *param, const dlua_tensor_t *g
    buf = first_step ? d : momentum * buf + d; p -= lr * buf. exclude may be NULL. */
 dlua_status_t dlua_optim_lars_step(dlua_tensor_t *param, const dlua_tensor_t *grad, dlua_tensor_t *momentum_buf, int n_ranges, const int64_t *offsets, const int64_t *lengths, const int32_t *exclude, double lr, double momentum, double weight_decay, double trust_coefficient, double eps, int first_step, double grad_scale);
 
+/* LAMB (You et al. 2019, "Large Batch Optimization for Deep Learning", Algorithm 2) with a trust
+   ratio per parameter range, ranges as dlua_optim_lars_step's: m = beta1 m + (1 - beta1) g;
+   v = beta2 v + (1 - beta2) g^2; u = (m / bc1) / (sqrt(v / bc2) + eps) + weight_decay * p, where
+   bc1 = 1 - beta1^step and bc2 = 1 - beta2^step with bias_correction, else 1; trust = |p| / |u|
+   (2-norms over the parameter, 1 when either is 0); p -= lr * trust * u. A parameter with
+   exclude[i] != 0 takes no decay and trust 1 (a plain Adam step). No clamp on the ratio. */
+dlua_status_t dlua_optim_lamb_step(dlua_tensor_t *param, const dlua_tensor_t *grad, dlua_tensor_t *exp_avg, dlua_tensor_t *exp_avg_sq, int n_ranges, const int64_t *offsets, const int64_t *lengths, const int32_t *exclude, double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step, int bias_correction, double grad_scale);
+
 /* Mixed precision: grad[offset, offset + length) *= inv_scale in one pass (f32, f64, f16, bf16);
    *nonfinite receives how many of those gradients were Inf or NaN. */
 dlua_status_t dlua_optim_unscale(dlua_tensor_t *grad, int64_t offset, int64_t length, double inv_scale, int64_t *nonfinite);
+
+/* Gradient clipping (clip_grad_norm_), in two pieces so that ranks holding shards of the arena can
+   combine theirs: *out = the sum of |g|^norm_type over grad[offset, offset + length) for a finite
+   norm_type > 0, or max |g| for norm_type = inf (NaN wins), accumulated in double over fixed
+   blocks folded in order (the same bits for any thread count). Sum (or max) the pieces of every
+   range and rank, then total = sum^(1 / norm_type). f32, f64, f16, bf16. */
+dlua_status_t dlua_optim_grad_norm_partial(const dlua_tensor_t *grad, int64_t offset, int64_t length, double norm_type, double *out);
+
+/* grad[offset, offset + length) *= scale in one pass (f32, f64, f16, bf16): the clip coefficient. */
+dlua_status_t dlua_optim_grad_scale(dlua_tensor_t *grad, int64_t offset, int64_t length, double scale);
 
 /* ==== data: IDX files, batch augmentation ==================================================== */
 

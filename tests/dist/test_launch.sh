@@ -53,6 +53,57 @@ for mode in error exit kill; do
   no_strays "rank 1 $mode"
 done
 
+# Whom the launcher blames: rank 1 fails before a barrier the others wait in, which then fails on them
+# too ("a peer closed its connection"), often within the same millisecond. The verdict must name rank 1
+# with its own error and line, every time, and list the others as stopped.
+cat >"$work/barrier.lua" <<'LUA'
+local dlua = require 'dlua'
+dlua.dist.init()
+if dlua.dist.rank() == 1 then
+  if arg[1] == 'error' then error('rank one broke') end
+  if arg[1] == 'exit' then os.exit(3) end
+  if arg[1] == 'kill' then os.execute('kill -9 ' .. io.open('/proc/self/stat'):read('*n')) end
+end
+dlua.dist.barrier()
+print('rank ' .. dlua.dist.rank() .. ' passed the barrier')
+LUA
+verdicts() {  # NPROC MODE RUNS EXPECTED-VERDICT: every run's summary is exactly the verdict and the stopped ranks
+  local n=$1 mode=$2 runs=$3 want=$4 stopped wrong=0 detail="" o c
+  if [ "$n" = 2 ]; then stopped="dlua: stopped rank 0"; else stopped="dlua: stopped ranks 0, 2"; fi
+  start=$(date +%s)
+  for _ in $(seq "$runs"); do
+    o=$(timeout 30 "$DLUA" --nproc "$n" "$work/barrier.lua" "$mode" 2>&1); c=$?
+    if [ $c -ne 1 ] || [ "$(grep '^dlua: ' <<<"$o")" != "$want
+$stopped" ] || grep -q "passed the barrier" <<<"$o"; then
+      wrong=$((wrong + 1))
+      detail="rc $c: $o"
+    fi
+  done
+  took=$(( $(date +%s) - start ))
+  expect "rank 1 $mode before a barrier, $n ranks: $runs of $runs verdicts name rank 1 ($took s)" '[ $wrong -eq 0 ]' "$wrong wrong; the last:
+$detail"
+  no_strays "rank 1 $mode before a barrier, $n ranks"
+}
+for n in 2 3; do
+  verdicts $n error 20 "dlua: rank 1 failed (exit code 1): $work/barrier.lua:4: rank one broke"
+  verdicts $n exit 5 "dlua: rank 1 failed (exit code 3)"
+  verdicts $n kill 5 "dlua: rank 1 failed (killed by signal 9 (SIGKILL))"
+done
+
+# -e chunks and -l modules run on every rank, as a script does, also before one
+mkdir -p "$work/mods"
+echo 'return { answer = 40 + tonumber(os.getenv("RANK")) }' >"$work/mods/mymod.lua"
+echo 'print("script sees", x, arg[1])' >"$work/after_e.lua"
+out=$(timeout 30 "$DLUA" --nproc 2 -e 'print("e on", os.getenv("RANK"))' 2>&1); rc=$?
+expect "--nproc 2 -e runs the chunk on both ranks" '[ $rc -eq 0 ] && grep -qxP "\[0\] e on\t0" <<<"$out" && grep -qxP "\[1\] e on\t1" <<<"$out"' "$out"
+out=$(cd "$work" && DLUA_PATH="$work/mods" timeout 30 "$DLUA" --nproc 2 -l mymod -e 'print(mymod.answer)' 2>&1); rc=$?
+expect "--nproc 2 -l mod -e on both ranks" '[ $rc -eq 0 ] && grep -qx "\[0\] 40" <<<"$out" && grep -qx "\[1\] 41" <<<"$out"' "$out"
+out=$(timeout 30 "$DLUA" --nproc 2 -e 'x = 7' "$work/after_e.lua" z 2>&1); rc=$?
+expect "--nproc 2 -e then a script on both ranks" '[ $rc -eq 0 ] && [ "$(grep -cP "^\[[01]\] script sees\t7\tz$" <<<"$out")" = 2 ]' "$out"
+out=$(timeout 30 "$DLUA" --nproc 2 -e 'local d = dlua.dist; d.init(); if d.rank() == 1 then error("e broke") end; d.barrier()' 2>&1); rc=$?
+expect "--nproc 2 -e failing on rank 1 names it" '[ $rc -eq 1 ] && grep -qx "dlua: rank 1 failed (exit code 1): (command line):1: e broke" <<<"$out"' "$out"
+no_strays "--nproc with -e"
+
 # Ctrl-C (SIGINT to the launcher) stops every rank and exits 130
 "$DLUA" --nproc 2 "$work/fail.lua" none >"$work/out" 2>&1 &
 pid=$!
