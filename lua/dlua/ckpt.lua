@@ -153,7 +153,7 @@ local function is_module(obj)
 end
 
 -- {name, kind, obj, tree (JSON text with {"$tensor": path} refs), tensors {{path, t}}, per_rank}
-local function collect(state, opts, level)
+local function collect(state, opts, world, level)
   if type(state) ~= 'table' then fail(level + 1, 'save: expected a state table (name -> object), got %s', type(state)) end
   local per_rank = {}
   for _, n in ipairs(opts.per_rank or {}) do per_rank[n] = true end
@@ -200,6 +200,19 @@ local function collect(state, opts, level)
     if not ok then fail(level + 1, "save: state '%s': %s", name, (tostring(tree):gsub('^%.', ''))) end
     e.tree = tree
     entries[#entries + 1] = e
+    -- Under DDP a model's parameters are equal on every rank, its buffers (batch-norm running
+    -- statistics, computed from each rank's own batches) are not: each rank's are saved too, as a
+    -- per-rank entry '<name>.buffers' (the model file keeps rank 0's, for PyTorch).
+    if e.kind == 'module' and world > 1 then
+      local b = { name = name .. '.buffers', kind = 'buffers', obj = obj, tensors = {}, per_rank = true }
+      local parts = {}
+      for _, nb in ipairs(obj:named_buffers()) do
+        b.tensors[#b.tensors + 1] = { path = nb.name, t = nb.buffer }
+        parts[#parts + 1] = J.quote(nb.name) .. ':{"$tensor":' .. J.quote(nb.name) .. '}'
+      end
+      b.tree = '{' .. concat(parts, ',') .. '}'
+      entries[#entries + 1] = b
+    end
   end
   return entries
 end
@@ -455,7 +468,7 @@ function ckpt.save(root, state, opts)
   ckpt.wait()
   root = root:gsub('/+$', '')
   local dist, rank, world = dist_info()
-  local entries = collect(state, o, 2)
+  local entries = collect(state, o, world, 2)
   local sharded = o.sharded and world > 1 or false
   local name = step_name(step)
   local stepdir = root .. '/' .. name

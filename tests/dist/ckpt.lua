@@ -16,7 +16,8 @@ local function fail(fmt, ...) error(string.format('rank %d: ' .. fmt, rank, ...)
 local N, B = 103, 4  -- samples, per-rank batch
 local function model(seed)
   dlua.manual_seed(seed)
-  return dist.DDP(nn.Sequential({ nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3) }))
+  -- batch-norm: running statistics of each rank's own batches (per-rank buffers)
+  return dist.DDP(nn.Sequential({ nn.Linear(6, 16), nn.BatchNorm2d(16), nn.ReLU(), nn.Linear(16, 3) }))
 end
 local g = dlua.Generator(7)
 local xs = dlua.randn(N, 6, { generator = g })
@@ -77,7 +78,8 @@ elseif mode == 'load' then
   local saved = ckpt.load(dir, { progress = {} }, { strict = false })
   local saved_world = saved.world_size
   local st, rng = setup(99)
-  local exp = read(dir .. '/expected.0')
+  -- the same world: this rank's own buffers; another: rank 0's for every rank
+  local exp = read(dir .. '/expected.' .. (world == saved_world and rank or 0))
   local want_model, want_mom = exp:match('^(%x+) (%x+)')
   if world ~= saved_world then
     -- each rank's own stream cannot be split over another number of ranks: said, and skipped on demand

@@ -42,6 +42,50 @@ return function(ckpt, H)
     for _, v in pairs(tree) do each_ref(v, fn) end
   end
 
+  local function read_index(stepdir, level)
+    local text, rerr = H.read_text(stepdir .. '/index.json')
+    if not text then fail(level + 1, 'load: %s/index.json: %s', stepdir, tostring(rerr)) end
+    local ok, index = pcall(J.decode, text, function(p) return { __tensor = p } end)
+    if not ok then fail(level + 1, 'load: %s/index.json is corrupt: %s', stepdir, tostring(index)) end
+    if type(index) ~= 'table' or index.format ~= ckpt.FORMAT or type(index.entries) ~= 'table' then
+      fail(level + 1, 'load: %s/index.json is not a %s index (format %s)', stepdir, ckpt.FORMAT, tostring(type(index) == 'table' and index.format))
+    end
+    return index
+  end
+
+  -- info(path): what a checkpoint is, from its index alone: {path, step, world_size, sharded, entries}.
+  function ckpt.info(path)
+    H.need_available('info', 2)
+    local stepdir = resolve(path, 2)
+    local index = read_index(stepdir, 2)
+    local names = {}
+    for k in pairs(index.entries) do names[#names + 1] = k end
+    table.sort(names)
+    return { path = stepdir, step = index.step, world_size = index.world_size, sharded = index.sharded, entries = names }
+  end
+
+  -- For recipes: resume(spec, root, state, {skip_if_resharded = {names}}). spec '' starts fresh (nil);
+  -- 'auto' loads the newest complete checkpoint under root, or starts fresh when there is none; anything
+  -- else is a checkpoint (a step directory or a root). On another world size than the checkpoint's,
+  -- the entries named in skip_if_resharded are left as they are. Returns load's info plus
+  -- resharded = true/false, or nil.
+  function ckpt.resume(spec, root, state, opts)
+    if spec == nil or spec == '' then return nil end
+    local path = spec
+    if spec == 'auto' then
+      if type(root) ~= 'string' or root == '' then fail(2, "resume: 'auto' needs the checkpoint directory (--save DIR)") end
+      path = ckpt.latest(root)
+      if not path then return nil end
+    end
+    local info = ckpt.info(path)
+    local _, world = dist_info()
+    local resharded = info.world_size ~= world
+    local ok, r = pcall(ckpt.load, info.path, state, { skip = resharded and opts and opts.skip_if_resharded or nil })
+    if not ok then error(r, 2) end
+    r.resharded = resharded
+    return r
+  end
+
   local load_options = { strict = true, skip = true }
 
   -- load(path, state, {strict = true, skip = {names}}): path is a step directory or a root (its
@@ -56,13 +100,7 @@ return function(ckpt, H)
     if type(state) ~= 'table' then fail(2, 'load: expected a state table (name -> object), got %s', type(state)) end
     ckpt.wait()
     local stepdir = resolve(path, 2)
-    local text, rerr = H.read_text(stepdir .. '/index.json')
-    if not text then fail(2, 'load: %s/index.json: %s', stepdir, tostring(rerr)) end
-    local ok, index = pcall(J.decode, text, function(p) return { __tensor = p } end)
-    if not ok then fail(2, 'load: %s/index.json is corrupt: %s', stepdir, tostring(index)) end
-    if type(index) ~= 'table' or index.format ~= ckpt.FORMAT or type(index.entries) ~= 'table' then
-      fail(2, 'load: %s/index.json is not a %s index (format %s)', stepdir, ckpt.FORMAT, tostring(type(index) == 'table' and index.format))
-    end
+    local index = read_index(stepdir, 2)
     local rank, world = dist_info()
     local skip = {}
     for _, n in ipairs(o.skip or {}) do skip[n] = true end
@@ -74,6 +112,8 @@ return function(ckpt, H)
       end
     end
     for k in pairs(index.entries) do
+      local base = k:match('^(.*)%.buffers$')  -- a model's per-rank buffers go with the model
+      if base and index.entries[k].kind == 'buffers' then k = base end
       if state[k] == nil and not skip[k] then unexpected[#unexpected + 1] = k end
     end
     table.sort(names)
@@ -111,6 +151,13 @@ return function(ckpt, H)
       else
         p.tree, p.locs = ie.tree, ie.tensors
       end
+      -- A DDP model's buffers: this rank's own, or on another world size saved rank 0's (as PyTorch's
+      -- broadcast_buffers would give every rank).
+      local ib = index.entries[name .. '.buffers']
+      if ib and ib.kind == 'buffers' then
+        local r = #ib.ranks == world and rank + 1 or 1
+        p.buffers = { tree = ib.ranks[r], locs = ib.rank_tensors[r] }
+      end
       plan[#plan + 1] = p
     end
 
@@ -141,6 +188,12 @@ return function(ckpt, H)
           local f, e = entry_of(p.locs and p.locs[tp], format("'%s' of state '%s'", tp, p.name), 4)
           p.found[tp] = { f = f, e = e }
         end)
+        if p.buffers then
+          each_ref(p.buffers.tree, function(tp)
+            local f, e = entry_of(p.buffers.locs and p.buffers.locs[tp], format("buffer '%s' of state '%s'", tp, p.name), 4)
+            p.found[tp] = { f = f, e = e }
+          end)
+        end
         for i, locs in ipairs(p.compare) do
           p.compare[i] = {}
           for tp, loc in pairs(locs) do
