@@ -518,6 +518,8 @@ function ckpt.save(root, state, opts)
       prepare_dir(root, name, 2)
       removals = rotation(root, step, o.keep)
       store:set(prefix .. 'go', 'ok')
+      -- every rank read the previous save's 'go' before it could reach this save
+      if save_count > 1 then store:delete(format('dlua.ckpt/%d/go', save_count - 1)) end
     else
       store:get(prefix .. 'go', timeout)  -- rank 0 has prepared the directory
     end
