@@ -53,6 +53,24 @@ if [ -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ]; then
   check "resnet50_ddp runs on 2 ranks (resnet18, tiny) and reports the all-reduced accuracy" $? "rc=$rc: $out"
 fi
 
+# resnet50_ddp on an image folder (the ImageFolder loader path), 2 ranks, both memory formats: batches are
+# (N, 3, H, W) either way; the same data and seed give the same losses
+folder=$(mktemp -d)
+"$DLUA" tools/make_imagefolder.lua --out "$folder" --source synthetic --size 36x36 --classes 4 --per-class 10 --val 4 \
+  >/dev/null
+losses=()
+for cl in --channels-last --no-channels-last; do
+  out=$(CUDA_VISIBLE_DEVICES= timeout 120 "$DLUA" --nproc 2 recipes/resnet50_ddp.lua --data "$folder" --model resnet18 \
+    --image-size 32 --batch 4 --threads 1 --workers 1 $cl 2>&1); rc=$?
+  line=$(grep -E "^\[0\] epoch 1  train loss [0-9]+\.[0-9]{4}  test accuracy [01]\.[0-9]{4} \(16 images\)" <<<"$out")
+  [ $rc = 0 ] && [ -n "$line" ] && grep -q "data $folder" <<<"$out" && grep -Eq "^\[0\] done in [0-9]+ s: test accuracy" <<<"$out"
+  check "resnet50_ddp --data FOLDER $cl trains on 2 ranks (finite loss, evaluation line)" $? "rc=$rc: $out"
+  losses+=("$(sed -E 's/.*train loss ([0-9.]+).*/\1/' <<<"$line")")
+done
+rm -rf "$folder"
+awk -v a="${losses[0]:-x}" -v b="${losses[1]:-y}" 'BEGIN { exit !(a + 0 == a && b + 0 == b && a - b < 0.01 && b - a < 0.01) }'
+check "resnet50_ddp --data: channels-last and contiguous batches give the same training loss" $? "losses: ${losses[*]}"
+
 out=$("$DLUA" recipes/resnet50_ddp.lua --accumulat 2 2>&1); rc=$?
 [ $rc = 2 ] && grep -q "unknown option '--accumulat'" <<<"$out" && grep -q "accumulate" <<<"$out"
 check "resnet50_ddp rejects an unknown option by name" $? "rc=$rc: $out"
