@@ -39,6 +39,28 @@ else
 fi
 
 if [ -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ]; then
+  # Every model the recipe offers (its --help lists them) learns with its defaults in 32 steps: no epoch's
+  # training loss above 2.5 (chance is ln 10 = 2.30; a diverging run goes far above), the loss falls from
+  # epoch 1 to 2, and the test accuracy reaches 0.25 (chance 0.10; on 500 images that is 12 sigma above it).
+  models=$("$DLUA" recipes/fashion_mnist.lua --help | sed -En "s/^ *--model STRING +(.*) \(default.*/\1/p" | sed -E 's/,| or / /g')
+  [ -n "$models" ] && grep -qw small_cnn <<<"$models"
+  check "fashion_mnist --help lists its models" $? "models: $models"
+  for m in $models; do
+    out=$(timeout 400 "$DLUA" recipes/fashion_mnist.lua --model "$m" --limit 2048 --epochs 2 --eval-limit 500 \
+      --eval-batch 500 2>&1); rc=$?
+    verdict=$(grep -E "^epoch [12]  train loss" <<<"$out" | awk '
+      { loss[$2] = $5; acc[$2] = $8; if ($5 + 0 != $5 || $5 > 2.5) bad = bad " epoch " $2 " loss " $5 }
+      END {
+        if (!(1 in loss) || !(2 in loss)) { print "no epoch lines"; exit }
+        if (loss[2] >= loss[1]) bad = bad " loss rose " loss[1] " -> " loss[2]
+        if (acc[2] < 0.25) bad = bad " test accuracy " acc[2]
+        print bad == "" ? "ok" : bad
+      }')
+    [ $rc = 0 ] && [ "$verdict" = ok ]
+    check "fashion_mnist --model $m trains with its defaults (loss falls, accuracy well above chance)" $? \
+      "rc=$rc, $verdict: $out"
+  done
+
   # the same recipe under the launcher: DDP over 2 gloo ranks, one epoch line from rank 0
   out=$(CUDA_VISIBLE_DEVICES= timeout 300 "$DLUA" --nproc 2 recipes/fashion_mnist.lua --epochs 1 --limit 512 --batch 32 \
     --model small_cnn --eval-batch 500 2>&1); rc=$?
