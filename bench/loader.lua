@@ -31,7 +31,7 @@ elseif mode == 'dump' then
   -- Resize(256) + CenterCrop(224), then RandomResizedCrop(224) with the boxes written next
   -- to them, so torchvision can redo exactly the same crops.
   local count, out = tonumber(arg[3]), arg[4]
-  local u8 = data.ToTensor { layout = 'nhwc', dtype = 'uint8' }
+  local u8 = data.ToTensor { memory_format = 'channels_last', dtype = 'uint8' }
   local center = data.ImageFolder(root, { transform = data.Compose { data.Resize(256), data.CenterCrop(224), u8 } })
   local rrc_t = data.RandomResizedCrop(224)
   local rrc = data.ImageFolder(root, { transform = data.Compose { rrc_t, u8 } })
@@ -40,8 +40,8 @@ elseif mode == 'dump' then
   for i = 1, math.min(count, center.n) do
     local path = center:path(i)
     local img = data.read_image(path)
-    f:write(center:get(i):to_bytes())
-    f:write(rrc:get(i):to_bytes())
+    f:write(center:get(i):permute(2, 3, 1):to_bytes())  -- (C, H, W) samples, written as (H, W, C) pixels
+    f:write(rrc:get(i):permute(2, 3, 1):to_bytes())
     local top, left, h, w = rrc_t:get_params(img:size(1), img:size(2), { index = i })
     boxes:write(string.format('%s\t%d\t%d\t%d\t%d\n', path, top - 1, left - 1, h, w))
   end

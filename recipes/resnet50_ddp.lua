@@ -110,12 +110,12 @@ if opt.data == '' then
 else
   data_name = opt.data
   local mean, std = { 0.485, 0.456, 0.406 }, { 0.229, 0.224, 0.225 }
-  local layout = opt.channels_last and 'nhwc' or 'nchw'
+  -- (N, C, H, W) batches; channels-last memory straight from the loader's workers (no copy)
+  local to_tensor = data.ToTensor({ memory_format = opt.channels_last and 'channels_last' or 'contiguous' })
   local train = data.ImageFolder(opt.data .. '/train', { transform = data.Compose({
-    data.RandomResizedCrop(size), data.RandomHorizontalFlip(), data.ToTensor({ layout = layout }), data.Normalize(mean, std) }) })
+    data.RandomResizedCrop(size), data.RandomHorizontalFlip(), to_tensor, data.Normalize(mean, std) }) })
   local val = data.ImageFolder(opt.data .. '/val', { transform = data.Compose({
-    data.Resize(math.floor(size * 256 / 224 + 0.5)), data.CenterCrop(size), data.ToTensor({ layout = layout }),
-    data.Normalize(mean, std) }) })
+    data.Resize(math.floor(size * 256 / 224 + 0.5)), data.CenterCrop(size), to_tensor, data.Normalize(mean, std) }) })
   num_classes = #train.classes
   sampler = data.DistributedSampler({ dataset = train, shuffle = true, seed = opt.seed, drop_last = true })
   local loader = data.DataLoader({ dataset = train, batch = opt.batch, sampler = sampler, workers = opt.workers,

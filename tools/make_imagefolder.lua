@@ -40,7 +40,7 @@ local function mkdir(path)
   if os.execute('mkdir -p ' .. sh_quote(path)) ~= 0 then die('cannot create ' .. path) end
 end
 
-local to_size = data.Compose { data.Resize { H, W }, data.ToTensor { layout = 'nhwc', dtype = 'uint8' } }
+local to_size = data.Compose { data.Resize { H, W }, data.ToTensor { memory_format = 'channels_last', dtype = 'uint8' } }
 
 local class_names = {}
 for c = 1, opt.classes do class_names[c] = string.format('class_%03d', c - 1) end
@@ -73,7 +73,7 @@ if opt.source == 'fashion-mnist' then
         count[c] = count[c] + 1
         need = need - 1
         local grey = x[i]:view(28, 28, 1)                  -- (H, W, 1)
-        local big = to_size(grey)                           -- (H, W, 1), bilinear as Pillow
+        local big = to_size(grey):permute(2, 3, 1)          -- (H, W, 1) view of the (1, H, W) result, bilinear as Pillow
         save(split[1], c, count[c], big:expand(H, W, 3))    -- grey -> RGB
       end
     end
@@ -83,14 +83,14 @@ else
   -- Photo-like content: a smooth field (a coarse random grid, bilinearly enlarged) plus fine
   -- noise, so files compress to about the size of real photos of that size.
   dlua.manual_seed(opt.seed)
-  local coarse = data.Compose { data.Resize { H, W }, data.ToTensor { layout = 'nhwc', dtype = 'uint8' } }
+  local coarse = data.Compose { data.Resize { H, W }, data.ToTensor { memory_format = 'channels_last', dtype = 'uint8' } }
   for _, split in ipairs({ { 'train', opt.per_class }, { 'val', opt.val } }) do
     for c = 1, opt.classes do
       if split[2] > 0 then mkdir(opt.out .. '/' .. split[1] .. '/' .. class_names[c]) end
       local tint = dlua.rand(1, 1, 3) * 0.5 + 0.25
       for k = 1, split[2] do
         local grid = ((dlua.rand(6, 8, 3) * 0.6 + tint) * 255):clamp(0, 255):byte()
-        local img = coarse(grid):float()
+        local img = coarse(grid):permute(2, 3, 1):float()  -- (3, H, W) channels-last -> (H, W, 3)
         img = (img + dlua.randn(H, W, 3) * 18):clamp(0, 255):byte()
         save(split[1], c, k, img)
       end

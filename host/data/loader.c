@@ -136,6 +136,7 @@ struct dlua_loader {
   /* One sample of x: shape, dtype, bytes; in_* is what the pipeline gets (tensor/synthetic). */
   int sample_ndim;
   int64_t sample_sizes[DLUA_MAX_DIMS];
+  int channels_last;             /* samples (C, H, W) written as (H, W, C) bytes: batches get channels-last strides */
   dlua_dtype_t dtype;
   size_t sample_bytes;
   int out_h, out_w;
@@ -503,12 +504,10 @@ static dlua_status_t setup_source(dlua_loader_t *l, const dlua_loader_config_t *
   if (l->pipe.nnorm > 1 && l->pipe.nnorm != l->in_c)
     return DLUA_ERR(DLUA_ERR_ARG, "Normalize: %d means/stds for images of %d channels", l->pipe.nnorm, l->in_c);
   l->dtype = (dlua_dtype_t)l->pipe.out_dtype;
+  // A sample is (C, H, W) in either memory format, as in torchvision: channels-last is a stride order, not a shape.
   l->sample_ndim = 3;
-  if (l->pipe.layout == 0) {
-    l->sample_sizes[0] = l->in_c, l->sample_sizes[1] = l->out_h, l->sample_sizes[2] = l->out_w;
-  } else {
-    l->sample_sizes[0] = l->out_h, l->sample_sizes[1] = l->out_w, l->sample_sizes[2] = l->in_c;
-  }
+  l->sample_sizes[0] = l->in_c, l->sample_sizes[1] = l->out_h, l->sample_sizes[2] = l->out_w;
+  l->channels_last = l->pipe.layout == 1;
   l->sample_bytes = (size_t)l->in_c * l->out_h * l->out_w * dlua_dtype_size(l->dtype);
   return DLUA_OK;
 }
@@ -771,10 +770,13 @@ dlua_status_t dlua_loader_next(dlua_loader_t *l, dlua_tensor_t **x, dlua_tensor_
     int64_t sizes[DLUA_MAX_DIMS];
     sizes[0] = keep;
     for (int d = 0; d < l->sample_ndim; d++) sizes[d + 1] = l->sample_sizes[d];
+    // (N, C, H, W) over the NHWC bytes the workers wrote: strides (H*W*C, 1, W*C, C), no copy.
+    int64_t cl[4] = {sizes[1] * sizes[2] * sizes[3], 1, sizes[3] * sizes[1], sizes[1]};
     pthread_mutex_lock(&l->pool->mu);
     l->pool->refs++;
     pthread_mutex_unlock(&l->pool->mu);
-    dlua_status_t st = dlua_tensor_wrap(x, l->sample_ndim + 1, sizes, NULL, l->dtype, buf, pool_deleter, l->pool);
+    dlua_status_t st = dlua_tensor_wrap(x, l->sample_ndim + 1, sizes, l->channels_last ? cl : NULL, l->dtype, buf,
+                                        pool_deleter, l->pool);
     if (st != DLUA_OK) {
       pool_put(l->pool, buf);
       pool_release(l->pool);

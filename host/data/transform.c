@@ -859,13 +859,17 @@ dlua_status_t dlua_pipeline_apply(dlua_tensor_t **out, const dlua_pipeline_t *p,
   int oh = 0, ow = 0;
   dlua_status_t st = dlua_tf_run(p, &s, &key, v, NULL, -1, -1, &oh, &ow);
   if (st == DLUA_OK) {
-    int64_t sz[3];
+    // (C, H, W) either way; channels-last memory is (H, W, C) bytes seen with strides (1, W*C, C).
+    int64_t sz[3] = {v.c, oh, ow}, hwc[3] = {oh, ow, v.c};
     if (p->layout == 0) {
-      sz[0] = v.c, sz[1] = oh, sz[2] = ow;
+      st = dlua_tensor_empty(out, 3, sz, (dlua_dtype_t)p->out_dtype, DLUA_CPU);
     } else {
-      sz[0] = oh, sz[1] = ow, sz[2] = v.c;
+      dlua_tensor_t *t = NULL;
+      static const int chw[3] = {2, 0, 1};
+      st = dlua_tensor_empty(&t, 3, hwc, (dlua_dtype_t)p->out_dtype, DLUA_CPU);
+      if (st == DLUA_OK) st = dlua_tensor_permute(out, t, chw);
+      dlua_tensor_free(t);
     }
-    st = dlua_tensor_empty(out, 3, sz, (dlua_dtype_t)p->out_dtype, DLUA_CPU);
     if (st == DLUA_OK) st = dlua_tf_run(p, &s, &key, v, dlua_tensor_data(*out), oh, ow, NULL, NULL);
     if (st != DLUA_OK) {
       dlua_tensor_free(*out);

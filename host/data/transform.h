@@ -17,7 +17,7 @@ struct dlua_pipeline {
   dlua_transform_t ops[DLUA_TF_MAX_OPS];
   int to_tensor;        /* position of ToTensor, or -1 */
   int out_dtype;        /* DLUA_DTYPE_F32 or DLUA_DTYPE_U8 */
-  int layout;           /* 0: (C, H, W), 1: (H, W, C) */
+  int layout;           /* memory of a (C, H, W) sample: 0 row-major, 1 channels-last ((H, W, C) bytes) */
   int nnorm;            /* 0, 1 or channels: the folded Normalize statistics */
   double a[DLUA_TF_MAX_CHANNELS], b[DLUA_TF_MAX_CHANNELS]; /* out = pixel * a[c] + b[c] */
 };

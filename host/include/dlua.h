@@ -515,7 +515,8 @@ const char *dlua_folder_cache_path(const dlua_folder_t *f);
    Resizing is Pillow's antialiased bilinear (Image.resize(BILINEAR)), pixel-exact.
    CENTER_CROP(h, w): top = round((H - h) / 2), zero padding where the crop is larger.
    HFLIP(p): mirrors when u(r0 of block 0) < p.
-   TO_TENSOR(layout, dtype): float32 x / 255 (or uint8 kept), layout 0 (C, H, W), 1 (H, W, C).
+   TO_TENSOR(layout, dtype): float32 x / 255 (or uint8 kept), a (C, H, W) sample in memory format
+     layout 0 (row-major) or 1 (channels-last: (H, W, C) bytes, strides (1, W*C, C)).
    NORMALIZE(n, mean, std): (x - mean[c]) / std[c] after a float ToTensor; n = 1 or C. */
 typedef enum {
   DLUA_TF_RANDOM_RESIZED_CROP = 0,
@@ -540,7 +541,7 @@ typedef struct dlua_pipeline dlua_pipeline_t;
 dlua_status_t dlua_pipeline_new(dlua_pipeline_t **out, const dlua_transform_t *ops, int n);
 void dlua_pipeline_free(dlua_pipeline_t *p);
 /* Runs the transforms on one image (H, W, C) uint8 as sample `sample` (0-based) of `epoch`;
-   out: (C, H', W') or (H', W', C), float32 after ToTensor, else uint8. */
+   out: (C, H', W'), row-major or channels-last as ToTensor's layout says; float32 after ToTensor, else uint8. */
 dlua_status_t dlua_pipeline_apply(dlua_tensor_t **out, const dlua_pipeline_t *p, const dlua_tensor_t *img, uint64_t seed, uint64_t epoch, int64_t sample);
 /* The crop RandomResizedCrop at `position` draws for an (h, w) image: box = top, left, height, width. */
 void dlua_transform_rrc_box(const double *scale, const double *ratio, int h, int w, uint64_t seed, uint64_t epoch, int64_t sample, int position, int *box);
@@ -590,7 +591,8 @@ int64_t dlua_loader_dataset_size(const dlua_loader_t *l);
 /* Starts an epoch over order[0..n) (sample indices counted from base); stops a running one first. */
 dlua_status_t dlua_loader_start(dlua_loader_t *l, const int64_t *order, int64_t n, int64_t base, uint64_t epoch, int drop_last);
 /* The next batch: *x (B, ...), *y (B) int64 (NULL for unlabelled tensors), *batch its 0-based
-   position in the epoch. *x NULL: the epoch is over (threads joined). Waits for the workers,
+   position in the epoch; images are (B, C, H, W), with channels-last strides (H*W*C, 1, W*C, C)
+   after a channels-last ToTensor. *x NULL: the epoch is over (threads joined). Waits for the workers,
    polling Ctrl-C; on DLUA_ERR_INTERRUPTED or any error the epoch is stopped (threads joined).
    x wraps a pool buffer that returns to the loader when the tensor is freed. */
 dlua_status_t dlua_loader_next(dlua_loader_t *l, dlua_tensor_t **x, dlua_tensor_t **y, int64_t *batch);

@@ -356,17 +356,32 @@ function data.Normalize(mean, std)
   return transform { kind = 'Normalize', mean = { unpack(mean) }, std = { unpack(std) } }
 end
 
--- uint8 HWC pixels -> float32 / 255; layout 'nchw' (C, H, W per sample) or 'nhwc' (H, W, C);
--- dtype 'uint8' keeps the raw pixels (normalise on the GPU, 4x less to copy).
+-- uint8 HWC pixels -> float32 / 255 (dtype 'uint8' keeps the raw pixels: normalise on the GPU,
+-- 4x less to copy). A sample is (C, H, W) and a batch (N, C, H, W), as torchvision's; memory_format
+-- 'channels_last' lays them out as (H, W, C) / (N, H, W, C) bytes with the strides that say so
+-- (x:is_contiguous('channels_last')), 'contiguous' (default) row-major. layout = 'nhwc' / 'nchw'
+-- are older names of the two.
+local layouts = { nhwc = 'channels_last', nchw = 'contiguous' }
 function data.ToTensor(opts)
-  local o = check_options('ToTensor', opts, { layout = true, dtype = true }, 2)
-  local layout = o.layout or 'nchw'
-  if layout ~= 'nchw' and layout ~= 'nhwc' then
-    fail(2, "ToTensor: layout must be 'nchw' or 'nhwc', got %s", describe_value(layout))
+  local o = check_options('ToTensor', opts, { memory_format = true, layout = true, dtype = true }, 2)
+  local mf = o.memory_format
+  if mf ~= nil and mf ~= 'contiguous' and mf ~= 'channels_last' then
+    fail(2, "ToTensor: memory_format must be 'contiguous' or 'channels_last', got %s", describe_value(mf))
   end
+  if o.layout ~= nil then
+    local from = layouts[o.layout]
+    if not from then fail(2, "ToTensor: layout must be 'nchw' or 'nhwc', got %s", describe_value(o.layout)) end
+    if mf ~= nil and mf ~= from then
+      fail(2, "ToTensor: layout %s and memory_format %s disagree (give one of them)", describe_value(o.layout),
+        describe_value(mf))
+    end
+    mf = from
+  end
+  mf = mf or 'contiguous'
   local dtype = o.dtype or 'float32'
   if dtype ~= 'float32' and dtype ~= 'uint8' then fail(2, "ToTensor: dtype must be 'float32' or 'uint8', got %s", describe_value(dtype)) end
-  return transform { kind = 'ToTensor', layout = layout, dtype = dtype }
+  return transform { kind = 'ToTensor', memory_format = mf, layout = mf == 'channels_last' and 'nhwc' or 'nchw',
+    dtype = dtype }
 end
 
 -- Compose{t1, t2, ...}: the transforms in order (nested Compose lists are flattened).
@@ -439,7 +454,7 @@ function Transform:__tostring()
   elseif k == 'Normalize' then
     return format('Normalize(mean={%s}, std={%s})', table.concat(self.mean, ', '), table.concat(self.std, ', '))
   end
-  return format("ToTensor(layout='%s', dtype='%s')", self.layout, self.dtype)
+  return format("ToTensor(memory_format='%s', dtype='%s')", self.memory_format, self.dtype)
 end
 
 function Compose:__tostring()
@@ -645,19 +660,20 @@ local loader_options = { dataset = true, batch = true, batch_size = true, shuffl
   workers = true, num_workers = true, drop_last = true, pin_memory = true, prefetch = true, seed = true,
   dct_scaling = true, quiet = true, device = true, normalize = true }
 
--- The channel dimension of a batch: the last one after ToTensor{layout = 'nhwc'}, else 2.
-local function channel_dim(tf)
+-- Whether a transform's batches are channels-last (ToTensor{memory_format = 'channels_last'}).
+local function channels_last_of(tf)
+  if tf == nil then return false end
   local list = getmetatable(tf) == Compose and tf.transforms or { tf }
   for _, t in ipairs(list) do
-    if t.kind == 'ToTensor' then return t.layout == 'nhwc' and -1 or 2 end
+    if t.kind == 'ToTensor' then return t.memory_format == 'channels_last' end
   end
-  return 2
+  return false
 end
 
 -- normalize = {mean =, std =} (numbers or per-channel lists): applied where the batch lands,
 -- after the copy, so uint8 batches (ToTensor{dtype = 'uint8'}) cross to the GPU at a quarter of
 -- the bytes. uint8 values are scaled by 1/255 first, as ToTensor does.
-local function check_normalize(v, tf)
+local function check_normalize(v)
   if v == nil then return nil end
   if type(v) ~= 'table' then fail(3, 'DataLoader: normalize must be {mean =, std =}, got %s', describe_value(v)) end
   local mean = type(v.mean) == 'number' and { v.mean } or v.mean
@@ -672,20 +688,23 @@ local function check_normalize(v, tf)
         describe_value(mean[k]), describe_value(std[k]))
     end
   end
-  return { mean = mean, std = std, dim = tf and channel_dim(tf) or 2, cache = {} }
+  return { mean = mean, std = std, cache = {} }
 end
 
--- x as float32, (x [/ 255] - mean) / std per channel, on x's device: one multiply and one add
--- with (C)-shaped factors made once per device and dtype.
-local function normalize_batch(nm, x)
+-- x (N, C, ...) as float32, (x [/ 255] - mean) / std per channel, on x's device, in x's memory
+-- format: one multiply and one add with (C)-shaped factors made once per device and dtype. A
+-- channels-last x is worked on as its (N, H, W, C) view, so the result is channels-last too.
+local function normalize_batch(nm, x, channels_last)
   local u8 = x.dtype == 'uint8'
-  local d = nm.dim < 0 and x:dim() + 1 + nm.dim or nm.dim
-  local C = x:size(d)
+  local C = x:size(2)
   if #nm.mean ~= 1 and #nm.mean ~= C then
-    fail(3, 'DataLoader: normalize has %d channels, the batch %s has %d in dimension %d', #nm.mean,
-      table.concat(x:size(), 'x'), C, d)
+    fail(3, 'DataLoader: normalize has %d channels, the batch %s has %d in dimension 2', #nm.mean,
+      table.concat(x:size(), 'x'), C)
   end
-  local key = x.device .. (u8 and '/u8' or '/f')
+  local cl = channels_last and x:dim() == 4
+  if cl then x = x:permute(1, 3, 4, 2) end
+  local d = cl and 4 or 2
+  local key = x.device .. (u8 and '/u8' or '/f') .. (cl and '/cl' or '')
   local f = nm.cache[key]
   if not f then
     local a, b, shape = {}, {}, {}
@@ -698,7 +717,9 @@ local function normalize_batch(nm, x)
     nm.cache[key] = f
   end
   local y = x.dtype == 'float32' and x * f[1] or x:float():mul_(f[1])
-  return y:add_(f[2])
+  y:add_(f[2])
+  if cl then y = y:permute(1, 4, 2, 3) end
+  return y
 end
 
 local function state_of(self, op)
@@ -756,14 +777,16 @@ function data.DataLoader(opts)
     if not okd then fail(2, 'DataLoader: device %s: %s', describe_value(o.device), (tostring(dv):gsub('^.-: ', ''))) end
     device = dv
   end
-  local norm = check_normalize(o.normalize, tf)
+  local norm = check_normalize(o.normalize)
+  local channels_last = channels_last_of(tf)
   local ok, handle = pcall(binding.loader_new, cfg)
   if not ok then reraise(2, handle) end
   local sample, dtype = binding.loader_sample(handle)
   local st = { handle = handle, dataset = ds, n = n, batch = batch, workers = workers, prefetch = prefetch,
     shuffle = o.shuffle and true or false, sampler = sampler, drop_last = o.drop_last and true or false,
     seed = o.seed or 0, epoch = nil, explicit = false, gen = 0, sample_shape = sample, dtype = dtype,
-    pin_memory = o.pin_memory and true or false, cfg = cfg, device = device, norm = norm }
+    pin_memory = o.pin_memory and true or false, cfg = cfg, device = device, norm = norm,
+    channels_last = channels_last }
   local proxy = newproxy(true)
   local mt = getmetatable(proxy)
   mt.__index = function(_, k)
@@ -850,7 +873,7 @@ function DataLoader.batches(self)
   getmetatable(guard).__gc = function()
     if st.gen == gen and st.handle then binding.loader_stop(st.handle) end
   end
-  local norm = st.norm
+  local norm, cl = st.norm, st.channels_last
   if st.device == 'cpu' then
     return function()
       local _ = guard
@@ -858,13 +881,15 @@ function DataLoader.batches(self)
       local ok2, x, y, b = pcall(binding.loader_next, handle)
       if not ok2 then reraise(2, x) end
       if x == nil then return nil end
-      if norm then x = normalize_batch(norm, x) end
+      if norm then x = normalize_batch(norm, x, cl) end
       return b, x, y
     end
   end
   -- On a GPU: batch i + 1 is copied on st.stream (allocated there) while batch i trains. The
   -- compute stream waits for the copy's event, the batch's memory is marked as used by the
-  -- compute stream (record_stream), and the host batch is kept until its copy has run.
+  -- compute stream (record_stream), and the host batch is kept until its copy has run. A
+  -- channels-last batch crosses as its (N, H, W, C) bytes (a contiguous view: no host copy) and
+  -- is channels-last on the device too.
   local cuda = require 'dlua.cuda'
   local dev = st.device
   local ord = tonumber(dev:match('%d+$'))
@@ -874,8 +899,10 @@ function DataLoader.batches(self)
     local ok2, hx, hy, b = pcall(binding.loader_next, handle)
     if not ok2 then reraise(3, hx) end
     if hx == nil then return nil end
+    local nb = { non_blocking = true }
     local x, y = cuda.with_stream(st.stream, function()
-      return hx:to(dev, { non_blocking = true }), hy:to(dev, { non_blocking = true })
+      if cl and hx:dim() == 4 then return hx:permute(1, 3, 4, 2):to(dev, nb):permute(1, 4, 2, 3), hy:to(dev, nb) end
+      return hx:to(dev, nb), hy:to(dev, nb)
     end)
     local ev = cuda.Event { device = ord }
     ev:record(st.stream)
@@ -893,7 +920,7 @@ function DataLoader.batches(self)
     cuda.record_stream(c.y, compute)
     if cur then cur.ev:synchronize() end -- the previous host batch may go back to the loader now
     cur = c
-    local x = norm and normalize_batch(norm, c.x) or c.x
+    local x = norm and normalize_batch(norm, c.x, cl) or c.x
     return c.b, x, c.y
   end
 end

@@ -39,6 +39,28 @@ else
 fi
 
 if [ -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ]; then
+  # Every model the recipe offers (its --help lists them) learns with its defaults in 32 steps: no epoch's
+  # training loss above 2.5 (chance is ln 10 = 2.30; a diverging run goes far above), the loss falls from
+  # epoch 1 to 2, and the test accuracy reaches 0.25 (chance 0.10; on 500 images that is 12 sigma above it).
+  models=$("$DLUA" recipes/fashion_mnist.lua --help | sed -En "s/^ *--model STRING +(.*) \(default.*/\1/p" | sed -E 's/,| or / /g')
+  [ -n "$models" ] && grep -qw small_cnn <<<"$models"
+  check "fashion_mnist --help lists its models" $? "models: $models"
+  for m in $models; do
+    out=$(timeout 400 "$DLUA" recipes/fashion_mnist.lua --model "$m" --limit 2048 --epochs 2 --eval-limit 500 \
+      --eval-batch 500 2>&1); rc=$?
+    verdict=$(grep -E "^epoch [12]  train loss" <<<"$out" | awk '
+      { loss[$2] = $5; acc[$2] = $8; if ($5 + 0 != $5 || $5 > 2.5) bad = bad " epoch " $2 " loss " $5 }
+      END {
+        if (!(1 in loss) || !(2 in loss)) { print "no epoch lines"; exit }
+        if (loss[2] >= loss[1]) bad = bad " loss rose " loss[1] " -> " loss[2]
+        if (acc[2] < 0.25) bad = bad " test accuracy " acc[2]
+        print bad == "" ? "ok" : bad
+      }')
+    [ $rc = 0 ] && [ "$verdict" = ok ]
+    check "fashion_mnist --model $m trains with its defaults (loss falls, accuracy well above chance)" $? \
+      "rc=$rc, $verdict: $out"
+  done
+
   # the same recipe under the launcher: DDP over 2 gloo ranks, one epoch line from rank 0
   out=$(CUDA_VISIBLE_DEVICES= timeout 300 "$DLUA" --nproc 2 recipes/fashion_mnist.lua --epochs 1 --limit 512 --batch 32 \
     --model small_cnn --eval-batch 500 2>&1); rc=$?
@@ -52,6 +74,24 @@ if [ -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ]; then
     && grep -q "global batch 32" <<<"$out" && grep -Eq "^\[0\] done in [0-9]+ s: test accuracy" <<<"$out"
   check "resnet50_ddp runs on 2 ranks (resnet18, tiny) and reports the all-reduced accuracy" $? "rc=$rc: $out"
 fi
+
+# resnet50_ddp on an image folder (the ImageFolder loader path), 2 ranks, both memory formats: batches are
+# (N, 3, H, W) either way; the same data and seed give the same losses
+folder=$(mktemp -d)
+"$DLUA" tools/make_imagefolder.lua --out "$folder" --source synthetic --size 36x36 --classes 4 --per-class 10 --val 4 \
+  >/dev/null
+losses=()
+for cl in --channels-last --no-channels-last; do
+  out=$(CUDA_VISIBLE_DEVICES= timeout 120 "$DLUA" --nproc 2 recipes/resnet50_ddp.lua --data "$folder" --model resnet18 \
+    --image-size 32 --batch 4 --threads 1 --workers 1 $cl 2>&1); rc=$?
+  line=$(grep -E "^\[0\] epoch 1  train loss [0-9]+\.[0-9]{4}  test accuracy [01]\.[0-9]{4} \(16 images\)" <<<"$out")
+  [ $rc = 0 ] && [ -n "$line" ] && grep -q "data $folder" <<<"$out" && grep -Eq "^\[0\] done in [0-9]+ s: test accuracy" <<<"$out"
+  check "resnet50_ddp --data FOLDER $cl trains on 2 ranks (finite loss, evaluation line)" $? "rc=$rc: $out"
+  losses+=("$(sed -E 's/.*train loss ([0-9.]+).*/\1/' <<<"$line")")
+done
+rm -rf "$folder"
+awk -v a="${losses[0]:-x}" -v b="${losses[1]:-y}" 'BEGIN { exit !(a + 0 == a && b + 0 == b && a - b < 0.01 && b - a < 0.01) }'
+check "resnet50_ddp --data: channels-last and contiguous batches give the same training loss" $? "losses: ${losses[*]}"
 
 out=$("$DLUA" recipes/resnet50_ddp.lua --accumulat 2 2>&1); rc=$?
 [ $rc = 2 ] && grep -q "unknown option '--accumulat'" <<<"$out" && grep -q "accumulate" <<<"$out"

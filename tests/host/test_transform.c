@@ -131,7 +131,9 @@ START_TEST(test_resize_matches_pillow_by_hand) {
   dlua_pipeline_t *p = pipe_of(ops, 2);
   dlua_tensor_t *o = apply(p, img, 0);
   const uint8_t *q = dlua_tensor_data(o);
-  ck_assert_int_eq(o->sizes[1], 2);
+  // (C, H, W) = (1, 1, 2) over channels-last memory: strides (1, W*C, C)
+  ck_assert(o->sizes[0] == 1 && o->sizes[1] == 1 && o->sizes[2] == 2);
+  ck_assert(o->strides[0] == 1 && o->strides[1] == 2 && o->strides[2] == 1);
   ck_assert_int_eq(q[0], 71);
   ck_assert_int_eq(q[1], 117);
   dlua_tensor_free(o);
@@ -155,7 +157,8 @@ START_TEST(test_resize_matches_pillow_by_hand) {
   ops[0] = (dlua_transform_t){.kind = DLUA_TF_RESIZE, .h = 1, .w = 0};  // shorter side (w = 1) stays 1: int(1 * 4 / 1) = 4 rows
   p = pipe_of(ops, 2);
   o = apply(p, img, 0);
-  ck_assert_int_eq(o->sizes[0], 4);
+  ck_assert(o->sizes[0] == 3 && o->sizes[1] == 4 && o->sizes[2] == 1);
+  ck_assert(o->strides[0] == 1 && o->strides[1] == 3 && o->strides[2] == 3);
   ck_assert_int_eq(memcmp(dlua_tensor_data(o), col, sizeof col), 0);  // same size: a copy
   dlua_tensor_free(o);
   dlua_pipeline_free(p);
@@ -457,7 +460,8 @@ START_TEST(test_center_crop_flip_to_tensor_normalize) {
   ops4[0].layout = 1;
   p = pipe_of(ops4, 2);
   o = apply(p, img, 0);
-  ck_assert(o->sizes[0] == 2 && o->sizes[1] == 2 && o->sizes[2] == 3);
+  ck_assert(o->sizes[0] == 3 && o->sizes[1] == 2 && o->sizes[2] == 2);  // (C, H, W) over (H, W, C) memory
+  ck_assert(o->strides[0] == 1 && o->strides[1] == 6 && o->strides[2] == 3);
   f = dlua_tensor_data(o);
   for (int i = 0; i < 12; i++) ck_assert(fabs(f[i] - (rgb[i] / 255.0 - m[i % 3]) / sd[i % 3]) < 1e-5);
   dlua_tensor_free(o);

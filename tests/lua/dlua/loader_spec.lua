@@ -88,11 +88,25 @@ describe('transforms', function()
     assert.equals(17, w)
     local t = data.Compose { rrc, data.ToTensor { layout = 'nhwc', dtype = 'uint8' } }
     local out = t(img, { seed = 2, epoch = 1, index = 4 })
-    assert.same({ 8, 8, 3 }, { out:size(1), out:size(2), out:size(3) })
+    -- (C, H, W) as torchvision's ToTensor gives, over (H, W, C) memory (channels-last)
+    assert.same({ 3, 8, 8 }, out:size())
+    assert.same({ 1, 24, 3 }, out:stride())
     -- The same crop through Resize after an explicit crop (narrow), as one more route.
     local cropped = img:narrow(1, top, h):narrow(2, left, w):contiguous()
     local ref = data.Compose { data.Resize { 8, 8 }, data.ToTensor { layout = 'nhwc', dtype = 'uint8' } }(cropped)
     assert.is_true(same(out, ref))
+    assert.is_true(out:permute(2, 3, 1):is_contiguous())  -- the bytes are the (H, W, C) pixels
+    -- row-major (C, H, W) holds the same values
+    local plain = data.Compose { data.Resize { 8, 8 }, data.ToTensor { dtype = 'uint8' } }(cropped)
+    assert.same({ 3, 8, 8 }, plain:size())
+    assert.is_true(plain:is_contiguous())
+    assert.is_true(same(plain, out))
+    -- both are the image's pixels with channels first: a crop of the whole image changes nothing
+    for _, mf in ipairs({ 'contiguous', 'channels_last' }) do
+      local whole = data.Compose { data.CenterCrop { 20, 30 }, data.ToTensor { memory_format = mf, dtype = 'uint8' } }(img)
+      assert.same({ 3, 20, 30 }, whole:size())
+      assert.is_true(same(whole, img:permute(3, 1, 2)), mf)
+    end
     assert.matches('RandomResizedCrop%(8x8', tostring(t))
     local ok, err = pcall(function() local c = data.Compose { data.Normalize(0.5, 0.5), data.ToTensor() }; return c end)
     assert.matches('loader_spec.lua:%d+: Compose: Normalize %(transform 1%) needs a float ToTensor before it', err)
@@ -312,6 +326,59 @@ describe('DataLoader', function()
   end)
 end)
 
+describe('channels-last batches', function()
+  it('ToTensor{memory_format = channels_last} gives (N, C, H, W) batches with channels-last strides', function()
+    local function batches(tf, workers)
+      local ds = data.ImageFolder(root, { transform = data.Compose { data.CenterCrop(8), tf }, cache = false })
+      local r = {}
+      for i, bx in data.DataLoader { dataset = ds, batch = 4, workers = workers }:batches() do r[i] = bx end
+      return r
+    end
+    local plain = batches(data.ToTensor(), 0)
+    for _, tf in ipairs({ data.ToTensor { memory_format = 'channels_last' }, data.ToTensor { layout = 'nhwc' } }) do
+      for _, workers in ipairs({ 0, 2 }) do
+        local cl = batches(tf, workers)
+        assert.equals(#plain, #cl)
+        for i, bx in ipairs(cl) do
+          local n = plain[i]:size(1)
+          assert.same({ n, 3, 8, 8 }, bx:size())
+          assert.is_true(bx:is_contiguous('channels_last'))
+          assert.is_false(bx:is_contiguous())
+          assert.is_true(plain[i]:is_contiguous())
+          assert.is_true(same(plain[i], bx), 'batch ' .. i)
+        end
+      end
+    end
+    -- what a convolution sees: the same output for either memory format, and channels-last out of channels-last in
+    local conv = dlua.nn.Conv2d(3, 4, 3, { padding = 1 })
+    local a, b = conv:forward(plain[1]):clone(), conv:forward(batches(data.ToTensor { layout = 'nhwc' }, 0)[1])
+    assert.is_true(b:is_contiguous('channels_last'))
+    assert.is_true((a - b):abs():max():item() < 1e-5)
+    -- a synthetic dataset and an in-memory one take the same path
+    local syn = data.Synthetic { shape = { 3, 6, 5 }, classes = 2, n = 4,
+      transform = data.ToTensor { memory_format = 'channels_last', dtype = 'uint8' } }
+    for _, bx in data.DataLoader { dataset = syn, batch = 4 }:batches() do
+      assert.same({ 4, 3, 6, 5 }, bx:size())
+      assert.is_true(bx:is_contiguous('channels_last'))
+    end
+  end)
+
+  it('rejects a bad memory_format or layout by name', function()
+    local function err(opts)
+      local ok, e = pcall(data.ToTensor, opts)
+      assert.is_false(ok)
+      return tostring(e)
+    end
+    assert.matches("ToTensor: memory_format must be 'contiguous' or 'channels_last', got 'nhwc'",
+      err { memory_format = 'nhwc' }, 1, true)
+    assert.matches("ToTensor: layout must be 'nchw' or 'nhwc', got 'hwc'", err { layout = 'hwc' }, 1, true)
+    assert.matches("ToTensor: layout 'nchw' and memory_format 'channels_last' disagree",
+      err { layout = 'nchw', memory_format = 'channels_last' }, 1, true)
+    assert.equals("ToTensor(memory_format='channels_last', dtype='uint8')",
+      tostring(data.ToTensor { layout = 'nhwc', memory_format = 'channels_last', dtype = 'uint8' }))
+  end)
+end)
+
 describe('DataLoader device and normalize', function()
   it('normalize on uint8 batches equals Normalize in the workers, NCHW and NHWC', function()
     local x = dlua.randint(0, 256, 6, 3, 5, 4):byte()
@@ -328,11 +395,16 @@ describe('DataLoader device and normalize', function()
       for _, bx in data.DataLoader { dataset = tds, batch = 6 }:batches() do raw = bx end
       assert.equals('uint8', raw.dtype)
       assert.equals('float32', got.dtype)
-      assert.same(ref:size(), got:size())
+      -- (N, C, H, W) either way; normalize keeps the batch's memory format
+      for _, t in ipairs({ ref, raw, got }) do
+        assert.same({ 6, 3, 5, 4 }, t:size())
+        assert.is_true(t:is_contiguous(layout == 'nhwc' and 'channels_last' or 'contiguous'), layout)
+      end
+      assert.is_true(same(raw, x), layout)
       assert.is_true((got - ref):abs():max():item() < 1e-5, layout)
       -- by hand: one element of channel 2
-      local c = layout == 'nchw' and { 4, 2, 3, 1 } or { 4, 3, 1, 2 }
-      assert.near((raw[c] / 255 - mean[2]) / std[2], got[c], 1e-5)
+      local c = { 4, 2, 3, 1 }
+      assert.near((x[c] / 255 - mean[2]) / std[2], got[c], 1e-5)
     end
   end)
 
@@ -360,6 +432,18 @@ describe('DataLoader device and normalize', function()
       end
     end
     assert.equals(2 * #ref, n)
+    -- channels-last uint8 batches: normalized on the device, still (N, C, H, W) channels-last there
+    tds.transform = data.ToTensor { memory_format = 'channels_last', dtype = 'uint8' }
+    local m = 0
+    for i, bx, by in data.DataLoader(opts):batches() do
+      assert.equals('cuda:' .. require('dlua.cuda').current_device(), bx.device)
+      assert.same(ref[i][1]:size(), bx:size())
+      assert.is_true(bx:is_contiguous('channels_last'), 'batch ' .. i .. ' on the device')
+      assert.is_true((bx:cpu() - ref[i][1]):abs():max():item() < 1e-5, 'batch ' .. i .. ' channels-last images')
+      assert.is_true(same(by:cpu(), ref[i][2]), 'batch ' .. i .. ' channels-last labels')
+      m = m + 1
+    end
+    assert.equals(#ref, m)
   end)
 
   it('rejects a bad normalize or device by name', function()
