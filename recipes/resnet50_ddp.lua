@@ -15,6 +15,7 @@ local opt = cli.parse(arg, {
   seed = 1, limit = 0, eval_limit = 0, model = 'resnet50', momentum = 0.9, weight_decay = 1e-4,
   bucket_mb = 25, threads = 0, channels_last = true, print_every = 10, sync_bn = false, device = 'auto',
   clip_grad = 0, save = '', save_every = 0, save_async = false, keep = 0, resume = '', stop_after = 0,
+  checkpoint_activations = 'none',
 }, {
   description = 'Trains a ResNet (default ResNet-50) data-parallel with dlua.dist.DDP.',
   help = {
@@ -42,6 +43,7 @@ local opt = cli.parse(arg, {
     keep = 'keep the newest N checkpoints (0: all)',
     resume = "'auto' (the newest complete checkpoint in --save, or a fresh start) or a checkpoint directory",
     stop_after = 'stop after N optimizer steps, saving first (the schedule is the full run\'s)',
+    checkpoint_activations = "none, blocks or stages: recompute those in backward instead of keeping their activations",
   },
 })
 io.stdout:setvbuf('line')
@@ -144,6 +146,11 @@ local build = resnet[opt.model]
 if not build then error(('unknown --model %s'):format(opt.model), 0) end
 local net = build({ in_channels = 3, num_classes = num_classes, zero_init_residual = true }):input_grad(false)
 if opt.sync_bn then nn.SyncBatchNorm.convert(net) end
+local ckpt_policy = opt.checkpoint_activations
+if ckpt_policy ~= 'none' and ckpt_policy ~= 'blocks' and ckpt_policy ~= 'stages' then
+  error(('--checkpoint-activations %s: expected none, blocks or stages'):format(ckpt_policy), 0)
+end
+local ckpt_plan = net:checkpoint(ckpt_policy)
 net:to(device)
 local model = dist.DDP(net, { accumulate = opt.accumulate, bucket_mb = opt.bucket_mb })
 local criterion = nn.CrossEntropyLoss()
@@ -170,6 +177,7 @@ log('%d ranks x batch %d x accumulate %d = global batch %d; lr %.4g (%.3g per 25
 -- CUDA gradients go through NCCL when every rank has a GPU; CPU ones through shared memory or TCP.
 local transport = device ~= 'cpu' and dist.backend() ~= 'gloo' and 'nccl' or dist.transport()
 log('DDP: %d buckets, all-reduce over %s%s', #model:bucket_plan(), transport, opt.sync_bn and ', SyncBatchNorm' or '')
+if ckpt_policy ~= 'none' then log('%s', tostring(ckpt_plan)) end
 
 local function evaluate()
   model:evaluate()
