@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include "comm/store.h"
+#include "comm/store_server.h"
 #include "core/api.h"
 #include "core/error.h"
 
