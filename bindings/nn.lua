@@ -285,11 +285,32 @@ function M.adamw_step(p, g, m, v, vmax, offset, length, lr, beta1, beta2, eps, w
   if st ~= 0 then core.check(st, 'AdamW.step') end
 end
 
--- ranges: list of {offset, length, exclude}
-function M.lars_step(p, g, buf, ranges, lr, momentum, wd, trust, eps, first, scale)
+function M.adam_step(p, g, m, v, vmax, offset, length, lr, beta1, beta2, eps, wd, step, amsgrad, maximize, scale)
+  local st = C.dlua_optim_adam_step(handle('Adam.step', p), handle('Adam.step', g), handle('Adam.step', m),
+    handle('Adam.step', v), vmax and handle('Adam.step', vmax) or nil, offset, length, lr, beta1, beta2, eps, wd,
+    step, amsgrad and 1 or 0, maximize and 1 or 0, scale or 1)
+  if st ~= 0 then core.check(st, 'Adam.step') end
+end
+
+-- ranges: list of {offset, length, exclude} -> C arrays (kept alive by the caller's locals)
+local function range_arrays(ranges)
   local n = #ranges
   local offs, lens, excl = ffi.new('int64_t[?]', n), ffi.new('int64_t[?]', n), ffi.new('int32_t[?]', n)
   for i, r in ipairs(ranges) do offs[i - 1], lens[i - 1], excl[i - 1] = r[1], r[2], r[3] and 1 or 0 end
+  return n, offs, lens, excl
+end
+
+-- ranges: list of {offset, length, exclude}
+function M.lamb_step(p, g, m, v, ranges, lr, beta1, beta2, eps, wd, step, bias_correction, scale)
+  local n, offs, lens, excl = range_arrays(ranges)
+  local st = C.dlua_optim_lamb_step(handle('LAMB.step', p), handle('LAMB.step', g), handle('LAMB.step', m),
+    handle('LAMB.step', v), n, offs, lens, excl, lr, beta1, beta2, eps, wd, step, bias_correction and 1 or 0, scale or 1)
+  if st ~= 0 then core.check(st, 'LAMB.step') end
+end
+
+-- ranges: list of {offset, length, exclude}
+function M.lars_step(p, g, buf, ranges, lr, momentum, wd, trust, eps, first, scale)
+  local n, offs, lens, excl = range_arrays(ranges)
   local st = C.dlua_optim_lars_step(handle('LARS.step', p), handle('LARS.step', g), handle('LARS.step', buf), n, offs,
     lens, excl, lr, momentum, wd, trust, eps, first and 1 or 0, scale or 1)
   if st ~= 0 then core.check(st, 'LARS.step') end
@@ -301,6 +322,20 @@ function M.unscale(g, offset, length, inv_scale)
   local st = C.dlua_optim_unscale(handle('unscale', g), offset, length, inv_scale, nonfinite)
   if st ~= 0 then core.check(st, 'unscale') end
   return tonumber(nonfinite[0])
+end
+
+local norm_out = ffi.new('double[1]')
+-- clip_grad_norm_'s pieces: the sum of |g|^p over grad[offset, offset+length) (max |g| for p = inf) ...
+function M.grad_norm_partial(g, offset, length, norm_type)
+  local st = C.dlua_optim_grad_norm_partial(handle('grad_norm_partial', g), offset, length, norm_type, norm_out)
+  if st ~= 0 then core.check(st, 'grad_norm_partial') end
+  return norm_out[0]
+end
+
+-- ... and grad[offset, offset+length) *= scale.
+function M.grad_scale(g, offset, length, scale)
+  local st = C.dlua_optim_grad_scale(handle('grad_scale', g), offset, length, scale)
+  if st ~= 0 then core.check(st, 'grad_scale') end
 end
 
 return M

@@ -117,6 +117,9 @@ function gen_methods.set_state(g, st)
   C.dlua_generator_set_offset(g.p, u64('set_state', st.offset, 'offset'))
   return g
 end
+-- As every checkpointable object: {seed =, offset =} (64-bit cdata past 2^53), for dlua.ckpt.
+gen_methods.state_dict = gen_methods.get_state
+function gen_methods.load_state_dict(g, sd) return gen_methods.set_state(g, sd) end
 
 function M.manual_seed(seed)
   local g = M.default_generator()

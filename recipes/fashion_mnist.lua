@@ -6,12 +6,14 @@ local optim = require 'dlua.optim'
 local lr = require 'dlua.lr'
 local data = require 'dlua.data'
 local cli = require 'dlua.cli'
+local ckpt = require 'dlua.ckpt'
 local resnet = require 'models.resnet'
 
 local opt = cli.parse(arg, {
   epochs = 10, batch = 128, lr = 0.1, momentum = 0.9, weight_decay = 5e-4, warmup = 1,
   label_smoothing = 0.0, model = 'resnet20', threads = 0, seed = 1, data = '',
-  limit = 0, eval_batch = 1000, channels_last = true,
+  limit = 0, eval_batch = 1000, channels_last = true, clip_grad = 0, print_every = 100,
+  save = '', save_every = 0, save_async = false, keep = 0, resume = '', stop_after = 0,
 }, {
   description = 'Trains a ResNet on Fashion-MNIST (Debian package dataset-fashion-mnist).',
   help = {
@@ -27,6 +29,14 @@ local opt = cli.parse(arg, {
     limit = 'train on the first N images only (0: all), for quick checks',
     eval_batch = 'images per evaluation step',
     channels_last = 'keep activations in NHWC memory (faster convolutions)',
+    clip_grad = 'clip the gradients\' total 2-norm to N before each step (nn.utils.clip_grad_norm_; 0: off)',
+    print_every = 'steps between progress lines (when not on a terminal)',
+    save = 'checkpoint directory (dlua.ckpt: DIR/step-N/, DIR/latest)',
+    save_every = 'save a checkpoint every N optimizer steps (0: only at the end, with --save)',
+    save_async = 'write checkpoints on a background thread while training goes on',
+    keep = 'keep the newest N checkpoints (0: all)',
+    resume = "'auto' (the newest complete checkpoint in --save, or a fresh start) or a checkpoint directory",
+    stop_after = 'stop after N optimizer steps, saving first (the schedule is the full run\'s)',
   },
 })
 
@@ -58,8 +68,11 @@ local sgd = optim.SGD(model, {
   lr = opt.lr, momentum = opt.momentum, nesterov = true, weight_decay = opt.weight_decay,
   groups = { { filter = function(_, p) return p:dim() <= 1 end, weight_decay = 0 } },
 })
-local sampler = distributed and data.DistributedSampler({ n = train:size(), shuffle = true, seed = opt.seed, drop_last = true })
-local steps_per_epoch = data.num_batches(distributed and sampler:len() or train, { batch = opt.batch, drop_last = true })
+-- One data order for any number of ranks (a DistributedSampler of 1 when alone), so a checkpoint's
+-- cursor can continue on another world size.
+local sampler = data.DistributedSampler({ n = train:size(), num_replicas = world, rank = rank, shuffle = true, seed = opt.seed,
+  drop_last = true })
+local steps_per_epoch = data.num_batches(sampler:len(), { batch = opt.batch, drop_last = true })
 local total = opt.epochs * steps_per_epoch
 local warm = math.min(math.floor(opt.warmup * steps_per_epoch), total - 1)
 local schedule = warm > 0
@@ -78,14 +91,14 @@ do
   tty = st == true or st == 0
 end
 
-local function progress(epoch, i, n, loss, ips, eta)
+local function progress_line(epoch, i, n, loss, ips, eta)
   local line = ('epoch %d  %5d/%d  loss %.4f  %6.0f img/s  ETA %ds'):format(epoch, i, n, loss, ips, eta)
   if tty then
     local width = 20
     local done = math.floor(width * i / n)
     io.stdout:write('\r[' .. string.rep('=', done) .. string.rep(' ', width - done) .. '] ' .. line)
     io.stdout:flush()
-  elseif i % 100 == 0 or i == n then
+  elseif i % opt.print_every == 0 or i == n then
     print(line)
   end
 end
@@ -121,18 +134,70 @@ local function evaluate()
   return correct / seen
 end
 
--- This rank's training samples of an epoch: all of them, or its DistributedSampler share.
+-- This rank's training samples of an epoch: its DistributedSampler share.
 local function epoch_set(epoch)
-  if not distributed then return train end
   local idx = sampler:indices(epoch)
   return data.TensorDataset(train.x:index_select(1, idx), train.y:index_select(1, idx))
 end
 
-local step = 0
+-- --clip-grad: the gradient norms before clipping, summarised per epoch.
+local clip = { n = 0, sum = 0, max = 0, clipped = 0 }
+function clip:add(norm)
+  self.n, self.sum, self.max = self.n + 1, self.sum + norm, math.max(self.max, norm)
+  if norm > opt.clip_grad then self.clipped = self.clipped + 1 end
+end
+function clip:report()
+  if self.n == 0 then return end
+  print(('clip-grad %g: gradient norm mean %.4g, max %.4g; clipped %d of %d steps'):format(opt.clip_grad,
+    self.sum / self.n, self.max, self.clipped, self.n))
+  self.n, self.sum, self.max, self.clipped = 0, 0, 0, 0
+end
+
+-- Checkpoints: everything the run continues from. The epoch's running sums are each rank's own.
+local progress = { step = 0, images = 0 }  -- optimizer steps; images trained on, all ranks
+local meter = { loss_sum = 0, images = 0 }
+function meter:state_dict()
+  return { loss_sum = self.loss_sum, images = self.images, clip = { n = clip.n, sum = clip.sum, max = clip.max, clipped = clip.clipped } }
+end
+function meter:load_state_dict(sd)
+  self.loss_sum, self.images = sd.loss_sum, sd.images
+  for k, v in pairs(sd.clip) do clip[k] = v end
+end
+local state = { model = model, optimizer = sgd, schedule = schedule, sampler = sampler, rng = dlua.default_generator(),
+  progress = progress, meter = ckpt.per_rank(meter), comm = distributed and ckpt.comm_state(model) or nil, options = opt }
+local function save_checkpoint()
+  if opt.save == '' then return end
+  ckpt.save(opt.save, state, { step = progress.step, keep = opt.keep > 0 and opt.keep or nil, async = opt.save_async })
+end
+local resumed_epoch
+if opt.resume ~= '' then
+  local saved_opts = {}
+  state.options = saved_opts
+  -- on another world size the schedule and the step count follow the images trained on; the epoch's sums restart
+  local info = ckpt.resume(opt.resume, opt.save, state, { skip_if_resharded = { 'schedule', 'meter', 'comm' } })
+  state.options = opt
+  if info then
+    for _, k in ipairs({ 'model', 'batch', 'lr', 'epochs', 'warmup', 'momentum', 'weight_decay', 'seed', 'limit', 'label_smoothing', 'clip_grad' }) do
+      if saved_opts[k] ~= opt[k] then
+        print(('warning: --%s is %s, the checkpoint was saved with %s'):format(k:gsub('_', '-'), tostring(opt[k]), tostring(saved_opts[k])))
+      end
+    end
+    if info.resharded then progress.step = math.floor(progress.images / (opt.batch * world)) end
+    resumed_epoch = sampler.epoch
+    print(('resumed from %s: step %d, epoch %d%s'):format(info.path, progress.step, sampler.epoch,
+      info.resharded and (' (saved by %d ranks, now %d)'):format(info.world_size, world) or ''))
+  end
+end
+
+local step = progress.step
+local stopped = false
 local t_start = dlua.perf_counter()
-for epoch = 1, opt.epochs do
-  local t0, loss_sum, images = dlua.perf_counter(), 0, 0
-  for i, x, y in data.batches(epoch_set(epoch), { batch = opt.batch, shuffle = not distributed,
+for epoch = resumed_epoch or 1, opt.epochs do
+  sampler:set_epoch(epoch)
+  if epoch ~= resumed_epoch then meter.loss_sum, meter.images = 0, 0 end
+  local t0 = dlua.perf_counter()
+  local fresh = 0  -- images this run trained on in this epoch (for img/s)
+  for i, x, y in data.batches(epoch_set(epoch), { batch = opt.batch, skip = sampler:skip(epoch),
     seed = opt.seed * 1000 + rank, epoch = epoch, drop_last = true, augment = { crop_pad = 2, flip = true }, mean = mean, std = std }) do
     sgd:set_lr(schedule(step))
     sgd:zero_grad()
@@ -140,23 +205,39 @@ for epoch = 1, opt.epochs do
     local out = model:forward(input)
     local loss = criterion:forward(out, y):item()
     model:backward(input, criterion:backward(out, y))
+    if opt.clip_grad > 0 then clip:add(nn.utils.clip_grad_norm_(model, opt.clip_grad)) end  -- after DDP's all-reduce
     sgd:step()
     step = step + 1
-    loss_sum, images = loss_sum + loss * y:numel(), images + y:numel()
+    meter.loss_sum, meter.images, fresh = meter.loss_sum + loss * y:numel(), meter.images + y:numel(), fresh + y:numel()
+    sampler:advance(y:numel())
+    progress.step, progress.images = step, progress.images + y:numel() * world
     local dt = dlua.perf_counter() - t0
     if rank == 0 then
-      progress(epoch, i, steps_per_epoch, loss_sum / images, images * world / dt, math.floor((total - step) * dt / i))
+      progress_line(epoch, i, steps_per_epoch, meter.loss_sum / meter.images, fresh * world / dt, math.floor((total - step) * dt / fresh * opt.batch))
+    end
+    if opt.save_every > 0 and step % opt.save_every == 0 then save_checkpoint() end
+    if opt.stop_after > 0 and step >= opt.stop_after then
+      stopped = true
+      break
     end
   end
+  if stopped then break end
   if tty then io.stdout:write('\n') end
   local dt = dlua.perf_counter() - t0
-  local ips, loss_avg = images / dt, loss_sum / images
+  local ips, loss_sum, images = fresh / dt, meter.loss_sum, meter.images
+  local loss_avg = loss_sum / images
   if distributed then  -- img/s summed over ranks, loss over every rank's images
     local t = dlua.tensor({ ips, loss_sum, images }, { dtype = 'float64' })
     dist.all_reduce(t, 'sum')
     ips, loss_avg = t[1], t[2] / t[3]
   end
   print(('epoch %d  train loss %.4f  test accuracy %.4f  img/s %.0f'):format(epoch, loss_avg, evaluate(), ips))
+  clip:report()
 end
-print(('done in %.0f s'):format(dlua.perf_counter() - t_start))
+-- The end, or --stop-after: the last state saved (unless the last step just was), then a checksum of the
+-- parameters and buffers, so runs can be compared bit for bit.
+if opt.save ~= '' and not (opt.save_every > 0 and step % opt.save_every == 0 and step > 0) then save_checkpoint() end
+ckpt.wait()
+if stopped then print(('stopped after step %d'):format(step)) else print(('done in %.0f s'):format(dlua.perf_counter() - t_start)) end
+print('parameters crc32 ' .. ckpt.crc32(net))
 if distributed then dist.destroy() end

@@ -7,12 +7,14 @@ local optim = require 'dlua.optim'
 local lr = require 'dlua.lr'
 local data = require 'dlua.data'
 local cli = require 'dlua.cli'
+local ckpt = require 'dlua.ckpt'
 local resnet = require 'models.resnet'
 
 local opt = cli.parse(arg, {
   data = '', epochs = 1, batch = 32, lr = 0.1, warmup = 5, accumulate = 1, image_size = 32, workers = 2,
   seed = 1, limit = 0, eval_limit = 0, model = 'resnet50', momentum = 0.9, weight_decay = 1e-4,
   bucket_mb = 25, threads = 0, channels_last = true, print_every = 10, sync_bn = false, device = 'auto',
+  clip_grad = 0, save = '', save_every = 0, save_async = false, keep = 0, resume = '', stop_after = 0,
 }, {
   description = 'Trains a ResNet (default ResNet-50) data-parallel with dlua.dist.DDP.',
   help = {
@@ -33,6 +35,13 @@ local opt = cli.parse(arg, {
     print_every = 'steps between progress lines',
     sync_bn = 'batch-norm statistics over all ranks (SyncBatchNorm) instead of per rank',
     device = "'auto' (this rank's GPU when each rank has one, else the CPU), 'cpu' or 'cuda'",
+    clip_grad = 'clip the all-reduced gradients\' total 2-norm to N before each step (0: off)',
+    save = 'checkpoint directory (dlua.ckpt: DIR/step-N/, DIR/latest)',
+    save_every = 'save a checkpoint every N optimizer steps (0: only at the end, with --save)',
+    save_async = 'write checkpoints on a background thread while training goes on',
+    keep = 'keep the newest N checkpoints (0: all)',
+    resume = "'auto' (the newest complete checkpoint in --save, or a fresh start) or a checkpoint directory",
+    stop_after = 'stop after N optimizer steps, saving first (the schedule is the full run\'s)',
   },
 })
 io.stdout:setvbuf('line')
@@ -54,7 +63,7 @@ dlua.manual_seed(opt.seed)
 -- Data: each rank reads its 1/world of every epoch through a DistributedSampler
 
 local size = opt.image_size
-local train_batches, eval_batches, train_len, num_classes, data_name
+local train_batches, eval_batches, train_len, num_classes, data_name, sampler
 
 local function to_layout(x)  -- (N, C, H, W) values in NCHW or channels-last memory
   if opt.channels_last then return x:contiguous('channels_last') end
@@ -84,13 +93,13 @@ if opt.data == '' then
       return i, rgb(x), y
     end
   end
-  local sampler = data.DistributedSampler({ n = train:size(), shuffle = true, seed = opt.seed, drop_last = true })
+  sampler = data.DistributedSampler({ n = train:size(), shuffle = true, seed = opt.seed, drop_last = true })
   train_len = sampler:len()
-  train_batches = function(epoch)
+  train_batches = function(epoch)  -- a resumed epoch skips what the checkpoint had consumed; batch numbers go on
     local idx = sampler:indices(epoch)
     local shard = data.TensorDataset(train.x:index_select(1, idx), train.y:index_select(1, idx))
     return with_rgb(data.batches(shard, { batch = opt.batch, drop_last = true, seed = opt.seed * 1000 + rank,
-      epoch = epoch, augment = { crop_pad = 2, flip = true }, mean = mean, std = std }))
+      epoch = epoch, augment = { crop_pad = 2, flip = true }, mean = mean, std = std, skip = sampler:skip(epoch) }))
   end
   -- evaluation: rank r takes samples r+1, r+1+world, ... (no padding, so nothing counts twice)
   local mine = {}
@@ -108,13 +117,19 @@ else
     data.Resize(math.floor(size * 256 / 224 + 0.5)), data.CenterCrop(size), data.ToTensor({ layout = layout }),
     data.Normalize(mean, std) }) })
   num_classes = #train.classes
-  local sampler = data.DistributedSampler({ dataset = train, shuffle = true, seed = opt.seed, drop_last = true })
+  sampler = data.DistributedSampler({ dataset = train, shuffle = true, seed = opt.seed, drop_last = true })
   local loader = data.DataLoader({ dataset = train, batch = opt.batch, sampler = sampler, workers = opt.workers,
     drop_last = true, seed = opt.seed, pin_memory = true, device = device })
   train_len = sampler:len()
-  train_batches = function(epoch)
+  train_batches = function(epoch)  -- the loader skips a resumed epoch's consumed samples; batch numbers go on
+    local first = math.floor(sampler:skip(epoch) / opt.batch)
     loader:set_epoch(epoch)
-    return loader:batches()
+    local it = loader:batches()
+    return function()
+      local i, x, y = it()
+      if i == nil then return nil end
+      return first + i, x, y
+    end
   end
   local vsampler = data.DistributedSampler({ dataset = val, shuffle = false })
   local vloader = data.DataLoader({ dataset = val, batch = opt.batch, sampler = vsampler, workers = opt.workers,
@@ -173,11 +188,53 @@ end
 ---------------------------------------------------------------------------------------------
 -- Training
 
-local step, acc = 0, 0
+-- Checkpoints: everything the run continues from. The epoch's running sums are each rank's own.
+local progress = { step = 0, images = 0 }  -- optimizer steps; images trained on, all ranks
+local loss_sum = dlua.zeros({}, { dtype = 'float64', device = device })  -- read back only when printing: no sync per step
+local meter = { seen = 0 }
+function meter:state_dict() return { loss_sum = loss_sum:item(), seen = self.seen } end
+function meter:load_state_dict(sd)
+  loss_sum:fill_(sd.loss_sum)
+  self.seen = sd.seen
+end
+local state = { model = model, optimizer = sgd, schedule = schedule, sampler = sampler, rng = dlua.default_generator(),
+  progress = progress, meter = ckpt.per_rank(meter), comm = ckpt.comm_state(model), options = opt }
+local function save_checkpoint()
+  if opt.save == '' then return end
+  ckpt.save(opt.save, state, { step = progress.step, keep = opt.keep > 0 and opt.keep or nil, async = opt.save_async })
+end
+local resumed_epoch
+if opt.resume ~= '' then
+  local saved_opts = {}
+  state.options = saved_opts
+  -- on another world size the schedule and the step count follow the images trained on; the epoch's sums restart
+  local info = ckpt.resume(opt.resume, opt.save, state, { skip_if_resharded = { 'schedule', 'meter', 'comm' } })
+  state.options = opt
+  if info then
+    for _, k in ipairs({ 'model', 'batch', 'accumulate', 'lr', 'epochs', 'warmup', 'momentum', 'weight_decay', 'seed', 'limit',
+      'image_size', 'sync_bn', 'clip_grad', 'data' }) do
+      if saved_opts[k] ~= opt[k] then
+        log('warning: --%s is %s, the checkpoint was saved with %s', k:gsub('_', '-'), tostring(opt[k]), tostring(saved_opts[k]))
+      end
+    end
+    if info.resharded then progress.step = math.floor(progress.images / global_batch) end
+    resumed_epoch = sampler.epoch
+    log('resumed from %s: step %d, epoch %d%s', info.path, progress.step, sampler.epoch,
+      info.resharded and (' (saved by %d ranks, now %d)'):format(info.world_size, world) or '')
+  end
+end
+
+local step, acc = progress.step, 0
+local stopped = false
+local grad_norm  -- --clip-grad: the last step's gradient norm before clipping
 local t_start = dlua.perf_counter()
-for epoch = 1, opt.epochs do
-  local t0, seen = dlua.perf_counter(), 0
-  local loss_sum = dlua.zeros({}, { dtype = 'float64', device = device })  -- read back only when printing: no sync per step
+for epoch = resumed_epoch or 1, opt.epochs do
+  sampler:set_epoch(epoch)
+  if epoch ~= resumed_epoch then
+    loss_sum:zero_()
+    meter.seen = 0
+  end
+  local t0, fresh = dlua.perf_counter(), 0  -- fresh: images this run trained on in this epoch (for img/s)
   sgd:zero_grad()
   for i, x, y in train_batches(epoch) do
     if i > steps_per_epoch * opt.accumulate then break end
@@ -186,26 +243,46 @@ for epoch = 1, opt.epochs do
     local loss = criterion:forward(out, y)
     model:backward(x, criterion:backward(out, y))
     loss_sum:add_(loss:double() * y:numel())
-    seen = seen + y:numel()
+    meter.seen, fresh = meter.seen + y:numel(), fresh + y:numel()
+    sampler:advance(y:numel())
+    progress.images = progress.images + y:numel() * world
     if i % opt.accumulate == 0 then
+      -- waits for DDP's buckets, so the norm is the averaged gradients' (one device sync per step)
+      if opt.clip_grad > 0 then grad_norm = nn.utils.clip_grad_norm_(model, opt.clip_grad) end
       sgd:set_lr(schedule(step))
       sgd:step()
       sgd:zero_grad()
       step = step + 1
+      progress.step = step
       local s = i / opt.accumulate
       if s % opt.print_every == 0 or s == steps_per_epoch then
         local dt = dlua.perf_counter() - t0
-        log('epoch %d  step %d/%d  loss %.4f  lr %.4g  %.1f img/s', epoch, s, steps_per_epoch, loss_sum:item() / seen,
-          schedule(step - 1), seen * world / dt)
+        log('epoch %d  step %d/%d  loss %.4f  lr %.4g  %.1f img/s%s', epoch, s, steps_per_epoch, loss_sum:item() / meter.seen,
+          schedule(step - 1), fresh * world / dt, grad_norm and ('  grad norm %.4g'):format(grad_norm) or '')
+      end
+      if opt.save_every > 0 and step % opt.save_every == 0 then save_checkpoint() end
+      if opt.stop_after > 0 and step >= opt.stop_after then
+        stopped = true
+        break
       end
     end
   end
+  if stopped then break end
   local dt = dlua.perf_counter() - t0
-  local ips = dlua.tensor({ seen / dt, loss_sum:item(), seen }, { dtype = 'float64' })
+  local ips = dlua.tensor({ fresh / dt, loss_sum:item(), meter.seen }, { dtype = 'float64' })
   dist.all_reduce(ips, 'sum')  -- img/s summed over ranks, loss averaged over every image
   local n_eval
   acc, n_eval = evaluate()
   log('epoch %d  train loss %.4f  test accuracy %.4f (%d images)  img/s %.1f', epoch, ips[2] / ips[3], acc, n_eval, ips[1])
 end
-log('done in %.0f s: test accuracy %.4f', dlua.perf_counter() - t_start, acc)
+-- The end, or --stop-after: the last state saved (unless the last step just was), then a checksum of the
+-- parameters and buffers, so runs can be compared bit for bit.
+if opt.save ~= '' and not (opt.save_every > 0 and step % opt.save_every == 0 and step > 0) then save_checkpoint() end
+ckpt.wait()
+if stopped then
+  log('stopped after step %d', step)
+else
+  log('done in %.0f s: test accuracy %.4f', dlua.perf_counter() - t_start, acc)
+end
+log('parameters crc32 %s', ckpt.crc32(net))
 dist.destroy()

@@ -5,6 +5,7 @@
 # runs (e.g. -R name).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+bash scripts/deps.sh test  # PyTorch for the tests that compare against it (they say why when it is missing)
 bash scripts/build.sh
 rc=0
 ctest --test-dir build --output-on-failure --timeout 1200 "$@" || rc=1

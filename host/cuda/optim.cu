@@ -1,5 +1,6 @@
-/* Fused optimizer steps (SGD, AdamW, LARS with deterministic per-parameter norms) and AMP unscaling on CUDA:
-   grid-stride kernels over flat arena ranges, whose per-element code is the CPU's (host/cpu/optim_ops.h). */
+/* Fused optimizer steps (SGD, Adam/AdamW, LARS and LAMB with deterministic per-parameter norms), AMP unscaling and
+   clip_grad_norm_'s partial norms on CUDA: kernels over flat arena ranges whose per-element code is the CPU's
+   (host/cpu/optim_ops.h). */
 #include "cuda/ew_common.cuh"
 #include "cpu/optim_ops.h"
 #include "cuda/device_guard.cuh"
@@ -14,10 +15,19 @@ template <> struct Step<float> {
                                              float lr, int nes, int mx, int first) {
     dlua_opt_sgd_f(p, g, b, gs, wd, mom, d1, lr, nes, mx, first);
   }
-  static __device__ __forceinline__ void adamw(float *p, float g, float *m, float *v, float *vm, float gs, float dec,
-                                               float b1, float o1, float b2, float o2, float ns, float bc2s, float eps,
-                                               int mx, int ams) {
-    dlua_opt_adamw_f(p, g, m, v, vm, gs, dec, b1, o1, b2, o2, ns, bc2s, eps, mx, ams);
+  static __device__ __forceinline__ void adam(float *p, float g, float *m, float *v, float *vm, float gs, float dec,
+                                              float l2, float b1, float o1, float b2, float o2, float ns, float bc2s,
+                                              float eps, int mx, int ams) {
+    dlua_opt_adam_f(p, g, m, v, vm, gs, dec, l2, b1, o1, b2, o2, ns, bc2s, eps, mx, ams);
+  }
+  static __device__ __forceinline__ float lamb_moments(float p, float g, float *m, float *v, float gs, float b1,
+                                                       float o1, float b2, float o2, float bc1, float bc2, float eps,
+                                                       float wd) {
+    return dlua_opt_lamb_moments_f(p, g, m, v, gs, b1, o1, b2, o2, bc1, bc2, eps, wd);
+  }
+  static __device__ __forceinline__ void lamb_apply(float *p, float m, float v, float neg, float bc1, float bc2,
+                                                    float eps, float wd) {
+    dlua_opt_lamb_apply_f(p, m, v, neg, bc1, bc2, eps, wd);
   }
   static __device__ __forceinline__ void lars(float *p, float g, float *b, float gs, float wd, float tr, float mom,
                                               float lr, int first) {
@@ -29,10 +39,19 @@ template <> struct Step<double> {
                                              double d1, double lr, int nes, int mx, int first) {
     dlua_opt_sgd_d(p, g, b, gs, wd, mom, d1, lr, nes, mx, first);
   }
-  static __device__ __forceinline__ void adamw(double *p, double g, double *m, double *v, double *vm, double gs,
-                                               double dec, double b1, double o1, double b2, double o2, double ns,
-                                               double bc2s, double eps, int mx, int ams) {
-    dlua_opt_adamw_d(p, g, m, v, vm, gs, dec, b1, o1, b2, o2, ns, bc2s, eps, mx, ams);
+  static __device__ __forceinline__ void adam(double *p, double g, double *m, double *v, double *vm, double gs,
+                                              double dec, double l2, double b1, double o1, double b2, double o2,
+                                              double ns, double bc2s, double eps, int mx, int ams) {
+    dlua_opt_adam_d(p, g, m, v, vm, gs, dec, l2, b1, o1, b2, o2, ns, bc2s, eps, mx, ams);
+  }
+  static __device__ __forceinline__ double lamb_moments(double p, double g, double *m, double *v, double gs, double b1,
+                                                        double o1, double b2, double o2, double bc1, double bc2,
+                                                        double eps, double wd) {
+    return dlua_opt_lamb_moments_d(p, g, m, v, gs, b1, o1, b2, o2, bc1, bc2, eps, wd);
+  }
+  static __device__ __forceinline__ void lamb_apply(double *p, double m, double v, double neg, double bc1, double bc2,
+                                                    double eps, double wd) {
+    dlua_opt_lamb_apply_d(p, m, v, neg, bc1, bc2, eps, wd);
   }
   static __device__ __forceinline__ void lars(double *p, double g, double *b, double gs, double wd, double tr,
                                               double mom, double lr, int first) {
@@ -50,7 +69,7 @@ template <typename T> struct SgdK {
 template <typename T> struct AdamK {
   T *p, *m, *v, *vmax;
   const T *g;
-  T gs, decay, b1, omb1, b2, omb2, neg_step, bc2_sqrt, eps;
+  T gs, decay, l2, b1, omb1, b2, omb2, neg_step, bc2_sqrt, eps;
   int maximize, amsgrad;
 };
 
@@ -61,11 +80,11 @@ template <typename T> __global__ void k_sgd(SgdK<T> k, int64_t n) {
                  k.maximize, k.first);
 }
 
-template <typename T> __global__ void k_adamw(AdamK<T> k, int64_t n) {
+template <typename T> __global__ void k_adam(AdamK<T> k, int64_t n) {
   const int64_t stride = (int64_t)gridDim.x * blockDim.x;
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
-    Step<T>::adamw(k.p + i, k.g[i], k.m + i, k.v + i, k.vmax ? k.vmax + i : nullptr, k.gs, k.decay, k.b1, k.omb1,
-                   k.b2, k.omb2, k.neg_step, k.bc2_sqrt, k.eps, k.maximize, k.amsgrad);
+    Step<T>::adam(k.p + i, k.g[i], k.m + i, k.v + i, k.vmax ? k.vmax + i : nullptr, k.gs, k.decay, k.l2, k.b1,
+                  k.omb1, k.b2, k.omb2, k.neg_step, k.bc2_sqrt, k.eps, k.maximize, k.amsgrad);
 }
 
 template <typename T> dlua_status_t step(const char *op, int kind, const dlua_opt_args_t *a, int64_t n, cudaStream_t s) {
@@ -91,7 +110,8 @@ template <typename T> dlua_status_t step(const char *op, int kind, const dlua_op
     k.vmax = (T *)a->s3;
     k.g = (const T *)a->g;
     k.gs = (T)a->grad_scale;
-    k.decay = (T)(1.0 - a->lr * a->weight_decay);
+    k.decay = (T)(a->decoupled ? 1.0 - a->lr * a->weight_decay : 1.0);  // AdamW; Adam: L2 below
+    k.l2 = (T)(a->decoupled ? 0.0 : a->weight_decay);
     k.b1 = (T)a->beta1;
     k.omb1 = (T)(1.0 - a->beta1);
     k.b2 = (T)a->beta2;
@@ -101,12 +121,13 @@ template <typename T> dlua_status_t step(const char *op, int kind, const dlua_op
     k.eps = (T)a->eps;
     k.maximize = a->maximize;
     k.amsgrad = a->amsgrad;
-    k_adamw<T><<<grid_for(n), kThreads, 0, s>>>(k, n);
+    k_adam<T><<<grid_for(n), kThreads, 0, s>>>(k, n);
   }
   return launched(op);
 }
 
-/* x *= s; counts non-finite inputs: a block sum in shared memory, one atomic add of an integer per block. */
+/* x *= s; counts non-finite inputs (bad: NULL for none): a block sum in shared memory, one atomic add of an
+   integer per block. */
 template <int DT> __global__ void k_unscale(void *x_, int64_t n, typename Tr<DT>::C s, unsigned long long *bad) {
   typedef typename Tr<DT>::S S;
   S *x = (S *)x_;
@@ -124,7 +145,7 @@ template <int DT> __global__ void k_unscale(void *x_, int64_t n, typename Tr<DT>
     if ((int)threadIdx.x < w) cnt[threadIdx.x] += cnt[threadIdx.x + w];
     __syncthreads();
   }
-  if (threadIdx.x == 0 && cnt[0]) atomicAdd(bad, (unsigned long long)cnt[0]);
+  if (threadIdx.x == 0 && cnt[0] && bad) atomicAdd(bad, (unsigned long long)cnt[0]);
 }
 
 template <int DT> void unscale(void *x, int64_t n, double inv, unsigned long long *bad, cudaStream_t s) {
@@ -272,6 +293,139 @@ dlua_status_t lars(const char *op, const LarsTable &t, const dlua_opt_args_t *a,
   return launched(op);
 }
 
+/* ---- LAMB on the LARS chunk table: host/cpu/optim.c's two passes, the ratios folded in order ----------------- */
+
+template <typename T> struct LambK {
+  T *p, *m, *v;
+  const T *g;
+  T gs, b1, omb1, b2, omb2, bc1, bc2, eps, wd;
+  double lr;
+};
+
+template <typename T> __global__ void k_lamb_norms(LarsTable t, LambK<T> k, int64_t nchunks, int n_ranges) {
+  __shared__ double sp[kThreads], su[kThreads];
+  const int tid = threadIdx.x;
+  for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {  // block-uniform
+    int r;
+    int64_t lo, hi;
+    lars_chunk(t, n_ranges, c, &r, &lo, &hi);
+    const T wd = t.excl[r] ? (T)0 : k.wd;  // excluded: no decay (and trust 1)
+    double a = 0, b = 0;
+    for (int64_t i = lo + tid; i < hi; i += kThreads) {
+      const double x = k.p[i];
+      const double u = Step<T>::lamb_moments(k.p[i], k.g[i], k.m + i, k.v + i, k.gs, k.b1, k.omb1, k.b2, k.omb2,
+                                             k.bc1, k.bc2, k.eps, wd);
+      a += x * x;
+      b += u * u;
+    }
+    sp[tid] = a;
+    su[tid] = b;
+    __syncthreads();
+    for (int w = kThreads / 2; w > 0; w /= 2) {
+      if (tid < w) {
+        sp[tid] += sp[tid + w];
+        su[tid] += su[tid + w];
+      }
+      __syncthreads();
+    }
+    if (tid == 0) {
+      t.part[2 * c] = sp[0];
+      t.part[2 * c + 1] = su[0];
+    }
+    __syncthreads();
+  }
+}
+
+/* host/cpu/optim.c's ratio: |p| / |u|, 1 when excluded or either norm is 0 (or NaN). */
+__global__ void k_lamb_trust(LarsTable t, int n_ranges) {
+  const int r = blockIdx.x * blockDim.x + threadIdx.x;
+  if (r >= n_ranges) return;
+  double sp = 0, su = 0;
+  for (int64_t c = t.pstart[r]; c < t.pstart[r + 1]; c++) sp += t.part[2 * c], su += t.part[2 * c + 1];
+  const double pn = sqrt(sp), un = sqrt(su);
+  t.trust[r] = t.excl[r] || !(pn > 0 && un > 0) ? 1.0 : pn / un;
+}
+
+template <typename T> __global__ void k_lamb_update(LarsTable t, LambK<T> k, int64_t nchunks, int n_ranges) {
+  for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
+    int r;
+    int64_t lo, hi;
+    lars_chunk(t, n_ranges, c, &r, &lo, &hi);
+    const T neg = (T)(-__dmul_rn(k.lr, t.trust[r])), wd = t.excl[r] ? (T)0 : k.wd;
+    for (int64_t i = lo + threadIdx.x; i < hi; i += kThreads)
+      Step<T>::lamb_apply(k.p + i, k.m[i], k.v[i], neg, k.bc1, k.bc2, k.eps, wd);
+  }
+}
+
+template <typename T>
+dlua_status_t lamb(const char *op, const LarsTable &t, const dlua_opt_args_t *a, int64_t nchunks, int n_ranges,
+                   cudaStream_t s) {
+  LambK<T> k;
+  k.p = (T *)a->p;
+  k.m = (T *)a->s1;
+  k.v = (T *)a->s2;
+  k.g = (const T *)a->g;
+  k.gs = (T)a->grad_scale;
+  k.b1 = (T)a->beta1;
+  k.omb1 = (T)(1.0 - a->beta1);
+  k.b2 = (T)a->beta2;
+  k.omb2 = (T)(1.0 - a->beta2);
+  k.bc1 = (T)a->bc1;
+  k.bc2 = (T)a->bc2;
+  k.eps = (T)a->eps;
+  k.wd = (T)a->weight_decay;
+  k.lr = a->lr;
+  const unsigned grid = grid_for(nchunks * kThreads);
+  k_lamb_norms<T><<<grid, kThreads, 0, s>>>(t, k, nchunks, n_ranges);
+  DLUA_TRY(launched(op));
+  k_lamb_trust<<<(unsigned)((n_ranges + kThreads - 1) / kThreads), kThreads, 0, s>>>(t, n_ranges);
+  DLUA_TRY(launched(op));
+  k_lamb_update<T><<<grid, kThreads, 0, s>>>(t, k, nchunks, n_ranges);
+  return launched(op);
+}
+
+/* ---- clip_grad_norm_'s partial norm: chunk c's sum of |x|^p (or max |x|) in a fixed tree, then one thread folds
+   the chunks in order (host/cpu/optim.c's blocks of the same size; the sums differ from the CPU's in the last
+   bits only through the order inside a chunk). */
+
+template <int DT, bool MAX>
+__global__ void k_norm_chunks(const void *x_, int64_t n, double p, double *part, int64_t nchunks) {
+  typedef typename Tr<DT>::S S;
+  const S *x = (const S *)x_;
+  __shared__ double acc[kThreads];
+  const int tid = threadIdx.x;
+  for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
+    const int64_t lo = c * kLarsChunk, hi = lo + kLarsChunk < n ? lo + kLarsChunk : n;
+    double a = 0;
+    for (int64_t i = lo + tid; i < hi; i += kThreads) {
+      const double v = (double)Tr<DT>::ld(x[i]);
+      a = MAX ? dlua_opt_norm_max(a, v) : a + dlua_opt_norm_term(v, p);
+    }
+    acc[tid] = a;
+    __syncthreads();
+    for (int w = kThreads / 2; w > 0; w /= 2) {
+      if (tid < w) acc[tid] = MAX ? dlua_opt_norm_max(acc[tid], acc[tid + w]) : acc[tid] + acc[tid + w];
+      __syncthreads();
+    }
+    if (tid == 0) part[c] = acc[0];
+    __syncthreads();
+  }
+}
+
+template <bool MAX> __global__ void k_norm_fold(const double *part, int64_t nchunks, double *out) {
+  double a = 0;
+  for (int64_t c = 0; c < nchunks; c++) a = MAX ? dlua_opt_norm_max(a, part[c]) : a + part[c];
+  *out = a;
+}
+
+template <int DT> void norm_chunks(const void *x, int64_t n, double p, double *part, int64_t nchunks, cudaStream_t s) {
+  const unsigned grid = grid_for(nchunks * kThreads);
+  if (isinf(p))
+    k_norm_chunks<DT, true><<<grid, kThreads, 0, s>>>(x, n, p, part, nchunks);
+  else
+    k_norm_chunks<DT, false><<<grid, kThreads, 0, s>>>(x, n, p, part, nchunks);
+}
+
 }  // namespace
 }  // namespace dlua_cu
 
@@ -319,30 +473,27 @@ extern "C" dlua_status_t dlua_cuda_unscale(const char *op, int dtype, void *x, i
   return st;
 }
 
-extern "C" dlua_status_t dlua_cuda_lars_step(const char *op, int dtype, const void *args, int n_ranges,
-                                            const int64_t *offsets, const int64_t *lengths, const int32_t *exclude,
-                                            double trust_coefficient, double eps, int device) {
+/* The per-parameter chunk table of LARS and LAMB in one scratch block from the caching allocator (stream-ordered
+   reuse: doubles first, then int64, then int32). *mem is NULL when there is nothing to step (no chunks). */
+static dlua_status_t lars_table(const char *op, int n_ranges, const int64_t *offsets, const int64_t *lengths,
+                                const int32_t *exclude, int device, cudaStream_t s, dlua_cu::LarsTable *t,
+                                int64_t *nchunks_out, void **mem_out) {
   using namespace dlua_cu;
-  if (n_ranges <= 0) return DLUA_OK;
-  if (dtype != DLUA_DTYPE_F32 && dtype != DLUA_DTYPE_F64)
-    return DLUA_ERR(DLUA_ERR_ARG, "%s: param must be float32 or float64 (dtype %d)", op, dtype);
+  *mem_out = NULL;
   int64_t nchunks = 0;
   for (int r = 0; r < n_ranges; r++) nchunks += (lengths[r] + kLarsChunk - 1) / kLarsChunk;
+  *nchunks_out = nchunks;
   if (nchunks == 0) return DLUA_OK;
-  DLUA_CU_SELECT(guard, op, device);
-  cudaStream_t s = (cudaStream_t)dlua_cuda_raw_stream(device);
-  // One scratch block from the caching allocator (stream-ordered reuse): doubles first, then int64, then int32.
   const size_t n = (size_t)n_ranges;
   const size_t bytes = (2 * (size_t)nchunks + n) * sizeof(double) + (3 * n + 1) * sizeof(int64_t) + n * sizeof(int32_t);
   void *mem = NULL;
   DLUA_TRY(dlua_cuda_malloc(&mem, device, bytes, NULL));
-  LarsTable t;
-  t.part = (double *)mem;
-  t.trust = t.part + 2 * nchunks;
-  t.off = (int64_t *)(t.trust + n);
-  t.len = t.off + n;
-  t.pstart = t.len + n;
-  t.excl = (int32_t *)(t.pstart + n + 1);
+  t->part = (double *)mem;
+  t->trust = t->part + 2 * nchunks;
+  t->off = (int64_t *)(t->trust + n);
+  t->len = t->off + n;
+  t->pstart = t->len + n;
+  t->excl = (int32_t *)(t->pstart + n + 1);
   dlua_status_t st = DLUA_OK;
   int64_t start = 0;
   for (int first = 0; first < n_ranges && st == DLUA_OK; first += kLarsBatch) {
@@ -358,14 +509,107 @@ extern "C" dlua_status_t dlua_cuda_lars_step(const char *op, int dtype, const vo
       b.excl[k] = exclude && exclude[r] ? 1 : 0;
       start += (lengths[r] + kLarsChunk - 1) / kLarsChunk;
     }
-    k_lars_table<<<1, kLarsBatch, 0, s>>>(t, b, nchunks, n_ranges);
+    k_lars_table<<<1, kLarsBatch, 0, s>>>(*t, b, nchunks, n_ranges);
     st = launched(op);
   }
-  if (st == DLUA_OK)
-    st = dtype == DLUA_DTYPE_F64 ? lars<double>(op, t, (const dlua_opt_args_t *)args, nchunks, n_ranges,
-                                                trust_coefficient, eps, s)
-                                 : lars<float>(op, t, (const dlua_opt_args_t *)args, nchunks, n_ranges,
-                                               trust_coefficient, eps, s);
+  if (st != DLUA_OK) {
+    dlua_cuda_free(device, mem);
+    return st;
+  }
+  *mem_out = mem;
+  return DLUA_OK;
+}
+
+extern "C" dlua_status_t dlua_cuda_lars_step(const char *op, int dtype, const void *args, int n_ranges,
+                                            const int64_t *offsets, const int64_t *lengths, const int32_t *exclude,
+                                            double trust_coefficient, double eps, int device) {
+  using namespace dlua_cu;
+  if (n_ranges <= 0) return DLUA_OK;
+  if (dtype != DLUA_DTYPE_F32 && dtype != DLUA_DTYPE_F64)
+    return DLUA_ERR(DLUA_ERR_ARG, "%s: param must be float32 or float64 (dtype %d)", op, dtype);
+  DLUA_CU_SELECT(guard, op, device);
+  cudaStream_t s = (cudaStream_t)dlua_cuda_raw_stream(device);
+  LarsTable t;
+  int64_t nchunks;
+  void *mem;
+  DLUA_TRY(lars_table(op, n_ranges, offsets, lengths, exclude, device, s, &t, &nchunks, &mem));
+  if (!mem) return DLUA_OK;
+  const dlua_opt_args_t *a = (const dlua_opt_args_t *)args;
+  dlua_status_t st = dtype == DLUA_DTYPE_F64 ? lars<double>(op, t, a, nchunks, n_ranges, trust_coefficient, eps, s)
+                                             : lars<float>(op, t, a, nchunks, n_ranges, trust_coefficient, eps, s);
   if (dlua_cuda_free(device, mem) != DLUA_OK && st == DLUA_OK) st = DLUA_ERR_BACKEND;
+  return st;
+}
+
+extern "C" dlua_status_t dlua_cuda_lamb_step(const char *op, int dtype, const void *args, int n_ranges,
+                                            const int64_t *offsets, const int64_t *lengths, const int32_t *exclude,
+                                            int device) {
+  using namespace dlua_cu;
+  if (n_ranges <= 0) return DLUA_OK;
+  if (dtype != DLUA_DTYPE_F32 && dtype != DLUA_DTYPE_F64)
+    return DLUA_ERR(DLUA_ERR_ARG, "%s: param must be float32 or float64 (dtype %d)", op, dtype);
+  DLUA_CU_SELECT(guard, op, device);
+  cudaStream_t s = (cudaStream_t)dlua_cuda_raw_stream(device);
+  LarsTable t;
+  int64_t nchunks;
+  void *mem;
+  DLUA_TRY(lars_table(op, n_ranges, offsets, lengths, exclude, device, s, &t, &nchunks, &mem));
+  if (!mem) return DLUA_OK;
+  const dlua_opt_args_t *a = (const dlua_opt_args_t *)args;
+  dlua_status_t st = dtype == DLUA_DTYPE_F64 ? lamb<double>(op, t, a, nchunks, n_ranges, s)
+                                             : lamb<float>(op, t, a, nchunks, n_ranges, s);
+  if (dlua_cuda_free(device, mem) != DLUA_OK && st == DLUA_OK) st = DLUA_ERR_BACKEND;
+  return st;
+}
+
+extern "C" dlua_status_t dlua_cuda_grad_scale(const char *op, int dtype, void *x, int64_t n, double scale, int device) {
+  using namespace dlua_cu;
+  if (n <= 0) return DLUA_OK;
+  DLUA_CU_SELECT(guard, op, device);
+  cudaStream_t s = (cudaStream_t)dlua_cuda_raw_stream(device);
+  switch (dtype) {
+    case DLUA_DTYPE_F32: unscale<DLUA_DTYPE_F32>(x, n, scale, nullptr, s); break;
+    case DLUA_DTYPE_F64: unscale<DLUA_DTYPE_F64>(x, n, scale, nullptr, s); break;
+    case DLUA_DTYPE_F16: unscale<DLUA_DTYPE_F16>(x, n, scale, nullptr, s); break;
+    default: unscale<DLUA_DTYPE_BF16>(x, n, scale, nullptr, s); break;
+  }
+  return launched(op);
+}
+
+extern "C" dlua_status_t dlua_cuda_grad_norm_partial(const char *op, int dtype, const void *x, int64_t n, double p,
+                                                    double *out, int device) {
+  using namespace dlua_cu;
+  *out = 0;
+  if (n <= 0) return DLUA_OK;
+  DLUA_CU_SELECT(guard, op, device);
+  cudaStream_t s = (cudaStream_t)dlua_cuda_raw_stream(device);
+  const int64_t nchunks = (n + kLarsChunk - 1) / kLarsChunk;
+  void *mem = NULL;
+  DLUA_TRY(dlua_cuda_malloc(&mem, device, (size_t)(nchunks + 1) * sizeof(double), NULL));
+  double *part = (double *)mem, host = 0;
+  switch (dtype) {
+    case DLUA_DTYPE_F32: norm_chunks<DLUA_DTYPE_F32>(x, n, p, part, nchunks, s); break;
+    case DLUA_DTYPE_F64: norm_chunks<DLUA_DTYPE_F64>(x, n, p, part, nchunks, s); break;
+    case DLUA_DTYPE_F16: norm_chunks<DLUA_DTYPE_F16>(x, n, p, part, nchunks, s); break;
+    default: norm_chunks<DLUA_DTYPE_BF16>(x, n, p, part, nchunks, s); break;
+  }
+  dlua_status_t st = launched(op);
+  if (st == DLUA_OK) {
+    if (isinf(p))
+      k_norm_fold<true><<<1, 1, 0, s>>>(part, nchunks, part + nchunks);
+    else
+      k_norm_fold<false><<<1, 1, 0, s>>>(part, nchunks, part + nchunks);
+    st = launched(op);
+  }
+  if (st == DLUA_OK) {
+    cudaError_t e = cudaMemcpyAsync(&host, part + nchunks, sizeof host, cudaMemcpyDeviceToHost, s);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(s);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      st = DLUA_ERR(DLUA_ERR_BACKEND, "%s: %s (CUDA error %d)", op, cudaGetErrorString(e), (int)e);
+    }
+  }
+  if (dlua_cuda_free(device, mem) != DLUA_OK && st == DLUA_OK) st = DLUA_ERR_BACKEND;
+  if (st == DLUA_OK) *out = host;
   return st;
 }

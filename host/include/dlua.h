@@ -406,6 +406,11 @@ dlua_status_t dlua_optim_sgd_step(dlua_tensor_t *param, const dlua_tensor_t *gra
    step counts this step (1 on the first). */
 dlua_status_t dlua_optim_adamw_step(dlua_tensor_t *param, const dlua_tensor_t *grad, dlua_tensor_t *exp_avg, dlua_tensor_t *exp_avg_sq, dlua_tensor_t *max_exp_avg_sq, int64_t offset, int64_t length, double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step, int amsgrad, int maximize, double grad_scale);
 
+/* torch.optim.Adam: g = grad (negated when maximize) + weight_decay * p (L2 coupled into the
+   gradient, so the moments see the decay), then AdamW's moments and update without its decoupled
+   decay. Arguments as dlua_optim_adamw_step. */
+dlua_status_t dlua_optim_adam_step(dlua_tensor_t *param, const dlua_tensor_t *grad, dlua_tensor_t *exp_avg, dlua_tensor_t *exp_avg_sq, dlua_tensor_t *max_exp_avg_sq, int64_t offset, int64_t length, double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step, int amsgrad, int maximize, double grad_scale);
+
 /* LARS as NVIDIA's LARC wraps SGD: for each of the n_ranges parameters [offsets[i],
    offsets[i] + lengths[i]) (disjoint), trust = trust_coefficient * |p| / (|g| + weight_decay *
    |p| + eps), d = (g + weight_decay * p) * trust; a parameter with exclude[i] != 0 (bias,
@@ -413,9 +418,27 @@ dlua_status_t dlua_optim_adamw_step(dlua_tensor_t *param, const dlua_tensor_t *g
    buf = first_step ? d : momentum * buf + d; p -= lr * buf. exclude may be NULL. */
 dlua_status_t dlua_optim_lars_step(dlua_tensor_t *param, const dlua_tensor_t *grad, dlua_tensor_t *momentum_buf, int n_ranges, const int64_t *offsets, const int64_t *lengths, const int32_t *exclude, double lr, double momentum, double weight_decay, double trust_coefficient, double eps, int first_step, double grad_scale);
 
+/* LAMB (You et al. 2019, "Large Batch Optimization for Deep Learning", Algorithm 2) with a trust
+   ratio per parameter range, ranges as dlua_optim_lars_step's: m = beta1 m + (1 - beta1) g;
+   v = beta2 v + (1 - beta2) g^2; u = (m / bc1) / (sqrt(v / bc2) + eps) + weight_decay * p, where
+   bc1 = 1 - beta1^step and bc2 = 1 - beta2^step with bias_correction, else 1; trust = |p| / |u|
+   (2-norms over the parameter, 1 when either is 0); p -= lr * trust * u. A parameter with
+   exclude[i] != 0 takes no decay and trust 1 (a plain Adam step). No clamp on the ratio. */
+dlua_status_t dlua_optim_lamb_step(dlua_tensor_t *param, const dlua_tensor_t *grad, dlua_tensor_t *exp_avg, dlua_tensor_t *exp_avg_sq, int n_ranges, const int64_t *offsets, const int64_t *lengths, const int32_t *exclude, double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step, int bias_correction, double grad_scale);
+
 /* Mixed precision: grad[offset, offset + length) *= inv_scale in one pass (f32, f64, f16, bf16);
    *nonfinite receives how many of those gradients were Inf or NaN. */
 dlua_status_t dlua_optim_unscale(dlua_tensor_t *grad, int64_t offset, int64_t length, double inv_scale, int64_t *nonfinite);
+
+/* Gradient clipping (clip_grad_norm_), in two pieces so that ranks holding shards of the arena can
+   combine theirs: *out = the sum of |g|^norm_type over grad[offset, offset + length) for a finite
+   norm_type > 0, or max |g| for norm_type = inf (NaN wins), accumulated in double over fixed
+   blocks folded in order (the same bits for any thread count). Sum (or max) the pieces of every
+   range and rank, then total = sum^(1 / norm_type). f32, f64, f16, bf16. */
+dlua_status_t dlua_optim_grad_norm_partial(const dlua_tensor_t *grad, int64_t offset, int64_t length, double norm_type, double *out);
+
+/* grad[offset, offset + length) *= scale in one pass (f32, f64, f16, bf16): the clip coefficient. */
+dlua_status_t dlua_optim_grad_scale(dlua_tensor_t *grad, int64_t offset, int64_t length, double scale);
 
 /* ==== data: IDX files, batch augmentation ==================================================== */
 
@@ -761,3 +784,107 @@ dlua_status_t dlua_cuda_memcpy(void *dst, const void *src, size_t bytes, int kin
    default, as PyTorch's torch.backends.cuda.matmul.allow_tf32 since 1.12. */
 void dlua_cuda_set_allow_tf32(int allow);
 int dlua_cuda_get_allow_tf32(void);
+
+/* ==== checkpoints ============================================================================ */
+
+/* safetensors files (docs/ckpt.md): 8 bytes little-endian header length N, N bytes of JSON
+   {name: {"dtype": "F32", "shape": [...], "data_offsets": [begin, end]}, "__metadata__": {string:
+   string}}, then every tensor's bytes, contiguous row-major little-endian, back to back (the
+   format forbids gaps). dlua orders tensors by decreasing element size, then name, so each is
+   aligned to its element size; the header is padded with spaces so the data starts at a multiple
+   of 64 bytes; metadata "dlua.crc32" holds a JSON object name -> 8 hex digits, the zlib CRC32 of
+   each tensor's bytes, checked on load. Errors name the file and the tensor. Without cJSON at
+   build time every function here fails with "checkpoints are off ..." (dlua_ckpt_available 0). */
+int dlua_ckpt_available(void);
+
+/* Writing: the file is written under a temporary name beside `path`; commit fills in the
+   checksums, fsyncs, renames it to path and fsyncs the directory, so path is either the old
+   file or the complete new one, whatever happens. names/dtypes/ndims (n entries) and sizes (the
+   entries' shapes back to back) are declared at open; put writes tensor i (any order, any layout
+   or device: its logical row-major bytes); metadata keys/values are strings. */
+typedef struct dlua_st_writer dlua_st_writer_t;
+dlua_status_t dlua_st_writer_open(dlua_st_writer_t **out, const char *path, int64_t n, const char *const *names, const int *dtypes, const int *ndims, const int64_t *sizes, int64_t nmeta, const char *const *keys, const char *const *values);
+dlua_status_t dlua_st_writer_put(dlua_st_writer_t *w, int64_t i, const dlua_tensor_t *t);
+/* Writes tensor i from host bytes (exactly its size), as put does from a tensor. */
+dlua_status_t dlua_st_writer_put_bytes(dlua_st_writer_t *w, int64_t i, const void *data, size_t bytes);
+dlua_status_t dlua_st_writer_commit(dlua_st_writer_t *w);
+/* Frees the writer; without a commit the temporary file is removed and path is untouched. */
+void dlua_st_writer_free(dlua_st_writer_t *w);
+/* The whole of open, put every tensor, commit. */
+dlua_status_t dlua_st_save(const char *path, int64_t n, const char *const *names, dlua_tensor_t *const *tensors, int64_t nmeta, const char *const *keys, const char *const *values);
+
+/* Reading: open maps the file and checks the whole header (JSON, dtypes, shapes, offsets within
+   the file and covering it, checksums present); the tensors are copied out of the mapping, never
+   views of it, so close may unmap at once. Entries are numbered 0..count-1 in file order. */
+typedef struct dlua_st_file dlua_st_file_t;
+dlua_status_t dlua_st_open(dlua_st_file_t **out, const char *path);
+void dlua_st_close(dlua_st_file_t *f);
+const char *dlua_st_path(const dlua_st_file_t *f);
+int64_t dlua_st_count(const dlua_st_file_t *f);
+int64_t dlua_st_find(const dlua_st_file_t *f, const char *name); /* -1 when absent */
+const char *dlua_st_name(const dlua_st_file_t *f, int64_t i);
+int dlua_st_dtype(const dlua_st_file_t *f, int64_t i);
+int dlua_st_ndim(const dlua_st_file_t *f, int64_t i);
+const int64_t *dlua_st_sizes(const dlua_st_file_t *f, int64_t i);
+int dlua_st_has_crc(const dlua_st_file_t *f, int64_t i); /* files from other writers have none */
+int64_t dlua_st_file_bytes(const dlua_st_file_t *f);
+int64_t dlua_st_metadata_count(const dlua_st_file_t *f);
+const char *dlua_st_metadata_key(const dlua_st_file_t *f, int64_t i);
+const char *dlua_st_metadata_value(const dlua_st_file_t *f, int64_t i);
+/* Checks tensor i's checksum (once; later calls return the first answer). */
+dlua_status_t dlua_st_verify(dlua_st_file_t *f, int64_t i);
+/* A new contiguous CPU tensor holding tensor i, checksum checked while copying. */
+dlua_status_t dlua_st_read(dlua_st_file_t *f, int64_t i, dlua_tensor_t **out);
+/* Copies tensor i into dst (any layout or device), whose dtype and shape must be the file's; the
+   checksum is checked before dst is touched. */
+dlua_status_t dlua_st_read_into(dlua_st_file_t *f, int64_t i, dlua_tensor_t *dst);
+
+/* A checkpoint job: steps run in order on the caller's thread (run) or on a background one
+   (start), the next save waiting for the previous one (wait). add_file's snapshot[i] (NULL: all 0)
+   says how tensor i is taken: 0 a reference, written from the live tensor (for run); 1 copied now
+   into host memory (pinned for CUDA tensors), so training may change it at once; 2 (CPU tensors)
+   copied into host memory by the background thread before it writes anything: the caller promises
+   not to change it until dlua_ckpt_job_wait_snapshot returns (the optimizer's next step waits, while
+   forward and backward run). Snapshot memory is freed as each tensor is written. After a failed
+   step the rest are skipped, except signals, which then carry the error. */
+typedef struct dlua_ckpt_job dlua_ckpt_job_t;
+dlua_status_t dlua_ckpt_job_new(dlua_ckpt_job_t **out);
+dlua_status_t dlua_ckpt_job_add_file(dlua_ckpt_job_t *job, const char *path, int64_t n, const char *const *names, dlua_tensor_t *const *tensors, int64_t nmeta, const char *const *keys, const char *const *values, const int *snapshot);
+/* A small file (index, pointer) written atomically as the safetensors files are. */
+dlua_status_t dlua_ckpt_job_add_text(dlua_ckpt_job_t *job, const char *path, const char *data, size_t len);
+/* Sets `key` in the store to "ok", or to the error of an earlier step. */
+dlua_status_t dlua_ckpt_job_add_signal(dlua_ckpt_job_t *job, dlua_store_t *store, const char *key);
+/* Waits for the n keys (timeout_ms < 0: the store's default), deletes them, and fails naming the
+   first whose value is not "ok". */
+dlua_status_t dlua_ckpt_job_add_wait(dlua_ckpt_job_t *job, dlua_store_t *store, int n, const char *const *keys, int64_t timeout_ms);
+/* Removes a checkpoint directory (its plain files, then itself). */
+dlua_status_t dlua_ckpt_job_add_remove(dlua_ckpt_job_t *job, const char *dir);
+dlua_status_t dlua_ckpt_job_run(dlua_ckpt_job_t *job);
+dlua_status_t dlua_ckpt_job_start(dlua_ckpt_job_t *job);
+int dlua_ckpt_job_done(const dlua_ckpt_job_t *job); /* 1 once every step has run (or the job never started) */
+/* Returns once every snapshot = 2 tensor has been copied (at once when there are none, or the job
+   is done or never started). */
+void dlua_ckpt_job_wait_snapshot(dlua_ckpt_job_t *job);
+/* Joins the thread; the job's status, its message in dlua_last_error(). */
+dlua_status_t dlua_ckpt_job_wait(dlua_ckpt_job_t *job);
+/* Host bytes the job's snapshot holds now, and at most (both 0 without snapshots). */
+int64_t dlua_ckpt_job_snapshot_bytes(const dlua_ckpt_job_t *job);
+int64_t dlua_ckpt_job_snapshot_peak(const dlua_ckpt_job_t *job);
+double dlua_ckpt_job_seconds(const dlua_ckpt_job_t *job); /* the steps' wall time */
+/* Waits for the job if it runs, then frees it. NULL is ignored. */
+void dlua_ckpt_job_free(dlua_ckpt_job_t *job);
+
+/* Files for checkpoint directories. */
+dlua_status_t dlua_io_mkdirs(const char *path);
+/* Names in a directory (not . and ..), each followed by a NUL, freed with dlua_io_free; *len counts
+   the bytes. A missing directory gives no names. */
+dlua_status_t dlua_io_list_dir(const char *path, char **names, size_t *len);
+void dlua_io_free(void *p);
+/* Atomic small file: temporary name, write, fsync, rename, fsync of the directory. */
+dlua_status_t dlua_io_write_file(const char *path, const char *data, size_t len);
+/* Removes a checkpoint directory: its index.json first (so it stops being complete at once), its other plain files, then itself. */
+dlua_status_t dlua_io_remove_dir(const char *dir);
+/* zlib's CRC32 of n bytes, continuing from crc (0 to start). */
+uint32_t dlua_crc32(uint32_t crc, const void *data, size_t n);
+/* The CRC32 of tensors' logical row-major bytes in turn (any layout, any device). */
+dlua_status_t dlua_tensors_crc32(int64_t n, dlua_tensor_t *const *tensors, uint32_t *crc);

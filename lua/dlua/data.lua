@@ -175,14 +175,16 @@ function data.num_batches(ds, opts)
 end
 
 local batch_options = { batch = true, shuffle = true, seed = true, epoch = true, drop_last = true, augment = true,
-  mean = true, std = true, scale = true, dtype = true }
+  mean = true, std = true, scale = true, dtype = true, skip = true }
 
 -- for i, x, y in data.batches(ds, opts) do ... end: batch i (1-based) of the epoch.
 -- opts: batch (required), shuffle (false), seed (0), epoch (1), drop_last (false),
 -- augment = {crop_pad = p, flip = true} (images (N, C, H, W) only), mean/std (numbers or
 -- per-channel lists), scale (default 1/255 for uint8 data), dtype ('float32'; 'uint8' keeps
--- raw pixels, without normalisation). The order and the augmentation are functions of
--- (seed, epoch): the same pair replays an epoch exactly, whatever the thread count.
+-- raw pixels, without normalisation), skip (0: leading samples of the epoch's order already
+-- consumed, for a resumed run; batch numbers go on from floor(skip / batch)). The order and the
+-- augmentation are functions of (seed, epoch): the same pair replays an epoch exactly, whatever
+-- the thread count.
 function data.batches(ds, opts)
   local o = check_options('batches', opts, batch_options, 2)
   local n = dataset_size('batches', ds, 2)
@@ -224,13 +226,17 @@ function data.batches(ds, opts)
     end
   end
   local images = x:dim() == 4 and (is_u8 or x.dtype == 'float32')
-  local nb = o.drop_last and floor(n / b) or ceil(n / b)
+  local skip = o.skip or 0
+  if type(skip) ~= 'number' or skip < 0 or skip ~= floor(skip) then fail(2, 'batches: skip must be an integer >= 0, got %s', describe_value(skip)) end
+  local left = math.max(n - skip, 0)
+  local nb = o.drop_last and floor(left / b) or ceil(left / b)
+  local base = floor(skip / b)
 
   local i = 0
   return function()
     i = i + 1
     if i > nb then return nil end
-    local first = (i - 1) * b + 1
+    local first = skip + (i - 1) * b + 1
     local count = math.min(b, n - first + 1)
     local idx = order:narrow(1, first, count)
     local bx
@@ -253,7 +259,7 @@ function data.batches(ds, opts)
       end
     end)
     if not ok2 then reraise(2, e2) end
-    return i, bx, y and y:index_select(1, idx)
+    return base + i, bx, y and y:index_select(1, idx)
   end
 end
 
@@ -574,19 +580,54 @@ end
 
 function DistributedSampler:set_epoch(e)
   if type(e) ~= 'number' or e ~= floor(e) or e < 0 then fail(2, 'set_epoch: epoch must be a non-negative integer, got %s', describe_value(e)) end
+  if e ~= self.epoch then self.consumed, self.resume = 0, nil end
   self.epoch = e
 end
 
 function DistributedSampler:len() return self.num_samples end
 
 -- This rank's sample indices (int64, 1-based) for `epoch` (default: the one set_epoch gave).
+-- In the epoch a checkpoint resumed, when its cursor does not fall on a multiple of the ranks
+-- (another world size), the rest of the epoch's order, split over these ranks.
 function DistributedSampler:indices(epoch)
   epoch = epoch or self.epoch
   local order = data.order(self.n, { seed = self.seed, epoch = epoch, shuffle = self.shuffle })
-  if self.num_samples == 0 then return dlua.empty(0, { dtype = 'int64' }) end
   local pos, R, n = {}, self.num_replicas, self.n
-  for k = 0, self.num_samples - 1 do pos[k + 1] = (self.rank + k * R) % n + 1 end
+  local r, first, count = self.resume, 0, self.num_samples
+  if r and r.epoch == epoch and r.consumed % R ~= 0 then
+    local left = math.max(self.total_size - r.consumed, 0)
+    first, count = r.consumed, self.drop_last and floor(left / R) or ceil(left / R)
+  end
+  if count == 0 or n == 0 then return dlua.empty(0, { dtype = 'int64' }) end
+  for k = 0, count - 1 do pos[k + 1] = (first + self.rank + k * R) % n + 1 end
   return order:index_select(1, dlua.tensor(pos, { dtype = 'int64' }))
+end
+
+-- Checkpoints (dlua.ckpt). The cursor is global: the samples of the epoch consumed by all ranks
+-- (positions 1..consumed of its order), so a run resumed on another number of ranks splits the
+-- rest of the epoch over them. advance(k): this rank took k more samples (every rank does).
+function DistributedSampler:advance(k) self.consumed = (self.consumed or 0) + k * self.num_replicas end
+function DistributedSampler:state_dict()
+  return { epoch = self.epoch, consumed = self.consumed or 0, n = self.n, num_replicas = self.num_replicas, seed = self.seed,
+    shuffle = self.shuffle, drop_last = self.drop_last }
+end
+function DistributedSampler:load_state_dict(sd)
+  for _, k in ipairs({ 'n', 'seed', 'shuffle' }) do
+    if sd[k] ~= self[k] then
+      fail(2, 'DistributedSampler: the checkpoint was saved with %s = %s, this sampler has %s: the data order would differ',
+        k, describe_value(sd[k]), describe_value(self[k]))
+    end
+  end
+  self.epoch, self.consumed = sd.epoch, sd.consumed
+  self.resume = sd.consumed > 0 and { epoch = sd.epoch, consumed = sd.consumed } or nil
+end
+-- The leading samples of indices(epoch) already consumed (0 outside the resumed epoch).
+function DistributedSampler:skip(epoch)
+  local r = self.resume
+  if r and r.epoch == (epoch or self.epoch) and r.consumed % self.num_replicas == 0 then
+    return math.min(r.consumed / self.num_replicas, self.num_samples)
+  end
+  return 0
 end
 
 function DistributedSampler:__tostring()
@@ -794,6 +835,8 @@ function DataLoader.batches(self)
     if st.sampler then
       order = st.sampler:indices(epoch)
       if type(order) == 'table' then order = dlua.tensor(order, { dtype = 'int64' }) end
+      local skip = st.sampler.skip and st.sampler:skip(epoch) or 0  -- a resumed epoch (dlua.ckpt)
+      if skip > 0 then order = order:narrow(1, skip + 1, order:size(1) - skip) end
     else
       order = binding.order(st.n, st.seed, epoch, st.shuffle)
     end

@@ -22,6 +22,17 @@ function Schedule.__tostring(s) return s.desc end
 
 function lr.is_schedule(v) return getmetatable(v) == Schedule end
 
+-- Checkpoints (dlua.ckpt): a schedule is a pure function of the step, which the run saves; its
+-- state is its description, and loading checks that the run resumes with the same schedule (a
+-- different one would move the learning rates of the rest of the run).
+function Schedule:state_dict() return { kind = self.kind, desc = self.desc } end
+function Schedule:load_state_dict(sd)
+  if type(sd) ~= 'table' or sd.desc ~= self.desc then
+    fail(2, "%s: the checkpoint's schedule is %s, this run's is %s (leave the schedule out of the load to change it)",
+      self.kind, type(sd) == 'table' and tostring(sd.desc) or tostring(sd), self.desc)
+  end
+end
+
 local function num(v)
   if v == floor(v) and math.abs(v) < 2 ^ 53 then return format('%d', v) end
   return format('%.6g', v)

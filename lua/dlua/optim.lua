@@ -1,4 +1,4 @@
--- dlua.optim: SGD, AdamW and LARS as one fused C loop per range of the model's flat parameter arena.
+-- dlua.optim: SGD, Adam, AdamW, LARS and LAMB as one fused C loop per range of the model's flat parameter arena.
 local dlua = require 'dlua'
 local K = require 'bindings.nn'
 
@@ -153,18 +153,26 @@ end
 
 ---------------------------------------------------------------------------------------------
 -- AdamW(model, {lr = 1e-3, betas = {0.9, 0.999}, eps = 1e-8, weight_decay = 1e-2,
--- amsgrad = false, maximize = false, groups = ...}), as torch.optim.AdamW.
+-- amsgrad = false, maximize = false, groups = ...}), as torch.optim.AdamW (decoupled decay), and
+-- Adam(model, {... weight_decay = 0 ...}), as torch.optim.Adam (L2: weight_decay * p joins the gradient).
 
 local AdamW = setmetatable({}, { __index = Optimizer })
 AdamW.__index, AdamW.__tostring = AdamW, Optimizer.__tostring
+AdamW._kernel = 'adamw_step'
+local Adam = setmetatable({ _kernel = 'adam_step' }, { __index = AdamW })
+Adam.__index, Adam.__tostring = Adam, Optimizer.__tostring
 
-function optim.AdamW(model, opts)
-  return new_optimizer(AdamW, 'AdamW', model, opts,
-    { lr = 1e-3, betas = { 0.9, 0.999 }, eps = 1e-8, weight_decay = 1e-2, amsgrad = false, maximize = false, lr_mult = 1 })
+local function adam_defaults(wd)
+  return { lr = 1e-3, betas = { 0.9, 0.999 }, eps = 1e-8, weight_decay = wd, amsgrad = false, maximize = false,
+    lr_mult = 1 }
 end
+
+function optim.AdamW(model, opts) return new_optimizer(AdamW, 'AdamW', model, opts, adam_defaults(1e-2)) end
+function optim.Adam(model, opts) return new_optimizer(Adam, 'Adam', model, opts, adam_defaults(0)) end
 
 function AdamW:step(opts)
   local scale = opts and opts.grad_scale or 1
+  local kernel = K[self._kernel]
   self.steps = self.steps + 1
   for dt, ranges in pairs(self.ranges) do
     local p, g = self.arena.params[dt], self.arena.grads[dt]
@@ -173,7 +181,7 @@ function AdamW:step(opts)
       local grp = r.group
       local vmax = grp.amsgrad and self:buffer(dt, 'max_exp_avg_sq') or nil
       for off, len in pieces(self, dt, r) do
-        K.adamw_step(p, g, m, v, vmax, off, len, self.lr * grp.lr_mult, grp.betas[1], grp.betas[2], grp.eps,
+        kernel(p, g, m, v, vmax, off, len, self.lr * grp.lr_mult, grp.betas[1], grp.betas[2], grp.eps,
           grp.weight_decay, self.steps, grp.amsgrad, grp.maximize, scale)
       end
     end
@@ -216,6 +224,60 @@ function LARS:step(opts)
       d.weight_decay, d.trust_coefficient, d.eps, self.steps == 0, scale)
   end
   self.steps = self.steps + 1
+end
+
+---------------------------------------------------------------------------------------------
+-- LAMB(model, {lr = 1e-3, betas = {0.9, 0.999}, eps = 1e-6, weight_decay = 0.01, bias_correction = true,
+-- exclude = function(name, param) -> bool (default: none), groups = ...}), You et al. 2019 (Algorithm 2):
+-- Adam's bias-corrected direction plus weight_decay * p, scaled per parameter tensor by |p| / |update|
+-- (1 when either norm is 0). Excluded parameters take a plain Adam step: no decay, no ratio.
+
+local LAMB = setmetatable({}, { __index = Optimizer })
+LAMB.__index, LAMB.__tostring = LAMB, Optimizer.__tostring
+
+function optim.LAMB(model, opts)
+  opts = opts or {}
+  local self = new_optimizer(LAMB, 'LAMB', model, opts,
+    { lr = 1e-3, betas = { 0.9, 0.999 }, eps = 1e-6, weight_decay = 0.01, bias_correction = true, lr_mult = 1 })
+  local exclude = opts.exclude
+  if exclude ~= nil and type(exclude) ~= 'function' then
+    error('LAMB: exclude must be a function(name, param) returning true for parameters to leave unadapted', 2)
+  end
+  local named = {}
+  for _, e in ipairs(model:named_parameters()) do named[e.name] = e.param end
+  -- {dtype = {{group = g, list = {{offset, numel, excluded}, ...}}, ...}}: one fused call per group
+  self.param_ranges = {}
+  for dt, ranges in pairs(self.ranges) do
+    local per_group, order = {}, {}
+    for _, r in ipairs(ranges) do
+      local pg = per_group[r.group]
+      if not pg then
+        pg = { group = r.group, list = {} }
+        per_group[r.group] = pg
+        order[#order + 1] = pg
+      end
+      for _, en in ipairs(r.entries) do
+        pg.list[#pg.list + 1] = { en.offset, en.numel, exclude ~= nil and exclude(en.name, named[en.name]) or false }
+      end
+    end
+    self.param_ranges[dt] = order
+  end
+  return self
+end
+
+function LAMB:step(opts)
+  local scale = opts and opts.grad_scale or 1
+  self.steps = self.steps + 1
+  for dt, groups in pairs(self.param_ranges) do
+    local sync = self.model._grad_sync
+    if sync then sync:wait_range(dt, 0, self.state[dt].numel) end  -- the ratios need whole gradients
+    local m, v = self:buffer(dt, 'exp_avg'), self:buffer(dt, 'exp_avg_sq')
+    for _, pg in ipairs(groups) do
+      local grp = pg.group
+      K.lamb_step(self.arena.params[dt], self.arena.grads[dt], m, v, pg.list, self.lr * grp.lr_mult, grp.betas[1],
+        grp.betas[2], grp.eps, grp.weight_decay, self.steps, grp.bias_correction, scale)
+    end
+  end
 end
 
 return optim

@@ -292,6 +292,16 @@ for _, dt in ipairs({ 'float32', 'float64' }) do
       nnb.adamw_step(p, g, m, v, vm, 0, n, 1e-3, 0.9, 0.999, 1e-8, 0.01, 1, true, false, 0.25)
       return joined({ p, m, v, vm })
     end, P, G, M1, V1, V1 * 0.5)
+    check('adam l2 ' .. tag, 2, function(p, g, m, v)
+      p, m, v = p:clone(), m:clone(), v:clone()
+      nnb.adam_step(p, g, m, v, nil, 3, n, 1e-3, 0.9, 0.999, 1e-8, 0.05, 7, false, false, 1)
+      return joined({ p, m, v })
+    end, P, G, M1, V1)
+    check('adam amsgrad maximize ' .. tag, 2, function(p, g, m, v, vm)
+      p, m, v, vm = p:clone(), m:clone(), v:clone(), vm:clone()
+      nnb.adam_step(p, g, m, v, vm, 0, n, 1e-3, 0.9, 0.999, 1e-8, 0.1, 1, true, true, 0.25)
+      return joined({ p, m, v, vm })
+    end, P, G, M1, V1, V1 * 0.5)
   end
 end
 for _, dt in ipairs(FLOATS) do
@@ -300,6 +310,26 @@ for _, dt in ipairs(FLOATS) do
     t = t:clone()
     local bad = nnb.unscale(t, 3, t:numel() - 3, 1 / 1024)
     return joined({ t:to('float64'), dlua.tensor({ bad }, { dtype = 'float64', device = t.device }) })
+  end, g)
+end
+
+-- clip_grad_norm_'s pieces: partial norms over several chunks (and with Inf/NaN), then the scale
+for _, dt in ipairs(FLOATS) do
+  local g = dlua.cat({ rand(dt, { 1031 }), rand(dt, { 20011 }) })
+  for _, p in ipairs({ 2, 1, 3.5, math.huge }) do
+    check(('grad_norm_partial p %g %s'):format(p, dt), 1, function(t)
+      return dlua.tensor({ nnb.grad_norm_partial(t, 3, t:numel() - 3, p) }, { dtype = 'float64', device = t.device })
+    end, g)
+    check(('grad_norm_partial specials p %g %s'):format(p, dt), 1, function(t)
+      return dlua.tensor({ nnb.grad_norm_partial(t, 0, t:numel(), p), nnb.grad_norm_partial(t, 1, 2, p),
+        nnb.grad_norm_partial(t, 3, t:numel() - 3, p) },
+        { dtype = 'float64', device = t.device })
+    end, specials(dt))
+  end
+  check('grad_scale ' .. dt, 1, function(t)
+    t = t:clone()
+    nnb.grad_scale(t, 3, t:numel() - 3, 0.37)
+    return t
   end, g)
 end
 

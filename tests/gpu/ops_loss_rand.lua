@@ -1,4 +1,4 @@
--- Losses, activation gradients, random fills and the LARS step on a device against the CPU backend:
+-- Losses, activation gradients, random fills and the LARS and LAMB steps on a device against the CPU backend:
 -- softmax/log-softmax forward and backward along every dim, cross-entropy (reductions, class weights, label
 -- smoothing, ignore_index, spatial targets) forward and backward, MSE, threshold/ReLU backward, dropout; random
 -- fills (uniform_, normal_, bernoulli_, randint/random_, randperm, dropout masks) bit-identical to the CPU for
@@ -337,8 +337,8 @@ check_fill('nn.Dropout module', function(d)
 end)
 
 ------------------------------------------------------------------------------------------------
--- LARS: several parameters in one arena (one excluded, one with a zero gradient, one empty, one long enough
--- for several norm chunks), first and later steps, grad_scale; then an nn model stepped by optim.LARS
+-- LARS and LAMB: several parameters in one arena (one excluded, one with a zero gradient, one empty, one long enough
+-- for several norm chunks), first and later steps, grad_scale; then an nn model stepped by optim.LARS, LAMB, Adam
 
 for _, dt in ipairs({ 'float32', 'float64' }) do
   local ranges = { { 0, 37, false }, { 37, 5, true }, { 42, 0, false }, { 42, 100003, false }, { 100045, 64, false },
@@ -361,34 +361,59 @@ for _, dt in ipairs({ 'float32', 'float64' }) do
     K.lars_step(p, g, b, { { 0, 10, false }, { 5, 10, false } }, 0.1, 0.9, 0, 0.001, 1e-8, true, 1)
     return p
   end, P, G, B)
+  -- LAMB on the same table: moments from a later step's state, with and without bias correction
+  local M, V = rand(dt, { n }, 0.01), rand(dt, { n }, 1e-4):abs()
+  P:narrow(1, 38, 5):zero_()  -- the excluded second parameter also has |p| = 0
+  for _, cfg in ipairs({ { step = 1, wd = 0.01, scale = 1, bc = true }, { step = 9, wd = 0, scale = 0.5, bc = true },
+    { step = 3, wd = 0.1, scale = 1, bc = false } }) do
+    local tag = string.format('%s step %d wd %g scale %g bias_correction %s', dt, cfg.step, cfg.wd, cfg.scale,
+      tostring(cfg.bc))
+    check('lamb ' .. tag, 4, function(p, g, m, v)
+      p, m, v = p:clone(), m:clone(), v:clone()
+      K.lamb_step(p, g, m, v, ranges, 0.01, 0.9, 0.999, 1e-6, cfg.wd, cfg.step, cfg.bc, cfg.scale)
+      return { p, m, v }
+    end, P, G, M, V)
+  end
+  check('lamb overlapping ranges ' .. dt, 4, function(p, g, m, v)
+    p, m, v = p:clone(), m:clone(), v:clone()
+    K.lamb_step(p, g, m, v, { { 0, 10, false }, { 5, 10, false } }, 0.01, 0.9, 0.999, 1e-6, 0, 1, true, 1)
+    return p
+  end, P, G, M, V)
 end
-do
+-- optim.LARS, LAMB and Adam (after clip_grad_norm_) stepping an nn model, on the device against the CPU
+for _, which in ipairs({ 'LARS', 'LAMB', 'Adam+clip' }) do
   local function model_steps(d)
     dlua.manual_seed(77)
     local m = nn.Sequential(nn.Linear(23, 17), nn.ReLU(), nn.Dropout(0.2), nn.Linear(17, 5)):to(d)
     local crit = nn.CrossEntropyLoss { label_smoothing = 0.1, weight = dlua.rand(5):add(0.5) }:to(d)
-    local opt = optim.LARS(m, { lr = 0.5, momentum = 0.9, weight_decay = 1e-4 })
+    local opt = which == 'LARS' and optim.LARS(m, { lr = 0.5, momentum = 0.9, weight_decay = 1e-4 })
+      or which == 'LAMB' and optim.LAMB(m, { lr = 0.05, weight_decay = 0.01,
+        exclude = function(name) return name == '0.bias' end })
+      or optim.Adam(m, { lr = 0.01, weight_decay = 1e-3 })
     local x, y = dlua.randn(31, 23):to(d), dlua.randint(1, 6, { 31 }):to(d)
-    local losses = {}
+    local losses, norms = {}, {}
     for i = 1, 3 do
       opt:zero_grad()
       local out = m:forward(x)
       losses[i] = crit:forward(out, y):cpu():double()
       m:backward(x, crit:backward(out, y))
+      if which == 'Adam+clip' then norms[i] = nn.utils.clip_grad_norm_(m, 0.05) end
       opt:step()
     end
     local parts = {}
     for _, e in ipairs(m:named_parameters()) do parts[#parts + 1] = e.param:cpu():double():view(-1) end
     for i = 1, 3 do parts[#parts + 1] = losses[i]:view(1) end
+    if #norms > 0 then parts[#parts + 1] = dlua.tensor(norms, { dtype = 'float64' }) end
     return dlua.cat(parts)
   end
+  local name = 'optim.' .. which .. ' nn model 3 steps'
   local ok1, r1 = pcall(model_steps, 'cpu')
   local ok2, r2 = pcall(model_steps, dev)
   if ok1 and ok2 then
-    compare('optim.LARS nn model 3 steps', r1, r2:to(dev), 100 * TOL.float32)
+    compare(name, r1, r2:to(dev), 100 * TOL.float32)
   else
     checks = checks + 1
-    fail('optim.LARS nn model 3 steps', tostring(ok1 and r2 or r1))
+    fail(name, tostring(ok1 and r2 or r1))
   end
 end
 

@@ -1,4 +1,4 @@
-/* Check suite for host/cpu/optim.c: SGD, AdamW and LARS steps against double references written from torch.optim's algorithms; AMP unscaling; bad input. */
+/* Check suite for host/cpu/optim.c: SGD, Adam, AdamW, LARS and LAMB steps against double references written from torch.optim's (and the LAMB paper's) algorithms; AMP unscaling; clip_grad_norm_'s pieces; bad input. */
 #include <check.h>
 #include <math.h>
 #include <omp.h>
@@ -126,13 +126,16 @@ typedef struct {
 /* torch.optim.AdamW's algorithm. With amsgrad the documentation takes the running max of the
    bias-corrected v; torch's code (and dlua) keep the max of the raw v and divide by the
    correction afterwards, so the reference follows the code. */
-static void ref_adamw(double *p, const double *grad, double *m, double *v, double *vmax, int64_t lo, int64_t hi,
-                      const adamw_cfg_t *c, int64_t t) {
+static void ref_adam_any(double *p, const double *grad, double *m, double *v, double *vmax, int64_t lo, int64_t hi,
+                         const adamw_cfg_t *c, int64_t t, int decoupled) {
   double bc1 = 1 - pow(c->beta1, (double)t), bc2 = 1 - pow(c->beta2, (double)t);
   for (int64_t i = lo; i < hi; i++) {
     double g = grad[i] * c->grad_scale;
     if (c->maximize) g = -g;
-    p[i] *= 1 - c->lr * c->wd;
+    if (decoupled)
+      p[i] *= 1 - c->lr * c->wd;
+    else
+      g += c->wd * p[i];  // torch.optim.Adam: L2, after maximize's negation
     m[i] = c->beta1 * m[i] + (1 - c->beta1) * g;
     v[i] = c->beta2 * v[i] + (1 - c->beta2) * g * g;
     double vv = v[i];
@@ -142,7 +145,12 @@ static void ref_adamw(double *p, const double *grad, double *m, double *v, doubl
   }
 }
 
-START_TEST(test_adamw_reference) {
+static void ref_adamw(double *p, const double *grad, double *m, double *v, double *vmax, int64_t lo, int64_t hi,
+                      const adamw_cfg_t *c, int64_t t) {
+  ref_adam_any(p, grad, m, v, vmax, lo, hi, c, t, 1);
+}
+
+static void adam_reference(int decoupled) {
   const adamw_cfg_t cfgs[] = {
       {1e-2, 0.9, 0.999, 1e-8, 1e-2, 1, 0, 0},
       {1e-2, 0.9, 0.999, 1e-8, 0.1, 1, 1, 0},
@@ -169,13 +177,17 @@ START_TEST(test_adamw_reference) {
           double gv[37], shrink = pow(0.1, (double)(t - t0));
           for (int64_t i = 0; i < n; i++) gv[i] = tu_lcg(&rng_state) * shrink;
           dlua_tensor_t *g = arena(dt, n, gv);
-          ref_adamw(pr, gv, mr, sr, xr, lo, lo + len, &cfgs[c], t);
-          ck_assert_int_eq(dlua_optim_adamw_step(p, g, m, s, cfgs[c].amsgrad ? x : NULL, lo, len, cfgs[c].lr,
-                                                 cfgs[c].beta1, cfgs[c].beta2, cfgs[c].eps, cfgs[c].wd, t,
-                                                 cfgs[c].amsgrad, cfgs[c].maximize, cfgs[c].grad_scale),
+          ref_adam_any(pr, gv, mr, sr, xr, lo, lo + len, &cfgs[c], t, decoupled);
+          dlua_status_t (*stepf)(dlua_tensor_t *, const dlua_tensor_t *, dlua_tensor_t *, dlua_tensor_t *,
+                                 dlua_tensor_t *, int64_t, int64_t, double, double, double, double, double, int64_t,
+                                 int, int, double) = decoupled ? dlua_optim_adamw_step : dlua_optim_adam_step;
+          ck_assert_int_eq(stepf(p, g, m, s, cfgs[c].amsgrad ? x : NULL, lo, len, cfgs[c].lr, cfgs[c].beta1,
+                                 cfgs[c].beta2, cfgs[c].eps, cfgs[c].wd, t, cfgs[c].amsgrad, cfgs[c].maximize,
+                                 cfgs[c].grad_scale),
                            DLUA_OK);
           char what[80];
-          snprintf(what, sizeof what, "adamw cfg %zu %s step %lld", c, dlua_dtype_name(dt), (long long)t);
+          snprintf(what, sizeof what, "%s cfg %zu %s step %lld", decoupled ? "adamw" : "adam", c, dlua_dtype_name(dt),
+                   (long long)t);
           double tol = v ? 1e-5 : 1e-13;
           expect_arena(p, pr, p0, lo, lo + len, tol, what);
           expect_arena(m, mr, m0, lo, lo + len, tol, what);
@@ -192,6 +204,39 @@ START_TEST(test_adamw_reference) {
         free(s0);
         free(x0);
       }
+}
+
+START_TEST(test_adamw_reference) { adam_reference(1); }
+END_TEST
+
+/* torch.optim.Adam: the same configurations (decay, amsgrad, maximize with decay, grad scale), with
+   the decay as L2 in the gradient, so the moments carry it. */
+START_TEST(test_adam_reference) { adam_reference(0); }
+END_TEST
+
+/* Adam's decay reaches the moments; AdamW's does not. With a zero gradient one step tells them apart:
+   AdamW only shrinks p by lr * wd * p; Adam's gradient is wd * p, so (bias correction at work) p moves
+   by about lr against its sign. */
+START_TEST(test_adam_vs_adamw_decay) {
+  double p0[2] = {2, -3}, z[2] = {0};
+  for (int decoupled = 0; decoupled < 2; decoupled++) {
+    dlua_tensor_t *p = arena(DLUA_DTYPE_F64, 2, p0), *g = arena(DLUA_DTYPE_F64, 2, z), *m = arena(DLUA_DTYPE_F64, 2, z),
+                  *v = arena(DLUA_DTYPE_F64, 2, z);
+    ck_assert_int_eq((decoupled ? dlua_optim_adamw_step : dlua_optim_adam_step)(p, g, m, v, NULL, 0, 2, 0.01, 0.9, 0.999,
+                                                                                1e-12, 0.1, 1, 0, 0, 1),
+                     DLUA_OK);
+    for (int i = 0; i < 2; i++) {
+      double want = decoupled ? p0[i] * (1 - 0.01 * 0.1) : p0[i] - 0.01 * (p0[i] > 0 ? 1 : -1);
+      ck_assert_msg(fabs(at(p, i) - want) < 1e-10, "%s: element %d got %.17g want %.17g", decoupled ? "adamw" : "adam",
+                    i, at(p, i), want);
+      double want_m = decoupled ? 0 : (1 - 0.9) * 0.1 * p0[i];  // (1 - beta1) * wd * p
+      ck_assert_msg(fabs(at(m, i) - want_m) < 1e-15, "exp_avg %d: %.17g want %.17g", i, at(m, i), want_m);
+    }
+    dlua_tensor_free(p);
+    dlua_tensor_free(g);
+    dlua_tensor_free(m);
+    dlua_tensor_free(v);
+  }
 }
 END_TEST
 
@@ -294,23 +339,188 @@ START_TEST(test_lars_trust_ratio) {
 }
 END_TEST
 
+/* ---- LAMB ------------------------------------------------------------------------------------------------ */
+
+/* You et al. 2019, Algorithm 2 with the variant dlua.h documents: per parameter range, Adam's moments
+   and (optionally bias-corrected) direction plus wd * p, scaled by |p| / |u| (1 when a norm is 0);
+   excluded ranges: no decay, ratio 1. */
+static void ref_lamb(double *p, const double *grad, double *m, double *v, int nr, const int64_t *off,
+                     const int64_t *len, const int32_t *excl, double lr, double b1, double b2, double eps, double wd,
+                     int64_t t, int bias_correction, double gs) {
+  double bc1 = bias_correction ? 1 - pow(b1, (double)t) : 1, bc2 = bias_correction ? 1 - pow(b2, (double)t) : 1;
+  for (int r = 0; r < nr; r++) {
+    int ex = excl && excl[r];
+    double w = ex ? 0 : wd, pn = 0, un = 0;
+    double *u = malloc((size_t)(len[r] > 0 ? len[r] : 1) * sizeof(double));
+    for (int64_t i = off[r]; i < off[r] + len[r]; i++) {
+      double g = grad[i] * gs;
+      m[i] = b1 * m[i] + (1 - b1) * g;
+      v[i] = b2 * v[i] + (1 - b2) * g * g;
+      double ui = (m[i] / bc1) / (sqrt(v[i] / bc2) + eps) + w * p[i];
+      u[i - off[r]] = ui;
+      pn += p[i] * p[i];
+      un += ui * ui;
+    }
+    pn = sqrt(pn), un = sqrt(un);
+    double trust = !ex && pn > 0 && un > 0 ? pn / un : 1;
+    for (int64_t i = off[r]; i < off[r] + len[r]; i++) p[i] -= lr * trust * u[i - off[r]];
+    free(u);
+  }
+}
+
+START_TEST(test_lamb_reference) {
+  const int64_t n = 61;
+  // As the LARS test: out of order, gaps, an empty range; [50, 60) has a zero gradient and
+  // [0, 20) starts at p = 0 (|p| = 0: ratio 1).
+  const int64_t off[5] = {30, 0, 20, 50, 45}, len[5] = {15, 20, 5, 10, 0};
+  const int32_t excl[5] = {0, 0, 1, 0, 0};
+  for (int v = 0; v < 2; v++)
+    for (int cfg = 0; cfg < 3; cfg++) {
+      dlua_dtype_t dt = v ? DLUA_DTYPE_F32 : DLUA_DTYPE_F64;
+      const int use_excl = cfg != 1, bias_correction = cfg != 2;
+      const double wd = cfg == 1 ? 0 : 0.05, gs = cfg == 2 ? 0.25 : 1;
+      double *p0 = tu_rand_vals(tu_lcg, &rng_state, n, 1.0), *z = calloc((size_t)n, sizeof(double));
+      for (int64_t i = 0; i < 20; i++) p0[i] = 0;
+      dlua_tensor_t *p = arena(dt, n, p0), *m = arena(dt, n, z), *s2 = arena(dt, n, z);
+      double pr[61], mr[61], vr[61];
+      memcpy(pr, p0, sizeof pr);
+      memset(mr, 0, sizeof mr);
+      memset(vr, 0, sizeof vr);
+      for (int64_t t = 1; t <= 4; t++) {
+        double gv[61];
+        for (int64_t i = 0; i < n; i++) gv[i] = tu_lcg(&rng_state) * (i >= 50 && i < 60 ? 0 : 1);
+        dlua_tensor_t *g = arena(dt, n, gv);
+        ref_lamb(pr, gv, mr, vr, 5, off, len, use_excl ? excl : NULL, 0.02, 0.9, 0.99, 1e-6, wd, t, bias_correction, gs);
+        ck_assert_int_eq(dlua_optim_lamb_step(p, g, m, s2, 5, off, len, use_excl ? excl : NULL, 0.02, 0.9, 0.99, 1e-6,
+                                              wd, t, bias_correction, gs),
+                         DLUA_OK);
+        double tol = v ? 1e-5 : 1e-13;
+        char what[80];
+        snprintf(what, sizeof what, "lamb %s cfg %d step %lld", dlua_dtype_name(dt), cfg, (long long)t);
+        for (int64_t i = 0; i < n; i++) {
+          int covered = i < 25 || (i >= 30 && i < 45) || (i >= 50 && i < 60);
+          double gp = at(p, i), gm = at(m, i), gv2 = at(s2, i);
+          if (covered) {
+            ck_assert_msg(fabs(gp - pr[i]) <= tol * (1 + fabs(pr[i])), "%s: param %lld got %.17g want %.17g", what,
+                          (long long)i, gp, pr[i]);
+            ck_assert_msg(fabs(gm - mr[i]) <= tol * (1 + fabs(mr[i])) && fabs(gv2 - vr[i]) <= tol * (1 + fabs(vr[i])),
+                          "%s: moments %lld", what, (long long)i);
+          } else {
+            ck_assert_msg(gp == p0[i] && gm == 0 && gv2 == 0, "%s: element %lld of no parameter changed", what,
+                          (long long)i);
+          }
+        }
+        dlua_tensor_free(g);
+      }
+      dlua_tensor_free(p);
+      dlua_tensor_free(m);
+      dlua_tensor_free(s2);
+      free(p0);
+      free(z);
+    }
+}
+END_TEST
+
+/* The ratio by hand: first step with bias correction, eps 0, so m_hat / sqrt(v_hat) = sign(g).
+   p = (3, 4), g = (0.6, -0.8), wd 0.1: u = (1 + 0.3, -1 + 0.4), |p| = 5, so p -= lr * 5 / |u| * u.
+   The second range is excluded: u = sign(g), no decay, ratio 1. */
+START_TEST(test_lamb_trust_ratio) {
+  double p0[4] = {3, 4, 1, 1}, gv[4] = {0.6, -0.8, 2, -2}, z[4] = {0};
+  int64_t off[2] = {0, 2}, len[2] = {2, 2};
+  int32_t excl[2] = {0, 1};
+  dlua_tensor_t *p = arena(DLUA_DTYPE_F64, 4, p0), *g = arena(DLUA_DTYPE_F64, 4, gv), *m = arena(DLUA_DTYPE_F64, 4, z),
+                *v = arena(DLUA_DTYPE_F64, 4, z);
+  ck_assert_int_eq(dlua_optim_lamb_step(p, g, m, v, 2, off, len, excl, 0.5, 0.9, 0.999, 0, 0.1, 1, 1, 1), DLUA_OK);
+  double u0 = 1.3, u1 = -0.6, trust = 5 / sqrt(u0 * u0 + u1 * u1);
+  ck_assert_msg(fabs(at(p, 0) - (3 - 0.5 * trust * u0)) < 1e-14, "p0 %.17g", at(p, 0));
+  ck_assert_msg(fabs(at(p, 1) - (4 - 0.5 * trust * u1)) < 1e-14, "p1 %.17g", at(p, 1));
+  ck_assert_msg(fabs(at(p, 2) - 0.5) < 1e-14 && fabs(at(p, 3) - 1.5) < 1e-14, "excluded: %.17g %.17g", at(p, 2),
+                at(p, 3));
+  dlua_tensor_free(p);
+  dlua_tensor_free(g);
+  dlua_tensor_free(m);
+  dlua_tensor_free(v);
+}
+END_TEST
+
+/* ---- clip_grad_norm_'s pieces -------------------------------------------------------------------------------- */
+
+START_TEST(test_grad_norm_partial) {
+  const int64_t n = 20011, lo = 3, len = 20000;  // several blocks; elements outside the range are huge
+  double *g0 = tu_rand_vals(tu_lcg, &rng_state, n, 2.0);
+  g0[0] = g0[1] = g0[2] = 1e30;
+  for (int d = 0; d < 4; d++) {
+    dlua_dtype_t dt = d == 0 ? DLUA_DTYPE_F64 : d == 1 ? DLUA_DTYPE_F32 : d == 2 ? DLUA_DTYPE_BF16 : DLUA_DTYPE_F16;
+    double *gv = malloc((size_t)n * sizeof(double));
+    for (int64_t i = 0; i < n; i++) gv[i] = tu_as_dtype(dt, g0[i]);
+    dlua_tensor_t *t = NULL, *src = NULL;
+    ck_assert_int_eq(dlua_tensor_from_data(&src, 1, &n, DLUA_DTYPE_F64, gv), DLUA_OK);
+    ck_assert_int_eq(dlua_tensor_to_dtype(&t, src, dt), DLUA_OK);
+    const double ps[4] = {2, 1, 3.5, INFINITY};
+    for (int k = 0; k < 4; k++) {
+      double want = 0;
+      for (int64_t i = lo; i < lo + len; i++)
+        want = isinf(ps[k]) ? fmax(want, fabs(gv[i])) : want + pow(fabs(gv[i]), ps[k]);
+      double got = -1;
+      ck_assert_int_eq(dlua_optim_grad_norm_partial(t, lo, len, ps[k], &got), DLUA_OK);
+      ck_assert_msg(fabs(got - want) <= 1e-12 * want, "%s p %g: got %.17g want %.17g", dlua_dtype_name(dt), ps[k], got,
+                    want);
+    }
+    double zero = -1;
+    ck_assert_int_eq(dlua_optim_grad_norm_partial(t, 5, 0, 2, &zero), DLUA_OK);
+    ck_assert(zero == 0);
+    // the scale: inside the range only, as x * (T)s
+    ck_assert_int_eq(dlua_optim_grad_scale(t, lo, len, 0.375), DLUA_OK);
+    dlua_tensor_t *back = NULL;
+    ck_assert_int_eq(dlua_tensor_to_dtype(&back, t, DLUA_DTYPE_F64), DLUA_OK);
+    const double *b = dlua_tensor_data(back);
+    for (int64_t i = 0; i < n; i++) {
+      double w = i >= lo && i < lo + len ? tu_as_dtype(dt, gv[i] * 0.375) : gv[i];
+      ck_assert_msg(b[i] == w, "%s grad_scale element %lld: %.17g want %.17g", dlua_dtype_name(dt), (long long)i, b[i], w);
+    }
+    dlua_tensor_free(back);
+    dlua_tensor_free(t);
+    dlua_tensor_free(src);
+    free(gv);
+  }
+  // Non-finite gradients: Inf gives Inf, NaN wins over everything (sum and max alike).
+  double sp[5] = {1, -INFINITY, 2, 3, NAN};
+  dlua_tensor_t *t = arena(DLUA_DTYPE_F64, 5, sp);
+  double out = 0;
+  ck_assert_int_eq(dlua_optim_grad_norm_partial(t, 0, 4, 2, &out), DLUA_OK);
+  ck_assert(isinf(out));
+  ck_assert_int_eq(dlua_optim_grad_norm_partial(t, 0, 4, INFINITY, &out), DLUA_OK);
+  ck_assert(isinf(out));
+  ck_assert_int_eq(dlua_optim_grad_norm_partial(t, 0, 5, 2, &out), DLUA_OK);
+  ck_assert(isnan(out));
+  ck_assert_int_eq(dlua_optim_grad_norm_partial(t, 0, 5, INFINITY, &out), DLUA_OK);
+  ck_assert(isnan(out));
+  ck_assert_int_eq(dlua_optim_grad_norm_partial(t, 2, 2, INFINITY, &out), DLUA_OK);
+  ck_assert(out == 3);
+  dlua_tensor_free(t);
+  free(g0);
+}
+END_TEST
+
 /* ---- thread-count independence over large arenas ---------------------------------------------------- */
 
 START_TEST(test_threads) {
   const int64_t n = 300007;
   double *p0 = tu_rand_vals(tu_lcg, &rng_state, n, 1.0), *g0 = tu_rand_vals(tu_lcg, &rng_state, n, 1.0), *z = calloc((size_t)n, sizeof(double));
   int64_t off[3] = {0, 100000, 100100}, len[3] = {100000, 100, 199907};
-  float *res[2][3];
+  float *res[2][5];
   int saved = omp_get_max_threads();
   for (int t = 0; t < 2; t++) {
     omp_set_num_threads(t ? 3 : 1);
     dlua_tensor_t *g = arena(DLUA_DTYPE_F32, n, g0);
-    for (int k = 0; k < 3; k++) {
+    for (int k = 0; k < 5; k++) {
       dlua_tensor_t *p = arena(DLUA_DTYPE_F32, n, p0), *b = arena(DLUA_DTYPE_F32, n, z), *s = arena(DLUA_DTYPE_F32, n, z);
       for (int step = 1; step <= 2; step++) {
         if (k == 0) ck_assert_int_eq(dlua_optim_sgd_step(p, g, b, 3, n - 3, 0.1, 0.9, 0, 1e-4, 1, 0, step == 1, 1), DLUA_OK);
         if (k == 1) ck_assert_int_eq(dlua_optim_adamw_step(p, g, b, s, NULL, 0, n, 1e-3, 0.9, 0.999, 1e-8, 0.01, step, 0, 0, 1), DLUA_OK);
         if (k == 2) ck_assert_int_eq(dlua_optim_lars_step(p, g, b, 3, off, len, NULL, 0.1, 0.9, 1e-4, 0.001, 0, step == 1, 1), DLUA_OK);
+        if (k == 3) ck_assert_int_eq(dlua_optim_adam_step(p, g, b, s, NULL, 0, n, 1e-3, 0.9, 0.999, 1e-8, 0.01, step, 0, 0, 1), DLUA_OK);
+        if (k == 4) ck_assert_int_eq(dlua_optim_lamb_step(p, g, b, s, 3, off, len, NULL, 1e-3, 0.9, 0.999, 1e-6, 0.01, step, 1, 1), DLUA_OK);
       }
       res[t][k] = malloc((size_t)n * sizeof(float));
       memcpy(res[t][k], dlua_tensor_data(p), (size_t)n * sizeof(float));
@@ -322,11 +532,11 @@ START_TEST(test_threads) {
   }
   omp_set_num_threads(saved);
   // And the many-chunk results are right: references in double on the same (rounded) inputs.
-  double *pr[3], *b = calloc((size_t)n, sizeof(double)), *m = calloc((size_t)n, sizeof(double)),
+  double *pr[5], *b = calloc((size_t)n, sizeof(double)), *m = calloc((size_t)n, sizeof(double)),
                  *v = calloc((size_t)n, sizeof(double));
   const sgd_cfg_t sc = {0.1, 0.9, 0, 1e-4, 1, 1, 0};
   const adamw_cfg_t ac = {1e-3, 0.9, 0.999, 1e-8, 0.01, 1, 0, 0};
-  for (int k = 0; k < 3; k++) {
+  for (int k = 0; k < 5; k++) {
     pr[k] = malloc((size_t)n * sizeof(double));
     memcpy(pr[k], p0, (size_t)n * sizeof(double));
     memset(b, 0, (size_t)n * sizeof(double));
@@ -336,6 +546,8 @@ START_TEST(test_threads) {
       if (k == 0) ref_sgd(pr[k], g0, b, 3, n, &sc, step);
       if (k == 1) ref_adamw(pr[k], g0, b, m, v, 0, n, &ac, step);
       if (k == 2) ref_lars(pr[k], g0, b, 3, off, len, NULL, 0.1, 0.9, 1e-4, 0.001, 0, step == 1, 1);
+      if (k == 3) ref_adam_any(pr[k], g0, b, m, v, 0, n, &ac, step, 0);
+      if (k == 4) ref_lamb(pr[k], g0, b, m, 3, off, len, NULL, 1e-3, 0.9, 0.999, 1e-6, 0.01, step, 1, 1);
     }
     for (int64_t i = 0; i < n; i++)
       ck_assert_msg(fabs(res[0][k][i] - pr[k][i]) <= 1e-5 * (1 + fabs(pr[k][i])), "optimizer %d element %lld: %.9g want %.9g",
@@ -345,11 +557,22 @@ START_TEST(test_threads) {
   free(b);
   free(m);
   free(v);
-  for (int k = 0; k < 3; k++) {
+  for (int k = 0; k < 5; k++) {
     ck_assert_msg(memcmp(res[0][k], res[1][k], (size_t)n * sizeof(float)) == 0, "optimizer %d depends on threads", k);
     free(res[0][k]);
     free(res[1][k]);
   }
+  // clip_grad_norm_'s partial sums: the same bits on 1 and 3 threads
+  double norms[2][2];
+  dlua_tensor_t *gn = arena(DLUA_DTYPE_F32, n, g0);
+  for (int t = 0; t < 2; t++) {
+    omp_set_num_threads(t ? 3 : 1);
+    ck_assert_int_eq(dlua_optim_grad_norm_partial(gn, 1, n - 1, 2, &norms[t][0]), DLUA_OK);
+    ck_assert_int_eq(dlua_optim_grad_norm_partial(gn, 1, n - 1, 1.5, &norms[t][1]), DLUA_OK);
+  }
+  omp_set_num_threads(saved);
+  ck_assert(memcmp(norms[0], norms[1], sizeof norms[0]) == 0);
+  dlua_tensor_free(gn);
   free(p0);
   free(g0);
   free(z);
@@ -467,6 +690,40 @@ START_TEST(test_bad_input) {
   tu_expect_error(dlua_optim_lars_step(p, g, b, 1, off, len, NULL, 0.1, 0.9, 0, -1, 0, 1, 1), "trust_coefficient must be");
   ck_assert_int_eq(dlua_optim_lars_step(p, g, b, 0, NULL, NULL, NULL, 0.1, 0.9, 0, 0.001, 0, 1, 1), DLUA_OK);
 
+  tu_expect_error(dlua_optim_adam_step(p, g, b, s, NULL, 0, 37, 1e-3, 0.9, 0.999, 1e-8, 0, 1, 1, 0, 1),
+                  "adam_step: amsgrad needs max_exp_avg_sq");
+  tu_expect_error(dlua_optim_adam_step(p, g, b, s, NULL, 0, 37, 1e-3, 0.9, 0.999, 1e-8, -0.1, 1, 0, 0, 1),
+                  "adam_step: weight_decay must be");
+  tu_expect_error(dlua_optim_lamb_step(p, g, b, s, 2, off, len, NULL, 1e-3, 0.9, 0.999, 1e-6, 0, 1, 1, 1),
+                  "lamb_step: parameter ranges overlap: [0, 12) and [10, 15)");
+  tu_expect_error(dlua_optim_lamb_step(p, g, b, s, 1, far, one, NULL, 1e-3, 0.9, 0.999, 1e-6, 0, 1, 1, 1),
+                  "lamb_step: parameter 0: range offset 40, length 1 is outside the arena of 37 elements");
+  tu_expect_error(dlua_optim_lamb_step(p, g, b, s, 1, off, len, NULL, 1e-3, 0.9, 0.999, 1e-6, 0, 0, 1, 1),
+                  "lamb_step: step counts this step from 1, got 0");
+  tu_expect_error(dlua_optim_lamb_step(p, g, b, s, 1, off, len, NULL, 1e-3, 1.0, 0.999, 1e-6, 0, 1, 1, 1),
+                  "lamb_step: beta1 must be a finite number in [0, 1), got 1");
+  tu_expect_error(dlua_optim_lamb_step(p, g, b, b, 1, off, len, NULL, 1e-3, 0.9, 0.999, 1e-6, 0, 1, 1, 1),
+                  "lamb_step: exp_avg and exp_avg_sq share memory");
+  tu_expect_error(dlua_optim_lamb_step(p, g, g36, s, 1, off, len, NULL, 1e-3, 0.9, 0.999, 1e-6, 0, 1, 1, 1),
+                  "lamb_step: exp_avg (36) float32 cpu must have param's dtype");
+  ck_assert_int_eq(dlua_optim_lamb_step(p, g, b, s, 0, NULL, NULL, NULL, 1e-3, 0.9, 0.999, 1e-6, 0, 1, 1, 1), DLUA_OK);
+  for (int i = 0; i < 37; i++) ck_assert(at(p, i) == (i == 36 ? 0 : i) && at(b, i) == i && at(s, i) == i);
+
+  double nrm = 7;
+  tu_expect_error(dlua_optim_grad_norm_partial(g, 0, 37, 0, &nrm), "grad_norm_partial: norm_type must be a number > 0 or inf, got 0");
+  ck_assert(nrm == 0);
+  tu_expect_error(dlua_optim_grad_norm_partial(g, 0, 37, -INFINITY, &nrm), "norm_type must be a number > 0 or inf, got -inf");
+  tu_expect_error(dlua_optim_grad_norm_partial(g, 0, 37, NAN, &nrm), "norm_type must be a number > 0 or inf");
+  tu_expect_error(dlua_optim_grad_norm_partial(g, 0, 37, 2, NULL), "grad_norm_partial: out is NULL");
+  tu_expect_error(dlua_optim_grad_norm_partial(g, 30, 8, 2, &nrm),
+                  "grad_norm_partial: range offset 30, length 8 is outside the arena of 37 elements");
+  tu_expect_error(dlua_optim_grad_norm_partial(pi, 0, 37, 2, &nrm), "grad_norm_partial: grad must be a floating-point tensor, got (37) int32 cpu");
+  tu_expect_error(dlua_optim_grad_norm_partial(pt, 0, 36, 2, &nrm), "grad_norm_partial: grad (6, 6) float32 cpu must be contiguous");
+  tu_expect_error(dlua_optim_grad_norm_partial(NULL, 0, 36, 2, &nrm), "grad_norm_partial: grad is NULL");
+  tu_expect_error(dlua_optim_grad_scale(g, 0, 37, INFINITY), "grad_scale: scale must be finite, got inf");
+  tu_expect_error(dlua_optim_grad_scale(g, 1, 37, 0.5), "grad_scale: range offset 1, length 37 is outside the arena of 37 elements");
+  for (int i = 0; i < 37; i++) ck_assert(at(g, i) == i);
+
   int64_t cnt = 5;
   tu_expect_error(dlua_optim_unscale(p, 0, 38, 0.5, &cnt), "unscale: range offset 0, length 38 is outside the arena of 37 elements");
   ck_assert_int_eq(cnt, 0);
@@ -494,9 +751,14 @@ int main(void) {
   tcase_set_timeout(tc, 30);
   tcase_add_test(tc, test_sgd_reference);
   tcase_add_test(tc, test_adamw_reference);
+  tcase_add_test(tc, test_adam_reference);
+  tcase_add_test(tc, test_adam_vs_adamw_decay);
   tcase_add_test(tc, test_adamw_first_step_magnitude);
   tcase_add_test(tc, test_lars_reference);
   tcase_add_test(tc, test_lars_trust_ratio);
+  tcase_add_test(tc, test_lamb_reference);
+  tcase_add_test(tc, test_lamb_trust_ratio);
+  tcase_add_test(tc, test_grad_norm_partial);
   tcase_add_test(tc, test_threads);
   tcase_add_test(tc, test_unscale);
   tcase_add_test(tc, test_bad_input);

@@ -1,4 +1,4 @@
-/* Check suite for host/comm/pg.c + pg_gloo.cc: gloo process groups, forked ranks on loopback. */
+/* Check suite for host/comm/pg*.c: process groups over the gloo backend (TCP and shared memory), forked ranks on loopback. */
 #define _GNU_SOURCE
 #include <check.h>
 #include <inttypes.h>
@@ -13,7 +13,6 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "comm/pg.h"
 #include "core/api.h"
 #include "core/error.h"
 #include "core/tensor.h"

@@ -1,4 +1,4 @@
-/* Check suite for the NCCL group's no-GPU answers (host/comm/pg_nccl.c) and the grouped all-reduce (pg.c) on gloo. */
+/* Check suite for the NCCL group's no-GPU answers (host/comm/pg_registry.c) and the grouped all-reduce (pg.c) on gloo. */
 #define _GNU_SOURCE
 #include <check.h>
 #include <inttypes.h>

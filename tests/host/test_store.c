@@ -1,4 +1,4 @@
-/* Check suite for host/comm/store.c: the rendezvous store's server, client and protocol. */
+/* Check suite for host/comm/store_*.c: the rendezvous store's server, client and protocol. */
 #define _GNU_SOURCE
 #include <check.h>
 #include <errno.h>

@@ -491,4 +491,6 @@ function CrossEntropyLoss:backward(_, labels, grad_out)
   return self.grad_input
 end
 
+nn.utils = require 'dlua.nn.utils'  -- clip_grad_norm_, grad_norm_partial
+
 return nn
