@@ -57,8 +57,9 @@ live = peak = 0
 for _, _, n in sorted(mem):
     live += n
     peak = max(peak, live)
-t0 = time.perf_counter()
+t0, c0 = time.perf_counter(), time.process_time()
 for _ in range(steps):
     step()
 ms = 1000 * (time.perf_counter() - t0) / steps
-print('ms\t%.1f\tpeak_mb\t%.1f' % (ms, peak / 2 ** 20))
+cpu_ms = 1000 * (time.process_time() - c0) / steps
+print('ms\t%.1f\tcpu_ms\t%.1f\tpeak_mb\t%.1f' % (ms, cpu_ms, peak / 2 ** 20))

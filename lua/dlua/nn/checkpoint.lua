@@ -220,10 +220,23 @@ end
 
 function Checkpoint:forward(...)
   local inner = self.module
+  local args = pack(...)
+  -- As Torch7's output buffers, the previous forward's outputs go when the next forward starts: they
+  -- were kept for the next layer and for this segment's backward, both done. Waiting for the
+  -- collector instead would hold a second set of the model's kept activations through this step.
+  -- (Inputs belong to the caller and stay.)
+  local prev = rawget(self, '_out')
+  if prev then
+    local mine = add_all(add_all({}, args), rawget(self, '_args'))
+    for i = 1, prev.n do
+      local t = prev[i]
+      if is_tensor(t) and not mine[t] then t:free() end
+    end
+    self._out = nil
+  end
   local mods = self:modules()
   self._mods = mods
   local before = held_set(mods)
-  local args = pack(...)
   local hooks, states = Checkpoint.hooks, {}
   for i, h in ipairs(hooks) do
     local save = h.fns.save
@@ -235,7 +248,7 @@ function Checkpoint:forward(...)
   local live = probe and dlua.memory_allocated(probe.device)
   release(mods, before, add_all(add_all({}, args), out))
   if probe then probe.freed = live - dlua.memory_allocated(probe.device) end
-  self.output = out[1]
+  self.output, self._out = out[1], out
   return unpack(out, 1, out.n)
 end
 
@@ -243,6 +256,15 @@ function Checkpoint:backward(...)
   local args, states = rawget(self, '_args'), rawget(self, '_states')
   if args == nil then error('Checkpoint: backward before forward', 2) end
   local inner, mods, hooks = self.module, self._mods, Checkpoint.hooks
+  local prev = rawget(self, '_gin')
+  if prev then
+    local mine = add_all({}, pack(...))
+    for i = 1, prev.n do
+      local t = prev[i]
+      if is_tensor(t) and not mine[t] then t:free() end
+    end
+    self._gin = nil
+  end
   local tokens = {}
   for i, h in ipairs(hooks) do
     local enter = h.fns.enter
@@ -260,7 +282,7 @@ function Checkpoint:backward(...)
     if f then f(self, tokens[i]) end
   end
   release(mods, before, add_all(add_all(add_all({}, args), pack(...)), r))
-  self.grad_input = r[1]
+  self.grad_input, self._gin = r[1], r
   return unpack(r, 1, r.n)
 end
 
