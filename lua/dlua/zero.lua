@@ -337,6 +337,7 @@ end
 -- After the optimizer's step: this rank's shard of the parameters goes to every rank (stages 1, 2);
 -- stage 3 keeps shards only. Asynchronous: the next forward waits.
 function ZeRO:after_step()
+  self:wait()  -- buckets outside this rank's shard: the step did not need them, their buffers go now
   for _, dt in ipairs(self.dts) do
     if self.offload_active then self:_param_shard(dt):copy_(self._host_p[dt]) end
   end
