@@ -250,6 +250,12 @@ if mode == 'train' then
         if mem[k] ~= v then fail('stage %d memory.%s = %d, expected %d', stage, k, mem[k], v) end
       end
       if mem.model_states ~= want.parameters + want.gradients + want.optimizer then fail('stage %d model_states %d', stage, mem.model_states) end
+      -- after a step no bucket or gathered module is held; during it some were (stages 2, 3)
+      local opt = z._optimizers[1]
+      train(z, opt, stage, 'none')
+      mem = z:memory()
+      if mem.buffers ~= 0 then fail('stage %d: %d bytes of buffers held after the step', stage, mem.buffers) end
+      if stage > 1 and not (mem.peak > mem.model_states) then fail('stage %d: peak %d, model states %d', stage, mem.peak, mem.model_states) end
       checks = checks + 1
     end
   end
