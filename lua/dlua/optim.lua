@@ -46,6 +46,15 @@ end
 local Optimizer = {}
 Optimizer.__index = Optimizer
 
+-- An optimizer built on a module before a ZeRO model took its arenas over would step stale ranges.
+local function check_arena(self)
+  local a = self.arena
+  if a.zero and not self._zero_names then
+    error(self.name .. '.step: this optimizer was built before dist.ZeRO wrapped its model, whose arenas ZeRO has '
+      .. 'since sharded; build the optimizer over the ZeRO model', 3)
+  end
+end
+
 -- A ZeRO model gathers the stepped shards back to every rank (stages 1, 2) after a step.
 local function after_step(self)
   local sync = self.model._grad_sync
@@ -152,6 +161,7 @@ end
 
 -- step{grad_scale = 1}: grad_scale multiplies every gradient first (1/loss scale under AMP).
 function SGD:step(opts)
+  check_arena(self)
   local scale = opts and opts.grad_scale or 1
   local first = self.steps == 0
   for dt, ranges in pairs(self.ranges) do
@@ -196,6 +206,7 @@ function optim.AdamW(model, opts) return new_optimizer(AdamW, 'AdamW', model, op
 function optim.Adam(model, opts) return new_optimizer(Adam, 'Adam', model, opts, adam_defaults(0)) end
 
 function AdamW:step(opts)
+  check_arena(self)
   local scale = opts and opts.grad_scale or 1
   local kernel = K[self._kernel]
   self.steps = self.steps + 1
@@ -247,6 +258,7 @@ function optim.LARS(model, opts)
 end
 
 function LARS:step(opts)
+  check_arena(self)
   local scale = opts and opts.grad_scale or 1
   local d = self.defaults
   for dt, list in pairs(self.param_ranges) do
@@ -298,6 +310,7 @@ function optim.LAMB(model, opts)
 end
 
 function LAMB:step(opts)
+  check_arena(self)
   local scale = opts and opts.grad_scale or 1
   self.steps = self.steps + 1
   for dt, groups in pairs(self.param_ranges) do

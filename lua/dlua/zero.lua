@@ -149,6 +149,7 @@ function M.new(dist, model, opts)
     require('dlua.zero.sharded').setup(self, M)
   end
   model._zero = self
+  arena.zero = self  -- an optimizer built on the module before now refuses to step (dlua.optim)
   self._grad_sync = self
   named, layout = nil, nil
   collectgarbage()  -- the whole arenas' last views go now, not at the next collection

@@ -216,6 +216,12 @@ if mode == 'train' then
     if ok or not tostring(err):find('not available over ZeRO') then fail('LARS over ZeRO: %s', tostring(err)) end
     ok, err = pcall(nn.utils.clip_grad_norm_, z3, 1)
     if ok or not tostring(err):find('clip_grad_norm_%(max_norm%)') then fail('nn.utils.clip_grad_norm_ on ZeRO: %s', tostring(err)) end
+    -- an optimizer built on the module before ZeRO took its arenas refuses to step
+    local early_net = mlp(1)
+    local early = optim.SGD(early_net, { lr = 0.1 })
+    wrap(early_net, 1)
+    ok, err = pcall(early.step, early)
+    if ok or not tostring(err):find('built before dist.ZeRO') then fail('optimizer built before ZeRO: %s', tostring(err)) end
     -- gathered(fn): the whole parameters, equal to a gathered state dict
     local w = z3:gathered(function() return net:state_dict()['0.weight']:clone() end)
     if max_diff(w:double(), z3:state_dict()['0.weight']:double()) ~= 0 then fail('gathered() differs from state_dict()') end
