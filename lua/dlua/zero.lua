@@ -204,8 +204,9 @@ function ZeRO:_setup_offload(offload)
   self._host_p, self._host_g = {}, {}
   for _, dt in ipairs(self.dts) do
     local len = self.shards[dt].len
-    self._host_p[dt] = dlua.empty(len, { dtype = dt }):pin_memory()
-    self._host_g[dt] = dlua.zeros(len, { dtype = dt }):pin_memory()
+    local hp, hg = dlua.empty(len, { dtype = dt }), dlua.zeros(len, { dtype = dt })
+    self._host_p[dt] = len > 0 and hp:pin_memory() or hp
+    self._host_g[dt] = len > 0 and hg:pin_memory() or hg
   end
 end
 
@@ -348,7 +349,11 @@ function ZeRO:after_step()
     local sh, p = self.shards[dt], self.arena.params[dt]
     local outs = {}
     for q = 1, self.world do outs[q] = slice(p, sh.ranges[q].offset, sh.ranges[q].numel) end
-    self._gathers[#self._gathers + 1] = self.dist.all_gather(outs, outs[self.rank + 1], { async = true, group = self.group })
+    -- on the CPU the input is this rank's part of the outputs (the copy onto itself is skipped or
+    -- harmless); a device copy onto itself is not allowed, so GPUs send a copy
+    local mine = outs[self.rank + 1]
+    if self.device ~= 'cpu' then mine = mine:clone() end
+    self._gathers[#self._gathers + 1] = self.dist.all_gather(outs, mine, { async = true, group = self.group })
   end
 end
 
