@@ -154,8 +154,8 @@ out:
   free(lens);
   free(ranks);
   free(done);
-  snprintf(key, sizeof key, "dlua/repl/chunk/%ld", fe->seq);
-  if (!fe->job_ended) dlua_store_delete(fe->store, key, NULL);
+  /* the chunk's key is removed by the last rank to read it (lua/dlua/spmd.lua): for ':on R' only rank R
+     answers, and another rank may not have read the chunk yet */
   return stop;
 }
 

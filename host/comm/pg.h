@@ -1,70 +1,37 @@
-/* Process groups: the C face of the one C++ file (pg_gloo.cc) and the element reduce functions. */
+/* The process group object, shared by the group's files: pg.c (creation, the calls), pg_worker.c (works, threads, waits), pg_diag.c. */
 #ifndef DLUA_COMM_PG_H
 #define DLUA_COMM_PG_H
-#include <stddef.h>
+#include <pthread.h>
 #include <stdint.h>
 
-#ifdef __cplusplus
-extern "C" {  /* dlua.h too: the C++ file calls the store and error functions */
-#endif
-#include "core/api.h"
+#include "comm/pg_backend.h"
+#include "comm/store.h"
 
-/* out[i] = a[i] op b[i] for n elements; out may equal a or b (gloo reduces in place). */
-typedef void (*dlua_pg_reduce_fn)(void *out, const void *a, const void *b, size_t n);
-/* The element function of op (AVG: the sum) for dtype; NULL for an unknown pair. */
-dlua_pg_reduce_fn dlua_pg_reduce_fn_for(dlua_reduce_t op, dlua_dtype_t dtype);
-/* AVG's second half: true division of n elements by the group size (floating dtypes; others untouched). */
-void dlua_pg_divide_by(void *buf, size_t n, dlua_dtype_t dt, int size);
+struct dlua_pg {
+  char name[PG_NAME];
+  int rank, size;
+  int64_t timeout_ms;      /* atomic */
+  int debug;               /* atomic */
+  dlua_store_t *store;     /* ours: the join, then diagnostics, then the exit note */
+  char store_host[256], token[DLUA_STORE_MAX_TOKEN + 1];  /* for the backend's own connections */
+  int store_port;
+  pthread_t thread;
+  pthread_mutex_t mu;
+  pthread_cond_t cv_queue; /* work queued, or closing (broadcast: two threads wait on it) */
+  pthread_cond_t cv_done;  /* a work finished, or the join ended */
+  dlua_work_t *head, *tail;          /* collectives, for the comm thread */
+  dlua_work_t *p2p_head, *p2p_tail;  /* posted send/recv, for the p2p thread that waits on them */
+  int has_p2p_thread;
+  pthread_t p2p_thread;
+  int closing;
+  int64_t seq;             /* collectives issued (under mu) */
+  int joined;              /* 0 joining, 1 joined, -1 failed (under mu) */
+  dlua_status_t join_status;
+  char join_msg[PG_MSG];
+  int broken;              /* under mu: after the first failure every call fails at once */
+  char broken_msg[640];
+  const dlua_pg_backend_t *be;  /* runs the works: gloo, nccl */
+  void *be_ctx;
+};
 
-/* How a gloo call ended: the C side turns these into statuses and diagnostics. */
-typedef enum {
-  DLUA_GLOO_OK = 0,
-  DLUA_GLOO_TIMEOUT = 1, /* this rank's wait ran out */
-  DLUA_GLOO_IO = 2,      /* a connection failed: a peer closed it, exited or timed out first */
-  DLUA_GLOO_OTHER = 3    /* anything else gloo or the store threw (message in err) */
-} dlua_gloo_result_t;
-
-/* One gloo context (full mesh over TCP) and the store adapter that built it. */
-typedef struct dlua_gloo dlua_gloo_t;
-
-/* Meets the other ranks through `store` under keys "<prefix>/gloo/...", binding the TCP device to
-   `bind_host` (an address of this machine) or the interface `iface` when non-empty. The store's
-   status (e.g. DLUA_ERR_INTERRUPTED, DLUA_ERR_TIMEOUT) comes back in *store_status when a store
-   call failed. */
-dlua_gloo_result_t dlua_gloo_connect(dlua_store_t *store, const char *prefix, const char *bind_host, const char *iface,
-                                     int rank, int size, int64_t timeout_ms, dlua_gloo_t **out,
-                                     dlua_status_t *store_status, char *err, size_t errlen);
-void dlua_gloo_destroy(dlua_gloo_t *g);
-
-/* Collectives on contiguous bytes: count elements of elsize (1, 2, 4 or 8) bytes. tag tells
-   concurrent operations apart (the sequence number); timeout_ms bounds the whole call. */
-dlua_gloo_result_t dlua_gloo_allreduce(dlua_gloo_t *g, void *buf, size_t count, size_t elsize, dlua_pg_reduce_fn fn,
-                                       uint32_t tag, int64_t timeout_ms, char *err, size_t errlen);
-dlua_gloo_result_t dlua_gloo_broadcast(dlua_gloo_t *g, void *buf, size_t count, size_t elsize, int root, uint32_t tag,
-                                       int64_t timeout_ms, char *err, size_t errlen);
-/* in (counts[rank] elements) -> out (sum of counts, rank r's part at the sum of counts before r). */
-dlua_gloo_result_t dlua_gloo_allgatherv(dlua_gloo_t *g, const void *in, void *out, const size_t *counts, size_t elsize,
-                                        uint32_t tag, int64_t timeout_ms, char *err, size_t errlen);
-/* in: in_counts[r] elements for rank r, packed in rank order; out likewise, from each rank. */
-dlua_gloo_result_t dlua_gloo_alltoallv(dlua_gloo_t *g, const void *in, const int64_t *in_counts, void *out,
-                                       const int64_t *out_counts, size_t elsize, uint32_t tag, int64_t timeout_ms,
-                                       char *err, size_t errlen);
-dlua_gloo_result_t dlua_gloo_barrier(dlua_gloo_t *g, uint32_t tag, int64_t timeout_ms, char *err, size_t errlen);
-/* Point to point: sends sbytes to dst and receives rbytes from src at once (either side may be
-   absent: NULL / -1). Slots: prefix 0x40 for user send/recv, 0x41 for the reduce-scatter ring. */
-dlua_gloo_result_t dlua_gloo_exchange(dlua_gloo_t *g, const void *sbuf, size_t sbytes, int dst, void *rbuf,
-                                      size_t rbytes, int src, uint8_t prefix, uint32_t tag, int64_t timeout_ms,
-                                      char *err, size_t errlen);
-
-/* Posted point-to-point transfers: post returns at once (the transfer proceeds on gloo's event loop),
-   wait blocks until it completes or timeout_ms passes; free only after wait returned (or post failed). */
-typedef struct dlua_gloo_p2p dlua_gloo_p2p_t;
-dlua_gloo_result_t dlua_gloo_p2p_post(dlua_gloo_t *g, void *ptr, size_t bytes, int peer, int is_send, uint8_t prefix,
-                                      uint32_t tag, dlua_gloo_p2p_t **out, char *err, size_t errlen);
-dlua_gloo_result_t dlua_gloo_p2p_wait(dlua_gloo_p2p_t *p, int64_t timeout_ms, char *err, size_t errlen);
-void dlua_gloo_p2p_free(dlua_gloo_p2p_t *p);
-
-#ifdef __cplusplus
-}
-#endif
 #endif

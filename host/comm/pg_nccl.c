@@ -8,22 +8,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "comm/pg_internal.h"
-#include "core/error.h"
-#include "core/tensor.h"
-
-#ifndef DLUA_HAVE_CUDA
-
-const char *dlua_pg_nccl_unavailable(void) { return "built without CUDA"; }
-
-dlua_status_t dlua_pg_nccl_new(const char *store_host, int store_port, const char *token, const char *name, int rank,
-                               int size, int device, int64_t timeout_ms, dlua_pg_t **out) {
-  if (out) *out = NULL;
-  return DLUA_ERR(DLUA_ERR_ARG, "process group %s: nccl: no CUDA device available (built without CUDA)",
-                  name ? name : "?");
-}
-
-#else
+#include "comm/pg_nccl.h"
 
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
@@ -31,6 +16,8 @@ dlua_status_t dlua_pg_nccl_new(const char *store_host, int store_port, const cha
 #include <nccl.h>
 #include <sched.h>
 
+#include "core/error.h"
+#include "core/tensor.h"
 #include "cuda/stream_handle.h"
 
 /* ---- libnccl, loaded on first use ------------------------------------------------------------------
@@ -86,10 +73,6 @@ static void *try_glob(const char *pattern, char *tried, size_t n) {
 }
 
 static void nc_load(void) {
-#ifdef DLUA_CUDA_EMU
-  snprintf(nc_err, sizeof nc_err, "the CUDA emulator's build has no NCCL; use gloo");
-  return;
-#endif
   char tried[600] = "";
   void *h = NULL;
   const char *env = getenv("DLUA_NCCL_LIBRARY");
@@ -177,9 +160,9 @@ static void pause_us(long us) {
 
 static size_t tbytes(const dlua_tensor_t *t) { return (size_t)dlua_tensor_numel(t) * dlua_dtype_size(t->dtype); }
 
-static dlua_gloo_result_t fail(char *err, size_t n, dlua_gloo_result_t r, const char *fmt, ...)
+static dlua_pg_result_t fail(char *err, size_t n, dlua_pg_result_t r, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
-static dlua_gloo_result_t fail(char *err, size_t n, dlua_gloo_result_t r, const char *fmt, ...) {
+static dlua_pg_result_t fail(char *err, size_t n, dlua_pg_result_t r, const char *fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
   vsnprintf(err, n, fmt, ap);
@@ -188,9 +171,9 @@ static dlua_gloo_result_t fail(char *err, size_t n, dlua_gloo_result_t r, const 
 }
 
 /* "ncclX: <NCCL's name for r>: <its last message>". */
-static dlua_gloo_result_t nccl_fail(nccl_ctx_t *x, ncclResult_t r, const char *what, char *err, size_t n) {
+static dlua_pg_result_t nccl_fail(nccl_ctx_t *x, ncclResult_t r, const char *what, char *err, size_t n) {
   const char *last = nc.GetLastError ? nc.GetLastError(x->comm) : "";
-  return fail(err, n, r == ncclRemoteError ? DLUA_GLOO_IO : DLUA_GLOO_OTHER, "%s: %s%s%s", what,
+  return fail(err, n, r == ncclRemoteError ? DLUA_PG_PEER_LOST : DLUA_PG_FAILED, "%s: %s%s%s", what,
               nc.GetErrorString(r), last && *last ? ": " : "", last ? last : "");
 }
 
@@ -212,29 +195,29 @@ static ncclResult_t settle(nccl_ctx_t *x, ncclResult_t r, int64_t deadline) {
 
 /* Waits for everything queued on the group's stream, watching NCCL's asynchronous errors; at the
    deadline the communicator is aborted, which ends its kernels (stuck waiting for a peer). */
-static dlua_gloo_result_t wait_stream(nccl_ctx_t *x, int64_t deadline, const char *what, char *err, size_t n) {
+static dlua_pg_result_t wait_stream(nccl_ctx_t *x, int64_t deadline, const char *what, char *err, size_t n) {
   cudaError_t ce = cudaEventRecord(x->done, x->cs);
   if (ce != cudaSuccess) {
     cudaGetLastError();
-    return fail(err, n, DLUA_GLOO_OTHER, "%s: cudaEventRecord: %s", what, cudaGetErrorString(ce));
+    return fail(err, n, DLUA_PG_FAILED, "%s: cudaEventRecord: %s", what, cudaGetErrorString(ce));
   }
   for (long spins = 0;; spins++) {
     ce = cudaEventQuery(x->done);
-    if (ce == cudaSuccess) return DLUA_GLOO_OK;
+    if (ce == cudaSuccess) return DLUA_PG_OK;
     if (ce != cudaErrorNotReady) {
       cudaGetLastError();
       abort_comm(x);
-      return fail(err, n, DLUA_GLOO_OTHER, "%s: CUDA error %d: %s", what, (int)ce, cudaGetErrorString(ce));
+      return fail(err, n, DLUA_PG_FAILED, "%s: CUDA error %d: %s", what, (int)ce, cudaGetErrorString(ce));
     }
     ncclResult_t ae = ncclSuccess;
     if (x->comm && nc.CommGetAsyncError(x->comm, &ae) == ncclSuccess && ae != ncclSuccess && ae != ncclInProgress) {
-      dlua_gloo_result_t r = nccl_fail(x, ae, what, err, n);
+      dlua_pg_result_t r = nccl_fail(x, ae, what, err, n);
       abort_comm(x);
       return r;
     }
     if (now_ms() >= deadline) {
       abort_comm(x);
-      return fail(err, n, DLUA_GLOO_TIMEOUT, "%s: not complete at the deadline; communicator aborted", what);
+      return fail(err, n, DLUA_PG_TIMEOUT, "%s: not complete at the deadline; communicator aborted", what);
     }
     // Spin briefly (small collectives end in microseconds), then sleep between polls.
     if (spins < 2000)
@@ -244,15 +227,15 @@ static dlua_gloo_result_t wait_stream(nccl_ctx_t *x, int64_t deadline, const cha
   }
 }
 
-static dlua_gloo_result_t need_scratch(nccl_ctx_t *x, size_t bytes, char *err, size_t n) {
-  if (x->scratch_bytes >= bytes) return DLUA_GLOO_OK;
+static dlua_pg_result_t need_scratch(nccl_ctx_t *x, size_t bytes, char *err, size_t n) {
+  if (x->scratch_bytes >= bytes) return DLUA_PG_OK;
   if (x->scratch && dlua_cuda_free(x->device, x->scratch) != DLUA_OK) dlua_clear_error();
   x->scratch = NULL;
   x->scratch_bytes = 0;
   if (dlua_cuda_malloc(&x->scratch, x->device, bytes, x->stream) != DLUA_OK)
-    return fail(err, n, DLUA_GLOO_OTHER, "scratch memory: %s", dlua_last_error());
+    return fail(err, n, DLUA_PG_FAILED, "scratch memory: %s", dlua_last_error());
   x->scratch_bytes = bytes;
-  return DLUA_GLOO_OK;
+  return DLUA_PG_OK;
 }
 
 /* ---- the backend ---------------------------------------------------------------------------------- */
@@ -337,27 +320,27 @@ static void record_uses(nccl_ctx_t *x, const dlua_work_t *w) {
   }
 }
 
-static dlua_gloo_result_t d2d(nccl_ctx_t *x, void *dst, const void *src, size_t bytes, char *err, size_t n) {
-  if (bytes == 0) return DLUA_GLOO_OK;
+static dlua_pg_result_t d2d(nccl_ctx_t *x, void *dst, const void *src, size_t bytes, char *err, size_t n) {
+  if (bytes == 0) return DLUA_PG_OK;
   cudaError_t ce = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, x->cs);
-  if (ce == cudaSuccess) return DLUA_GLOO_OK;
+  if (ce == cudaSuccess) return DLUA_PG_OK;
   cudaGetLastError();
-  return fail(err, n, DLUA_GLOO_OTHER, "cudaMemcpyAsync: %s", cudaGetErrorString(ce));
+  return fail(err, n, DLUA_PG_FAILED, "cudaMemcpyAsync: %s", cudaGetErrorString(ce));
 }
 
-static dlua_gloo_result_t nc_run(void *c, dlua_work_t *w, int64_t timeout_ms, char *err, size_t errlen) {
+static dlua_pg_result_t nc_run(void *c, dlua_work_t *w, int64_t timeout_ms, char *err, size_t errlen) {
   nccl_ctx_t *x = c;
   int64_t deadline = now_ms() + timeout_ms;
   const char *name = dlua_pg_kind_name(w->kind);
-  if (!x->comm) return fail(err, errlen, DLUA_GLOO_OTHER, "%s: the communicator was aborted", name);
+  if (!x->comm) return fail(err, errlen, DLUA_PG_FAILED, "%s: the communicator was aborted", name);
   cudaSetDevice(x->device);
   if (w->ready && dlua_cuda_stream_wait_event(x->stream, w->ready) != DLUA_OK)
-    return fail(err, errlen, DLUA_GLOO_OTHER, "%s", dlua_last_error());
+    return fail(err, errlen, DLUA_PG_FAILED, "%s", dlua_last_error());
   int rank = x->rank, size = x->size;
   ncclComm_t cm = x->comm;
   cudaStream_t s = x->cs;
   ncclResult_t r = ncclSuccess;
-  dlua_gloo_result_t gr = DLUA_GLOO_OK;
+  dlua_pg_result_t gr = DLUA_PG_OK;
   switch (w->kind) {
     case K_ALL_REDUCE: {
       void *p = dlua_tensor_ptr(w->t);
@@ -392,7 +375,7 @@ static dlua_gloo_result_t nc_run(void *c, dlua_work_t *w, int64_t timeout_ms, ch
         break;
       }
       // Unequal sizes, or outputs apart: every pair exchanges directly (one grouped call).
-      if ((gr = d2d(x, dlua_tensor_ptr(w->outs[rank]), dlua_tensor_ptr(w->t), tbytes(w->t), err, errlen)) != DLUA_GLOO_OK)
+      if ((gr = d2d(x, dlua_tensor_ptr(w->outs[rank]), dlua_tensor_ptr(w->t), tbytes(w->t), err, errlen)) != DLUA_PG_OK)
         return gr;
       nc.GroupStart();
       for (int q = 0; q < size && r == ncclSuccess; q++) {
@@ -411,10 +394,10 @@ static dlua_gloo_result_t nc_run(void *c, dlua_work_t *w, int64_t timeout_ms, ch
       size_t m = (size_t)dlua_tensor_numel(w->t), es = dlua_dtype_size(w->t->dtype);
       char *in = packed(w->ins, size);
       if (!in) {  // pack the inputs into scratch memory, in rank order
-        if ((gr = need_scratch(x, (size_t)size * m * es, err, errlen)) != DLUA_GLOO_OK) return gr;
+        if ((gr = need_scratch(x, (size_t)size * m * es, err, errlen)) != DLUA_PG_OK) return gr;
         in = x->scratch;
         for (int q = 0; q < size; q++)
-          if ((gr = d2d(x, in + (size_t)q * m * es, dlua_tensor_ptr(w->ins[q]), m * es, err, errlen)) != DLUA_GLOO_OK)
+          if ((gr = d2d(x, in + (size_t)q * m * es, dlua_tensor_ptr(w->ins[q]), m * es, err, errlen)) != DLUA_PG_OK)
             return gr;
       }
       r = nc.ReduceScatter(in, dlua_tensor_ptr(w->t), m, nccl_type(w->t->dtype), nccl_op(w->op, w->t->dtype), cm, s);
@@ -423,7 +406,7 @@ static dlua_gloo_result_t nc_run(void *c, dlua_work_t *w, int64_t timeout_ms, ch
     case K_ALL_TO_ALL: {
       ncclDataType_t dt = nccl_type(w->ins[0]->dtype);
       if ((gr = d2d(x, dlua_tensor_ptr(w->outs[rank]), dlua_tensor_ptr(w->ins[rank]), tbytes(w->ins[rank]), err,
-                    errlen)) != DLUA_GLOO_OK)
+                    errlen)) != DLUA_PG_OK)
         return gr;
       nc.GroupStart();
       for (int q = 0; q < size && r == ncclSuccess; q++) {
@@ -439,7 +422,7 @@ static dlua_gloo_result_t nc_run(void *c, dlua_work_t *w, int64_t timeout_ms, ch
       break;
     }
     case K_BARRIER:  // an all-reduce of one element: returns when every rank's stream got there
-      if ((gr = need_scratch(x, 512, err, errlen)) != DLUA_GLOO_OK) return gr;
+      if ((gr = need_scratch(x, 512, err, errlen)) != DLUA_PG_OK) return gr;
       r = nc.AllReduce(x->scratch, x->scratch, 1, ncclInt32, ncclSum, cm, s);
       break;
     case K_SEND:
@@ -450,12 +433,12 @@ static dlua_gloo_result_t nc_run(void *c, dlua_work_t *w, int64_t timeout_ms, ch
       if (dlua_tensor_numel(w->t))
         r = nc.Recv(dlua_tensor_ptr(w->t), (size_t)dlua_tensor_numel(w->t), nccl_type(w->t->dtype), w->peer, cm, s);
       break;
-    default: return fail(err, errlen, DLUA_GLOO_OTHER, "unknown work kind %d", w->kind);
+    default: return fail(err, errlen, DLUA_PG_FAILED, "unknown work kind %d", w->kind);
   }
   r = settle(x, r, deadline);
   if (r == ncclInProgress) {
     abort_comm(x);
-    return fail(err, errlen, DLUA_GLOO_TIMEOUT, "%s: NCCL did not accept the call before the deadline", name);
+    return fail(err, errlen, DLUA_PG_TIMEOUT, "%s: NCCL did not accept the call before the deadline", name);
   }
   if (r != ncclSuccess) {
     char what[64];
@@ -469,42 +452,46 @@ static dlua_gloo_result_t nc_run(void *c, dlua_work_t *w, int64_t timeout_ms, ch
 }
 
 /* Debug mode's fingerprints through NCCL: host bytes up, one all-gather, back down. */
-static dlua_gloo_result_t nc_allgather_host(void *c, const void *in, void *out, size_t bytes, int64_t timeout_ms,
-                                            char *err, size_t errlen) {
+static dlua_pg_result_t nc_allgather_host(void *c, int64_t seq, const void *in, void *out, size_t bytes,
+                                          int64_t timeout_ms, char *err, size_t errlen) {
   nccl_ctx_t *x = c;
   int64_t deadline = now_ms() + timeout_ms;
-  if (!x->comm) return fail(err, errlen, DLUA_GLOO_OTHER, "debug check: the communicator was aborted");
+  if (!x->comm) return fail(err, errlen, DLUA_PG_FAILED, "debug check: the communicator was aborted");
   cudaSetDevice(x->device);
   size_t all = (size_t)x->size * bytes;
-  dlua_gloo_result_t gr = need_scratch(x, all + bytes, err, errlen);
-  if (gr != DLUA_GLOO_OK) return gr;
+  dlua_pg_result_t gr = need_scratch(x, all + bytes, err, errlen);
+  if (gr != DLUA_PG_OK) return gr;
   char *mine = (char *)x->scratch + all;
   cudaError_t ce = cudaMemcpyAsync(mine, in, bytes, cudaMemcpyHostToDevice, x->cs);
   if (ce != cudaSuccess) {
     cudaGetLastError();
-    return fail(err, errlen, DLUA_GLOO_OTHER, "debug check: copy: %s", cudaGetErrorString(ce));
+    return fail(err, errlen, DLUA_PG_FAILED, "debug check: copy: %s", cudaGetErrorString(ce));
   }
   ncclResult_t r = settle(x, nc.AllGather(mine, x->scratch, bytes, ncclUint8, x->comm, x->cs), deadline);
   if (r != ncclSuccess) {
-    gr = r == ncclInProgress ? fail(err, errlen, DLUA_GLOO_TIMEOUT, "debug check: NCCL did not accept the call")
+    gr = r == ncclInProgress ? fail(err, errlen, DLUA_PG_TIMEOUT, "debug check: NCCL did not accept the call")
                              : nccl_fail(x, r, "debug check", err, errlen);
     abort_comm(x);
     return gr;
   }
-  if ((gr = wait_stream(x, deadline, "debug check", err, errlen)) != DLUA_GLOO_OK) return gr;
+  if ((gr = wait_stream(x, deadline, "debug check", err, errlen)) != DLUA_PG_OK) return gr;
   ce = cudaMemcpy(out, x->scratch, all, cudaMemcpyDeviceToHost);
   if (ce != cudaSuccess) {
     cudaGetLastError();
-    return fail(err, errlen, DLUA_GLOO_OTHER, "debug check: copy back: %s", cudaGetErrorString(ce));
+    return fail(err, errlen, DLUA_PG_FAILED, "debug check: copy back: %s", cudaGetErrorString(ce));
   }
-  return DLUA_GLOO_OK;
+  return DLUA_PG_OK;
 }
 
 /* Rank 0's unique id through the store, then a non-blocking ncclCommInitRankConfig polled until the
    deadline: a rank that never comes makes the others fail here, naming it, instead of hanging. */
-static dlua_gloo_result_t nc_join(void *c, dlua_store_t *store, const char *name, int rank, int size,
-                                  int64_t timeout_ms, dlua_status_t *store_status, char *err, size_t errlen) {
+static dlua_pg_result_t nc_join(void *c, const dlua_pg_info_t *g, dlua_status_t *store_status, char *err,
+                                size_t errlen) {
   nccl_ctx_t *x = c;
+  dlua_store_t *store = g->store;
+  const char *name = g->name;
+  int rank = g->rank, size = g->size;
+  int64_t timeout_ms = g->timeout_ms;
   int64_t start = now_ms(), deadline = start + timeout_ms;
   x->rank = rank;
   x->size = size;
@@ -512,11 +499,11 @@ static dlua_gloo_result_t nc_join(void *c, dlua_store_t *store, const char *name
   if (ce == cudaSuccess) ce = cudaEventCreateWithFlags(&x->done, cudaEventDisableTiming);
   if (ce != cudaSuccess) {
     cudaGetLastError();
-    return fail(err, errlen, DLUA_GLOO_OTHER, "cuda:%d: %s", x->device, cudaGetErrorString(ce));
+    return fail(err, errlen, DLUA_PG_FAILED, "cuda:%d: %s", x->device, cudaGetErrorString(ce));
   }
   x->has_done = 1;
   if (dlua_cuda_stream_create(&x->stream, x->device) != DLUA_OK)
-    return fail(err, errlen, DLUA_GLOO_OTHER, "%s", dlua_last_error());
+    return fail(err, errlen, DLUA_PG_FAILED, "%s", dlua_last_error());
   x->cs = (cudaStream_t)dlua_cuda_stream_handle(x->stream, x->device);
 
   char key[PG_NAME + 48];
@@ -525,7 +512,7 @@ static dlua_gloo_result_t nc_join(void *c, dlua_store_t *store, const char *name
   dlua_status_t st;
   if (rank == 0) {
     ncclResult_t r = nc.GetUniqueId(&id);
-    if (r != ncclSuccess) return fail(err, errlen, DLUA_GLOO_OTHER, "ncclGetUniqueId: %s", nc.GetErrorString(r));
+    if (r != ncclSuccess) return fail(err, errlen, DLUA_PG_FAILED, "ncclGetUniqueId: %s", nc.GetErrorString(r));
     st = dlua_store_set(store, key, &id, sizeof id);
   } else {
     void *v = NULL;
@@ -533,7 +520,7 @@ static dlua_gloo_result_t nc_join(void *c, dlua_store_t *store, const char *name
     st = dlua_store_get(store, key, timeout_ms, &v, &n);
     if (st == DLUA_OK && n != sizeof id) {
       dlua_store_free_value(v);
-      return fail(err, errlen, DLUA_GLOO_OTHER, "'%s' holds %zu bytes, not an NCCL unique id (%zu)", key, n, sizeof id);
+      return fail(err, errlen, DLUA_PG_FAILED, "'%s' holds %zu bytes, not an NCCL unique id (%zu)", key, n, sizeof id);
     }
     if (st == DLUA_OK) {
       memcpy(&id, v, sizeof id);
@@ -546,7 +533,7 @@ static dlua_gloo_result_t nc_join(void *c, dlua_store_t *store, const char *name
   }
   if (st != DLUA_OK) {
     *store_status = st;
-    return fail(err, errlen, st == DLUA_ERR_TIMEOUT ? DLUA_GLOO_TIMEOUT : DLUA_GLOO_OTHER, "%s", dlua_last_error());
+    return fail(err, errlen, st == DLUA_ERR_TIMEOUT ? DLUA_PG_TIMEOUT : DLUA_PG_FAILED, "%s", dlua_last_error());
   }
 
   ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
@@ -556,9 +543,9 @@ static dlua_gloo_result_t nc_join(void *c, dlua_store_t *store, const char *name
     pause_us(1000);
     if (nc.CommGetAsyncError(x->comm, &r) != ncclSuccess) break;
   }
-  if (r == ncclSuccess) return DLUA_GLOO_OK;
+  if (r == ncclSuccess) return DLUA_PG_OK;
   if (r != ncclInProgress) {
-    dlua_gloo_result_t gr = nccl_fail(x, r, "ncclCommInitRankConfig", err, errlen);
+    dlua_pg_result_t gr = nccl_fail(x, r, "ncclCommInitRankConfig", err, errlen);
     abort_comm(x);
     return gr;
   }
@@ -581,9 +568,9 @@ static dlua_gloo_result_t nc_join(void *c, dlua_store_t *store, const char *name
     }
   }
   if (nmissing)
-    return fail(err, errlen, DLUA_GLOO_TIMEOUT, "NCCL communicator not ready after %" PRId64 " ms; rank%s %s never arrived",
+    return fail(err, errlen, DLUA_PG_TIMEOUT, "NCCL communicator not ready after %" PRId64 " ms; rank%s %s never arrived",
                 now_ms() - start, nmissing > 1 ? "s" : "", missing);
-  return fail(err, errlen, DLUA_GLOO_TIMEOUT,
+  return fail(err, errlen, DLUA_PG_TIMEOUT,
               "NCCL communicator not ready after %" PRId64 " ms, though every rank arrived (NCCL's bootstrap is stuck: "
               "check NCCL_SOCKET_IFNAME and that the ranks reach each other)",
               now_ms() - start);
@@ -613,31 +600,26 @@ static void nc_close(void *c, int broken) {
   free(x);
 }
 
-static const dlua_pg_backend_t nccl_backend = {"nccl", nc_join, nc_prepare, nc_run, nc_allgather_host, nc_close};
+static const dlua_pg_backend_t nccl_backend = {
+    .name = "nccl",
+    .join = nc_join,
+    .prepare = nc_prepare,
+    .run = nc_run,
+    .allgather_host = nc_allgather_host,
+    .close = nc_close,
+};
 
-const char *dlua_pg_nccl_unavailable(void) {
+const char *dlua_pg_nccl_library_error(void) {
   pthread_once(&nc_once, nc_load);
   return nc.h ? NULL : nc_err;
 }
 
-dlua_status_t dlua_pg_nccl_new(const char *store_host, int store_port, const char *token, const char *name, int rank,
-                               int size, int device, int64_t timeout_ms, dlua_pg_t **out) {
-  if (out) *out = NULL;
-  const char *nm = name ? name : "?";
-  int n = dlua_cuda_device_count();
-  if (n == 0)
-    return DLUA_ERR(DLUA_ERR_ARG, "process group %s: nccl: no CUDA device available (%s)", nm,
-                    dlua_cuda_unavailable_reason());
-  if (device < 0 || device >= n)
-    return DLUA_ERR(DLUA_ERR_ARG, "process group %s: nccl: no device cuda:%d (%d CUDA device%s)", nm, device, n,
-                    n == 1 ? "" : "s");
-  pthread_once(&nc_once, nc_load);
-  if (!nc.h) return DLUA_ERR(DLUA_ERR_ARG, "process group %s: nccl: %s", nm, nc_err);
+dlua_status_t dlua_pg_nccl_open(const dlua_pg_open_t *args, const dlua_pg_backend_t **be, void **ctx) {
   nccl_ctx_t *x = calloc(1, sizeof *x);
-  if (!x) return DLUA_ERR(DLUA_ERR_OOM, "process group %s: out of memory", nm);
-  x->device = device;
-  x->timeout_ms = timeout_ms;
-  return dlua_pg_new_with_backend(store_host, store_port, token, name, rank, size, timeout_ms, &nccl_backend, x, out);
+  if (!x) return DLUA_ERR(DLUA_ERR_OOM, "process group %s: out of memory", args->name ? args->name : "?");
+  x->device = args->device;
+  x->timeout_ms = args->timeout_ms;
+  *be = &nccl_backend;
+  *ctx = x;
+  return DLUA_OK;
 }
-
-#endif

@@ -268,12 +268,12 @@ static dlua_status_t put(dlua_store_t *store, const char *prefix, const char *wh
   return dlua_store_set(store, key, val, strlen(val));
 }
 
-dlua_gloo_result_t dlua_shm_join(dlua_store_t *store, const char *prefix, int rank, int size, int64_t timeout_ms,
-                                 dlua_shm_t **out, char *why, size_t whylen, dlua_status_t *store_status, char *err,
-                                 size_t errlen) {
+dlua_pg_result_t dlua_shm_join(dlua_store_t *store, const char *prefix, int rank, int size, int64_t timeout_ms,
+                               dlua_shm_t **out, char *why, size_t whylen, dlua_status_t *store_status, char *err,
+                               size_t errlen) {
   *out = NULL;
   snprintf(why, whylen, "one rank");
-  if (size < 2) return DLUA_GLOO_OK;
+  if (size < 2) return DLUA_PG_OK;
   char mine[320];
   const char *env = getenv("DLUA_SHM");
   if (env && !strcmp(env, "0"))
@@ -344,11 +344,11 @@ dlua_gloo_result_t dlua_shm_join(dlua_store_t *store, const char *prefix, int ra
     drop(s);
     *store_status = st;
     snprintf(err, errlen, "%s", dlua_last_error());
-    return st == DLUA_ERR_TIMEOUT ? DLUA_GLOO_TIMEOUT : DLUA_GLOO_OTHER;
+    return st == DLUA_ERR_TIMEOUT ? DLUA_PG_TIMEOUT : DLUA_PG_FAILED;
   }
   if (s) snprintf(why, whylen, "all %d ranks on this host", size);
   *out = s;
-  return DLUA_GLOO_OK;
+  return DLUA_PG_OK;
 }
 
 /* ---- shared regions ----------------------------------------------------------------------------------- */

@@ -6,7 +6,8 @@
 #define DLUA_COMM_SHM_H
 #include <stddef.h>
 #include <stdint.h>
-#include "comm/pg.h"
+#include "comm/pg_backend.h"
+#include "comm/pg_reduce.h"
 
 typedef struct dlua_shm dlua_shm_t;
 
@@ -20,10 +21,10 @@ typedef enum {
 /* Meets the other ranks through `store` under "<prefix>/shm/...". All ranks agree on the outcome:
    *out is the segment when every rank is on this host (same kernel boot, same /dev/shm) and none set
    DLUA_SHM=0; else NULL, with the reason in why (e.g. "ranks 0 and 2 are on different hosts"). Store
-   failures come back as a gloo result with *store_status and err set. */
-dlua_gloo_result_t dlua_shm_join(dlua_store_t *store, const char *prefix, int rank, int size, int64_t timeout_ms,
-                                 dlua_shm_t **out, char *why, size_t whylen, dlua_status_t *store_status, char *err,
-                                 size_t errlen);
+   failures come back as a backend result with *store_status and err set. */
+dlua_pg_result_t dlua_shm_join(dlua_store_t *store, const char *prefix, int rank, int size, int64_t timeout_ms,
+                               dlua_shm_t **out, char *why, size_t whylen, dlua_status_t *store_status, char *err,
+                               size_t errlen);
 
 /* All-reduce of count elements in place (AVG divides too); every rank gets the same bytes, summed in
    rank order whatever the timing. seq is the collective's number (it goes into mismatch messages). */

@@ -1,4 +1,4 @@
-/* The rendezvous store's wire protocol and limits, shared by store.c and its tests. */
+/* The rendezvous store's wire protocol and limits, shared by its server, its client and their tests. */
 #ifndef DLUA_COMM_STORE_H
 #define DLUA_COMM_STORE_H
 #include <stddef.h>
@@ -59,11 +59,5 @@ enum {
 };
 #define DLUA_STORE_MAX_VALUE ((size_t)256 << 20)
 #define DLUA_STORE_MAX_FRAME (DLUA_STORE_MAX_VALUE + ((size_t)1 << 20))
-
-/* Connections the server holds now (authenticated or still in the handshake); for tests
-   that check that dead clients are cleaned up. */
-int dlua_store_server_num_clients(const dlua_store_server_t *server);
-/* Keys stored now. */
-int64_t dlua_store_server_num_keys(const dlua_store_server_t *server);
 
 #endif

@@ -57,7 +57,7 @@ local function run(code)
 end
 
 function M.serve()
-  local rank = env_number('RANK')
+  local rank, world = env_number('RANK'), env_number('WORLD_SIZE')
   local host, port = os.getenv('MASTER_ADDR') or '127.0.0.1', env_number('MASTER_PORT')
   local store = store_binding.connect(host, port, os.getenv('DLUA_JOB_TOKEN') or '', 60)
   _G.dlua = _G.dlua or require 'dlua'
@@ -80,6 +80,13 @@ function M.serve()
       else
         error(v, 0)
       end
+    end
+    -- the last rank to read a chunk removes it: the launcher cannot, since for ':on R' it hears only
+    -- from rank R, and another rank may not have read the chunk yet
+    local read_key = 'dlua/repl/read/' .. k
+    if store:add(read_key, 1) == world then
+      store:delete(key)
+      store:delete(read_key)
     end
     local target, code = msg:match('^(%w+)\n(.*)$')
     if target == 'exit' then break end

@@ -126,6 +126,13 @@ expect "SPMD REPL: :on 1 runs on rank 1 only" 'grep -qx "\[1\] only	1" <<<"$out"
 expect "SPMD REPL: multi-line chunk" 'grep -qx "\[0-1\] 1 2 " <<<"$out"' "$out"
 expect "SPMD REPL: the session goes on after an error" 'grep -qx "\[0-1\] still here" <<<"$out"' "$out"
 
+# ':on R' chunks one after another: the rank that does not run a chunk still reads it before it is removed
+# (the launcher used to delete it once rank R answered; the other rank then waited for it forever)
+chunks=()
+for i in $(seq 1 40); do chunks+=(":on $((i % 2)) n = (n or 0) + 1"); done
+out=$(printf '%s\n' "${chunks[@]}" 'print(n)' | timeout 60 "$DLUA" --nproc 2 -i 2>&1); rc=$?
+expect "SPMD REPL: 40 ':on R' chunks in a row, then one on every rank" '[ $rc -eq 0 ] && grep -qx "\[0-1\] 20" <<<"$out"' "rc=$rc: $out"
+
 # Ctrl-C during a chunk interrupts it on every rank; the session goes on
 # (a loop of C calls: os.execute would not do, system() ignores SIGINT while its child runs)
 (printf '%s\n' 'while true do os.clock() end'; sleep 4; printf '%s\n' 'print("after", dist.rank())') |

@@ -1,4 +1,4 @@
-/* Check suite for the NCCL group's no-GPU answers (host/comm/pg_nccl.c) and the grouped all-reduce (pg.c) on gloo. */
+/* Check suite for the NCCL group's no-GPU answers (host/comm/pg_registry.c) and the grouped all-reduce (pg.c) on gloo. */
 #define _GNU_SOURCE
 #include <check.h>
 #include <inttypes.h>
@@ -33,6 +33,9 @@ START_TEST(test_nccl_new_errors) {
     ck_assert_msg(strstr(dlua_last_error(), "no device cuda:999"), "%s", dlua_last_error());
   }
   ck_assert_str_eq(dlua_pg_backend(NULL), "");
+  // The backend registry knows NCCL even where it is not built, and says why it cannot be used.
+  if (!strcmp(dlua_cuda_unavailable_reason(), "built without CUDA"))
+    ck_assert_str_eq(dlua_pg_nccl_unavailable() ? dlua_pg_nccl_unavailable() : "(null)", "built without CUDA");
 }
 END_TEST
 

@@ -1,4 +1,4 @@
-/* Check suite for host/comm/store.c: the rendezvous store's server, client and protocol. */
+/* Check suite for host/comm/store_*.c: the rendezvous store's server, client and protocol. */
 #define _GNU_SOURCE
 #include <check.h>
 #include <errno.h>
@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include "comm/store.h"
+#include "comm/store_server.h"
 #include "core/api.h"
 #include "core/error.h"
 

@@ -22,7 +22,7 @@
 #include <gloo/transport/unbound_buffer.h>
 #include <gloo/types.h>
 
-#include "comm/pg.h"
+#include "comm/gloo.h"
 
 namespace {
 
@@ -80,24 +80,24 @@ struct Elem {
   char b[N];
 };
 
-dlua_gloo_result_t fail(char *err, size_t errlen, dlua_gloo_result_t r, const char *msg) {
+dlua_pg_result_t fail(char *err, size_t errlen, dlua_pg_result_t r, const char *msg) {
   if (err && errlen) snprintf(err, errlen, "%s", msg);
   return r;
 }
 
 // Runs f, mapping every exception to a result code; gloo's own timeouts read "Timed out waiting".
 template <typename F>
-dlua_gloo_result_t guarded(char *err, size_t errlen, F &&f) {
+dlua_pg_result_t guarded(char *err, size_t errlen, F &&f) {
   try {
     f();
-    return DLUA_GLOO_OK;
+    return DLUA_PG_OK;
   } catch (const gloo::IoException &e) {
     const char *m = e.what();
-    return fail(err, errlen, strstr(m, "Timed out") ? DLUA_GLOO_TIMEOUT : DLUA_GLOO_IO, m);
+    return fail(err, errlen, strstr(m, "Timed out") ? DLUA_PG_TIMEOUT : DLUA_PG_PEER_LOST, m);
   } catch (const std::exception &e) {
-    return fail(err, errlen, DLUA_GLOO_OTHER, e.what());
+    return fail(err, errlen, DLUA_PG_FAILED, e.what());
   } catch (...) {
-    return fail(err, errlen, DLUA_GLOO_OTHER, "unknown C++ exception");
+    return fail(err, errlen, DLUA_PG_FAILED, "unknown C++ exception");
   }
 }
 
@@ -152,10 +152,10 @@ struct dlua_gloo {
   std::_Exit(1);
 }
 
-extern "C" dlua_gloo_result_t dlua_gloo_connect(dlua_store_t *store, const char *prefix, const char *bind_host,
-                                                const char *iface, int rank, int size, int64_t timeout_ms,
-                                                dlua_gloo_t **out, dlua_status_t *store_status, char *err,
-                                                size_t errlen) {
+extern "C" dlua_pg_result_t dlua_gloo_connect(dlua_store_t *store, const char *prefix, const char *bind_host,
+                                              const char *iface, int rank, int size, int64_t timeout_ms,
+                                              dlua_gloo_t **out, dlua_status_t *store_status, char *err,
+                                              size_t errlen) {
   *out = nullptr;
   if (store_status) *store_status = DLUA_OK;
   dlua_gloo_t *g = nullptr;
@@ -181,20 +181,20 @@ extern "C" dlua_gloo_result_t dlua_gloo_connect(dlua_store_t *store, const char 
     DluaStore st(store, prefix, timeout_ms);
     g->context->connectFullMesh(st, g->device);
     *out = g;
-    return DLUA_GLOO_OK;
+    return DLUA_PG_OK;
   } catch (const StoreError &e) {
     if (store_status) *store_status = e.status;
     delete g;
-    return fail(err, errlen, e.status == DLUA_ERR_TIMEOUT ? DLUA_GLOO_TIMEOUT : DLUA_GLOO_OTHER, e.what());
+    return fail(err, errlen, e.status == DLUA_ERR_TIMEOUT ? DLUA_PG_TIMEOUT : DLUA_PG_FAILED, e.what());
   } catch (const gloo::IoException &e) {
     delete g;
-    return fail(err, errlen, strstr(e.what(), "Timed out") ? DLUA_GLOO_TIMEOUT : DLUA_GLOO_IO, e.what());
+    return fail(err, errlen, strstr(e.what(), "Timed out") ? DLUA_PG_TIMEOUT : DLUA_PG_PEER_LOST, e.what());
   } catch (const std::exception &e) {
     delete g;
-    return fail(err, errlen, DLUA_GLOO_OTHER, e.what());
+    return fail(err, errlen, DLUA_PG_FAILED, e.what());
   } catch (...) {
     delete g;
-    return fail(err, errlen, DLUA_GLOO_OTHER, "unknown C++ exception");
+    return fail(err, errlen, DLUA_PG_FAILED, "unknown C++ exception");
   }
 }
 
@@ -219,9 +219,9 @@ static void allreduce_n(dlua_gloo_t *g, void *buf, size_t count, dlua_pg_reduce_
   gloo::allreduce(opts);
 }
 
-extern "C" dlua_gloo_result_t dlua_gloo_allreduce(dlua_gloo_t *g, void *buf, size_t count, size_t elsize,
-                                                  dlua_pg_reduce_fn fn, uint32_t tag, int64_t timeout_ms, char *err,
-                                                  size_t errlen) {
+extern "C" dlua_pg_result_t dlua_gloo_allreduce(dlua_gloo_t *g, void *buf, size_t count, size_t elsize,
+                                                dlua_pg_reduce_fn fn, uint32_t tag, int64_t timeout_ms, char *err,
+                                                size_t errlen) {
   return guarded(err, errlen, [&] {
     switch (elsize) {
       case 1: allreduce_n<1>(g, buf, count, fn, tag, timeout_ms); break;
@@ -233,8 +233,8 @@ extern "C" dlua_gloo_result_t dlua_gloo_allreduce(dlua_gloo_t *g, void *buf, siz
   });
 }
 
-extern "C" dlua_gloo_result_t dlua_gloo_broadcast(dlua_gloo_t *g, void *buf, size_t count, size_t elsize, int root,
-                                                  uint32_t tag, int64_t timeout_ms, char *err, size_t errlen) {
+extern "C" dlua_pg_result_t dlua_gloo_broadcast(dlua_gloo_t *g, void *buf, size_t count, size_t elsize, int root,
+                                                uint32_t tag, int64_t timeout_ms, char *err, size_t errlen) {
   return guarded(err, errlen, [&] {
     gloo::BroadcastOptions opts(g->context);
     opts.setOutput<char>((char *)buf, count * elsize);  // bytes: broadcast never looks at elements
@@ -245,9 +245,9 @@ extern "C" dlua_gloo_result_t dlua_gloo_broadcast(dlua_gloo_t *g, void *buf, siz
   });
 }
 
-extern "C" dlua_gloo_result_t dlua_gloo_allgatherv(dlua_gloo_t *g, const void *in, void *out, const size_t *counts,
-                                                   size_t elsize, uint32_t tag, int64_t timeout_ms, char *err,
-                                                   size_t errlen) {
+extern "C" dlua_pg_result_t dlua_gloo_allgatherv(dlua_gloo_t *g, const void *in, void *out, const size_t *counts,
+                                                 size_t elsize, uint32_t tag, int64_t timeout_ms, char *err,
+                                                 size_t errlen) {
   return guarded(err, errlen, [&] {
     int size = g->context->size, rank = g->context->rank;
     std::vector<size_t> bytes(size);
@@ -264,9 +264,9 @@ extern "C" dlua_gloo_result_t dlua_gloo_allgatherv(dlua_gloo_t *g, const void *i
   });
 }
 
-extern "C" dlua_gloo_result_t dlua_gloo_alltoallv(dlua_gloo_t *g, const void *in, const int64_t *in_counts, void *out,
-                                                  const int64_t *out_counts, size_t elsize, uint32_t tag,
-                                                  int64_t timeout_ms, char *err, size_t errlen) {
+extern "C" dlua_pg_result_t dlua_gloo_alltoallv(dlua_gloo_t *g, const void *in, const int64_t *in_counts, void *out,
+                                                const int64_t *out_counts, size_t elsize, uint32_t tag,
+                                                int64_t timeout_ms, char *err, size_t errlen) {
   return guarded(err, errlen, [&] {
     int size = g->context->size;
     std::vector<int64_t> ib(size), ob(size);
@@ -283,8 +283,8 @@ extern "C" dlua_gloo_result_t dlua_gloo_alltoallv(dlua_gloo_t *g, const void *in
   });
 }
 
-extern "C" dlua_gloo_result_t dlua_gloo_barrier(dlua_gloo_t *g, uint32_t tag, int64_t timeout_ms, char *err,
-                                                size_t errlen) {
+extern "C" dlua_pg_result_t dlua_gloo_barrier(dlua_gloo_t *g, uint32_t tag, int64_t timeout_ms, char *err,
+                                              size_t errlen) {
   return guarded(err, errlen, [&] {
     gloo::BarrierOptions opts(g->context);
     opts.setTag(tag);
@@ -293,9 +293,9 @@ extern "C" dlua_gloo_result_t dlua_gloo_barrier(dlua_gloo_t *g, uint32_t tag, in
   });
 }
 
-extern "C" dlua_gloo_result_t dlua_gloo_exchange(dlua_gloo_t *g, const void *sbuf, size_t sbytes, int dst, void *rbuf,
-                                                 size_t rbytes, int src, uint8_t prefix, uint32_t tag,
-                                                 int64_t timeout_ms, char *err, size_t errlen) {
+extern "C" dlua_pg_result_t dlua_gloo_exchange(dlua_gloo_t *g, const void *sbuf, size_t sbytes, int dst, void *rbuf,
+                                               size_t rbytes, int src, uint8_t prefix, uint32_t tag,
+                                               int64_t timeout_ms, char *err, size_t errlen) {
   return guarded(err, errlen, [&] {
     uint64_t slot = gloo::Slot::build(prefix, tag);
     std::unique_ptr<gloo::transport::UnboundBuffer> sb, rb;
@@ -325,12 +325,12 @@ struct dlua_gloo_p2p {
   bool send;
 };
 
-extern "C" dlua_gloo_result_t dlua_gloo_p2p_post(dlua_gloo_t *g, void *ptr, size_t bytes, int peer, int is_send,
-                                                 uint8_t prefix, uint32_t tag, dlua_gloo_p2p_t **out, char *err,
-                                                 size_t errlen) {
+extern "C" dlua_pg_result_t dlua_gloo_p2p_post(dlua_gloo_t *g, void *ptr, size_t bytes, int peer, int is_send,
+                                               uint8_t prefix, uint32_t tag, dlua_gloo_p2p_t **out, char *err,
+                                               size_t errlen) {
   *out = nullptr;
   dlua_gloo_p2p_t *p = nullptr;
-  dlua_gloo_result_t r = guarded(err, errlen, [&] {
+  dlua_pg_result_t r = guarded(err, errlen, [&] {
     p = new dlua_gloo_p2p_t();
     p->send = is_send != 0;
     p->buf = g->context->createUnboundBuffer(ptr, bytes);
@@ -340,7 +340,7 @@ extern "C" dlua_gloo_result_t dlua_gloo_p2p_post(dlua_gloo_t *g, void *ptr, size
     else
       p->buf->recv(peer, slot);
   });
-  if (r != DLUA_GLOO_OK) {
+  if (r != DLUA_PG_OK) {
     delete p;
     return r;
   }
@@ -348,7 +348,7 @@ extern "C" dlua_gloo_result_t dlua_gloo_p2p_post(dlua_gloo_t *g, void *ptr, size
   return r;
 }
 
-extern "C" dlua_gloo_result_t dlua_gloo_p2p_wait(dlua_gloo_p2p_t *p, int64_t timeout_ms, char *err, size_t errlen) {
+extern "C" dlua_pg_result_t dlua_gloo_p2p_wait(dlua_gloo_p2p_t *p, int64_t timeout_ms, char *err, size_t errlen) {
   return guarded(err, errlen, [&] {
     bool ok = p->send ? p->buf->waitSend(ms(timeout_ms)) : p->buf->waitRecv(ms(timeout_ms));
     if (!ok) throw std::runtime_error(p->send ? "send aborted" : "recv aborted");
