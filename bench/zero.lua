@@ -3,7 +3,8 @@
 -- Model: an MLP 1024 -> 2048 -> 2048 -> 2048 -> 10 (10.5M float32 parameters), AdamW, batch 8 per rank.
 -- Rank 0 prints one line: mode, parameters, model-state bytes (the most any rank holds), the
 -- formula's, live allocator bytes (the most any rank has, model built to after the last step, less
--- what was live before the model), the process's peak, ms per step (median).
+-- what was live before the model), the process's peak, ms per step (median), and the step's peak
+-- of model states and ZeRO's buffers (zero:memory().peak: buckets in flight, gathered modules).
 local dlua = require 'dlua'
 local nn = require 'dlua.nn'
 local optim = require 'dlua.optim'
@@ -48,7 +49,7 @@ end
 collectgarbage(); collectgarbage()
 local live = dlua.memory_allocated() - base
 
-local states
+local states, step_peak
 if mode == 'ddp' then
   local a = net:flatten()
   states = 0
@@ -56,15 +57,17 @@ if mode == 'ddp' then
   for _, s in pairs(opt.state) do
     for k, v in pairs(s) do if k ~= 'numel' then states = states + v:numel() * 4 end end
   end
+  step_peak = states
 else
-  states = model:memory().model_states
+  local m = model:memory()
+  states, step_peak = m.model_states, m.peak
 end
 table.sort(times)
-local t = dlua.tensor({ states, live, dlua.memory_peak(), times[math.ceil(#times / 2)] }, { dtype = 'float64' })
+local t = dlua.tensor({ states, live, dlua.memory_peak(), times[math.ceil(#times / 2)], step_peak }, { dtype = 'float64' })
 dist.all_reduce(t, 'max')
 local N = world
 local formula = ({ ddp = 16 * P, zero1 = 8 * P + 8 * P / N, zero2 = 4 * P + 12 * P / N, zero3 = 16 * P / N })[mode]
 if rank == 0 then
-  io.write(string.format('%s\t%d\t%d\t%d\t%d\t%d\t%.1f\n', mode, P, t[1], formula, t[2], t[3], t[4]))
+  io.write(string.format('%s\t%d\t%d\t%d\t%d\t%d\t%.1f\t%d\n', mode, P, t[1], formula, t[2], t[3], t[4], t[5]))
 end
 dist.destroy()
