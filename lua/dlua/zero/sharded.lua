@@ -146,7 +146,7 @@ function M.setup(z, zero)
 end
 
 ---------------------------------------------------------------------------------------------
--- Gradient buckets: bound to a zeroed buffer when a module of theirs starts backward, all-reduced
+-- Gradient buckets: bound to a zeroed buffer when a module of theirs starts backward, reduce-scattered
 -- (in plan order) when their last gradient is written, then each rank keeps its slice.
 
 function S._bind(z, b)
@@ -163,9 +163,17 @@ function S._launch(z, b)
   if not b.buf then z:_bind(b) end
   -- accumulate = k: each micro-batch's gradients count 1/k (their sum in the shard is the mean)
   if z.accumulate > 1 then b.buf:mul_(1 / z.accumulate) end
-  -- Averaged over the ranks with DDP's collective (an all-reduce: dlua has no reduce_scatter of
-  -- unequal parts yet, see docs/zero.md), so each element is what DDP would compute.
-  if z.world > 1 then b.work = z.dist.all_reduce(b.buf, 'avg', { async = true, group = z.group }) end
+  -- Reduce-scattered: rank q receives the average of the bucket's part that falls in its shard (the
+  -- parts differ in size, some are empty), summed in rank order as DDP's all-reduce, so each element is
+  -- what DDP would compute, at half DDP's traffic.
+  if z.world > 1 then
+    local parts = {}
+    for q, r in ipairs(z.shards[b.dtype].ranges) do
+      local lo, hi = max(b.offset, r.offset), min(b.offset + b.numel, r.offset + r.numel)
+      parts[q] = Z.slice(b.buf, lo < hi and lo - b.offset or 0, lo < hi and hi - lo or 0)
+    end
+    b.work = z.dist.reduce_scatter(parts[z.rank + 1], parts, 'avg', { async = true, group = z.group })
+  end
   b.launched = true
   z._inflight[#z._inflight + 1] = b
 end
@@ -229,7 +237,7 @@ post_backward = function(z, u, ...)
   return ...
 end
 
--- Runs the model's backward: each bucket is all-reduced as its last gradient is written (a
+-- Runs the model's backward: each bucket is reduce-scattered as its last gradient is written (a
 -- parameter without gradient holds its bucket, and those after it, to the end of backward: zeros),
 -- and this rank adds its slice to its shard. Every micro-batch is reduced, no_sync or not: keeping
 -- unreduced sums would need the whole gradient (docs/zero.md).
