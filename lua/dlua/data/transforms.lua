@@ -138,10 +138,10 @@ local apply_opts = { seed = true, epoch = true, index = true }
 -- t(img, {seed = 0, epoch = 1, index = 1}): the transform on one image (H, W, C) uint8,
 -- drawn as sample `index` of `epoch`, exactly as a DataLoader with that seed would.
 local function apply(t, img, opts)
-  local o = check_options('transform', opts, apply_opts, 3)
-  local p = pipeline_of(t, 3)
+  local o = check_options('transform', opts, apply_opts, 2)
+  local p = pipeline_of(t, 2)
   local ok, r = pcall(binding.pipeline_apply, p, img, o.seed or 0, o.epoch or 1, o.index or 1)
-  if not ok then reraise(3, r) end
+  if not ok then reraise(2, r) end
   return r
 end
 Transform.__call = apply
