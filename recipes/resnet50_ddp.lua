@@ -14,7 +14,7 @@ local opt = cli.parse(arg, {
   data = '', epochs = 1, batch = 32, lr = 0.1, warmup = 5, accumulate = 1, image_size = 32, workers = 2,
   seed = 1, limit = 0, eval_limit = 0, model = 'resnet50', momentum = 0.9, weight_decay = 1e-4,
   bucket_mb = 25, threads = 0, channels_last = true, print_every = 10, sync_bn = false, device = 'auto',
-  clip_grad = 0, save = '', save_every = 0, save_async = false, keep = 0, resume = '', stop_after = 0,
+  clip_grad = 0, zero = 0, offload = false, save = '', save_every = 0, save_async = false, keep = 0, resume = '', stop_after = 0,
   checkpoint_activations = 'none',
 }, {
   description = 'Trains a ResNet (default ResNet-50) data-parallel with dlua.dist.DDP.',
@@ -37,6 +37,8 @@ local opt = cli.parse(arg, {
     sync_bn = 'batch-norm statistics over all ranks (SyncBatchNorm) instead of per rank',
     device = "'auto' (this rank's GPU when each rank has one, else the CPU), 'cpu' or 'cuda'",
     clip_grad = 'clip the all-reduced gradients\' total 2-norm to N before each step (0: off)',
+    zero = 'ZeRO stage 1, 2 or 3 instead of DDP (dlua.dist.ZeRO: optimizer state, gradients, parameters sharded); 0: DDP',
+    offload = 'with --zero: optimizer state and step in pinned host memory (a no-op for CPU ranks, which says so)',
     save = 'checkpoint directory (dlua.ckpt: DIR/step-N/, DIR/latest)',
     save_every = 'save a checkpoint every N optimizer steps (0: only at the end, with --save)',
     save_async = 'write checkpoints on a background thread while training goes on',
@@ -152,7 +154,11 @@ if ckpt_policy ~= 'none' and ckpt_policy ~= 'blocks' and ckpt_policy ~= 'stages'
 end
 local ckpt_plan = net:checkpoint(ckpt_policy)
 net:to(device)
-local model = dist.DDP(net, { accumulate = opt.accumulate, bucket_mb = opt.bucket_mb })
+if opt.zero ~= 0 and opt.zero ~= 1 and opt.zero ~= 2 and opt.zero ~= 3 then error('--zero: 0 (DDP), 1, 2 or 3', 0) end
+if opt.offload and opt.zero == 0 then error('--offload needs --zero 1, 2 or 3', 0) end
+local model = opt.zero > 0
+    and dist.ZeRO(net, { stage = opt.zero, offload = opt.offload, accumulate = opt.accumulate, bucket_mb = opt.bucket_mb })
+    or dist.DDP(net, { accumulate = opt.accumulate, bucket_mb = opt.bucket_mb })
 local criterion = nn.CrossEntropyLoss()
 local global_batch = opt.batch * world * opt.accumulate
 local peak = lr.scale(opt.lr, global_batch, 256)
@@ -176,7 +182,11 @@ log('%d ranks x batch %d x accumulate %d = global batch %d; lr %.4g (%.3g per 25
   world, opt.batch, opt.accumulate, global_batch, peak, opt.lr, warm, total, device == 'cpu' and 'CPU' or device, dlua.get_num_threads())
 -- CUDA gradients go through NCCL when every rank has a GPU; CPU ones through shared memory or TCP.
 local transport = device ~= 'cpu' and dist.backend() ~= 'gloo' and 'nccl' or dist.transport()
-log('DDP: %d buckets, all-reduce over %s%s', #model:bucket_plan(), transport, opt.sync_bn and ', SyncBatchNorm' or '')
+if opt.zero > 0 then
+  log('%s; %d gradient buckets over %s%s', model:memory_line(), #model:bucket_plan(), transport, opt.sync_bn and ', SyncBatchNorm' or '')
+else
+  log('DDP: %d buckets, all-reduce over %s%s', #model:bucket_plan(), transport, opt.sync_bn and ', SyncBatchNorm' or '')
+end
 if ckpt_policy ~= 'none' then log('%s', tostring(ckpt_plan)) end
 
 local function evaluate()
@@ -256,7 +266,9 @@ for epoch = resumed_epoch or 1, opt.epochs do
     progress.images = progress.images + y:numel() * world
     if i % opt.accumulate == 0 then
       -- waits for DDP's buckets, so the norm is the averaged gradients' (one device sync per step)
-      if opt.clip_grad > 0 then grad_norm = nn.utils.clip_grad_norm_(model, opt.clip_grad) end
+      if opt.clip_grad > 0 then  -- under ZeRO: over every rank's shard
+        grad_norm = opt.zero > 0 and model:clip_grad_norm_(opt.clip_grad) or nn.utils.clip_grad_norm_(model, opt.clip_grad)
+      end
       sgd:set_lr(schedule(step))
       sgd:step()
       sgd:zero_grad()
@@ -292,5 +304,5 @@ if stopped then
 else
   log('done in %.0f s: test accuracy %.4f', dlua.perf_counter() - t_start, acc)
 end
-log('parameters crc32 %s', ckpt.crc32(net))
+log('parameters crc32 %s', ckpt.crc32(model))  -- ZeRO-3: its gathered state dict (every rank computes it)
 dist.destroy()
