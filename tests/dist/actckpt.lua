@@ -1,6 +1,7 @@
 -- Activation checkpointing under DDP: checkpointed blocks give bit-identical gradients to plain ones on every rank, each
 -- module's gradients are marked ready once (PyTorch's "Expected to mark a variable ready only once" cannot happen),
--- buckets still start during backward; with SyncBatchNorm too (the recompute's statistics all-reduce again).
+-- buckets still start during backward; with SyncBatchNorm too (the recompute's statistics all-reduce again); ZeRO
+-- stages 2 and 3 (one parameter gather per module per pass serves the recompute and the backward).
 -- Run: dlua --nproc N tests/dist/actckpt.lua
 local dlua = require 'dlua'
 local nn = require 'dlua.nn'
@@ -92,7 +93,61 @@ for _, sync in ipairs({ false, true }) do
   checks = checks + 1
 end
 
--- 2. the failure checkpointing avoids: a recompute that ran a module's backward a second time is refused
+-- 2. ZeRO stages 2 and 3: checkpointed blocks train to the same parameters; under stage 3 every module's
+-- parameters are gathered once per backward pass, for its recompute and its backward together
+local function flat_params(model)
+  local sd = model:state_dict()  -- gathers under stage 3
+  local parts = {}
+  for _, k in ipairs(sd:keys()) do
+    if not k:find('running_') and not k:find('num_batches') then parts[#parts + 1] = sd[k]:contiguous():view(sd[k]:numel()) end
+  end
+  return dlua.cat(parts, 1)
+end
+local gg = dist.new_group()
+for _, stage in ipairs({ 2, 3 }) do
+  local want
+  for _, policy in ipairs({ 'none', 'blocks' }) do
+    local m = net(false)
+    m:checkpoint(policy)
+    local z = dist.ZeRO(m, { stage = stage, bucket_mb = 0.05, first_bucket_mb = 0.01, gather_group = stage == 3 and gg or nil })
+    local opt = optim.SGD(z, { lr = 0.05, momentum = 0.9 })
+    local crit = nn.CrossEntropyLoss()
+    local issued = {}
+    if stage == 3 then
+      local issue = z._issue
+      z._issue = function(zz, u, ph)
+        local c = issued[ph.kind] or {}
+        issued[ph.kind] = c
+        c[u] = (c[u] or 0) + 1
+        return issue(zz, u, ph)
+      end
+    end
+    for s = 1, 2 do
+      issued = {}
+      local x, y = batch(s)
+      opt:zero_grad()
+      local out = z:forward(x)
+      crit:forward(out, y)
+      z:backward(x, crit:backward(out, y))
+      opt:step()
+      if stage == 3 then
+        for _, kind in ipairs({ 'forward', 'backward' }) do
+          local units = 0
+          for _, c in pairs(issued[kind] or {}) do
+            units = units + 1
+            if c ~= 1 then fail('ZeRO-3 %s step %d: a module gathered %d times in its %s pass', policy, s, c, kind) end
+          end
+          if units ~= #z.units then fail('ZeRO-3 %s: %d of %d modules gathered in the %s pass', policy, units, #z.units, kind) end
+        end
+      end
+    end
+    local got = flat_params(z)
+    if want == nil then want = got else identical(got, want, string.format('ZeRO-%d blocks: parameters after training', stage)) end
+  end
+  checks = checks + 1
+end
+
+-- 3. the failure checkpointing avoids: a recompute that ran a module's backward a second time is refused
 do
   dlua.manual_seed(5)
   local lin = nn.Linear(4, 3)

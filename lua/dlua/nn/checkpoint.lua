@@ -76,8 +76,9 @@ end
 --   leave(ck, token)      after the segment's backward (hooks leave in reverse order)
 -- ck.module is the segment, ck:modules() its modules. Built in: 'rng' (generator positions) and
 -- 'buffers' (batch-norm running statistics). Mixed precision registers its autocast state here (save
--- the policy in force, enter it, restore at recomputed) and ZeRO-3 its gather (enter gathers the
--- segment's parameters once for both the recompute and the backward, leave frees them): docs/nn.md.
+-- the policy in force, enter it, restore at recomputed): docs/nn.md. ZeRO-3 needs no hook: the
+-- recompute runs inside its backward pass, which keeps a module's gathered parameters until the
+-- module's backward, so one gather serves both.
 
 Checkpoint.hooks = {}
 
