@@ -282,7 +282,25 @@ function Checkpoint:backward(...)
     local f = hooks[i].fns.leave
     if f then f(self, tokens[i]) end
   end
-  release(mods, before, add_all(add_all(add_all({}, args), pack(...)), r))
+  local spare = add_all(add_all(add_all({}, args), pack(...)), r)
+  release(mods, before, spare)
+  -- A gradient the caller gave up (in_place: Sequential between its children) is spent once the
+  -- segment's backward has run, and so is this segment's output when a policy made the wrapper and
+  -- the output is not the model's (the layers after it have run their backward): both go now, as
+  -- PyTorch frees a graph's saved tensors in backward. A second backward after one forward then
+  -- fails with "tensor was freed" instead of reading them.
+  local kept = add_all(add_all({}, args), r)
+  local grad = select(2, ...)
+  if inner.grad_in_place and select(3, ...) == true and is_tensor(grad) and not kept[grad] then grad:free() end
+  local root, out = rawget(self, '_root'), rawget(self, '_out')
+  if root ~= nil and out ~= nil then
+    local final = rawget(root, 'output')
+    for i = 1, out.n do
+      local t = out[i]
+      if is_tensor(t) and not kept[t] and not rawequal(t, final) then t:free() end
+    end
+    self._out = nil
+  end
   self.grad_input, self._gin = r[1], r
   return unpack(r, 1, r.n)
 end
@@ -391,11 +409,11 @@ local function by_paths(root, paths, level)
   return r
 end
 
-local function wrap(list)
+local function wrap(root, list)
   for _, e in ipairs(list) do
     if not is_checkpoint(e.module) then
       local ck = Checkpoint(e.module)
-      ck._policy = true
+      ck._policy, ck._root = true, root
       replace(e.parent, e.name, e.module, ck)
       e.ck = ck
     else
@@ -470,7 +488,7 @@ local function budget_plan(root, policy, level)
   if #cands == 0 then
     error(format('model:checkpoint{budget_mb =}: %s has no residual blocks to choose from (modules with is_block)', root.__name), level + 1)
   end
-  wrap(cands)
+  wrap(root, cands)
   local dev = x.device
   for _, e in ipairs(cands) do e.ck._probe = { device = dev } end
   local snap = snapshot(root)
@@ -546,7 +564,7 @@ function Module:checkpoint(policy)
     error(format("model:checkpoint: policy must be 'none', 'blocks', 'stages', a list of module paths or {budget_mb = N, input = x}, got %s",
       type(policy) == 'string' and format('%q', policy) or type(policy)), 2)
   end
-  wrap(list)
+  wrap(self, list)
   return plan_of(policy, list)
 end
 

@@ -225,6 +225,23 @@ describe('model:checkpoint', function()
     assert.equal(mine, cifar.layer1:get(1))
   end)
 
+  it('releases what backward has used: a block\'s output, a gradient given up, never the model\'s output', function()
+    local x, y = dlua.randn(2, 3, 16, 16), dlua.tensor({ 1, 2 }, { dtype = 'int64' })
+    local crit = nn.CrossEntropyLoss()
+    for _, policy in ipairs({ 'blocks', { 'layer1', 'fc' } }) do
+      local m = resnet.resnet18({ num_classes = 4 })
+      m:checkpoint(policy)
+      local out = m:forward(x)
+      crit:forward(out, y)
+      local block_out = m.layer1.output
+      assert.is_true(pcall(function() return block_out:sum() end))
+      m:backward(x, crit:backward(out, y))
+      assert.is_false(pcall(function() return block_out:sum() end), 'layer1\'s output is spent after its backward')
+      assert.equal(2, out:argmax(2):numel(), 'the model\'s output stays (here the output of a checkpointed fc)')
+      assert.is_true(x:sum():item() == x:sum():item(), 'and its input')
+    end
+  end)
+
   it('plans for a memory budget from one measured forward, largest blocks first', function()
     local x = dlua.randn({ 4, 3, 32, 32 }, { generator = dlua.Generator(2) })
     local m = small_resnet18(1)
