@@ -197,7 +197,9 @@ end
 -- Construction
 
 local SCHEDULES = { gpipe = 1, ['1f1b'] = 2 }
-local instances = {}  -- pipelines made so far per pipeline group (see the links below)
+local links = {}  -- key -> the 2-rank group of a pipeline edge and direction
+-- (a group of a job that dist.destroy ended is not reused)
+local function alive(g) return (g.pg ~= nil and g.pg.h ~= nil) or (g.nccl ~= nil and g.nccl.h ~= nil) end
 local function schedule_name(code)
   for k, v in pairs(SCHEDULES) do if v == code then return k end end
   return tostring(code)
@@ -283,13 +285,16 @@ function M.new(dist, stages, opts)
     end
   end
 
-  -- the links to the neighbouring stages (see Pipeline:_p2p); pipelines made on the same group are
-  -- numbered alike on its ranks, so their groups' names agree
+  -- the links to the neighbouring stages (see Pipeline:_p2p), made once per pipeline group and
+  -- shared by the pipelines made on it (a step finishes all its transfers before the next begins)
   local gid = group and tostring(group.id) or 'world'
-  instances[gid] = (instances[gid] or 0) + 1
-  local key = format('pipeline/%s/%d', gid, instances[gid])
   local function link(e, dir)  -- the edge between stages e and e + 1
-    local g = dist.new_group_of({ self._neighbour(e - 1), self._neighbour(e) }, format('%s/%s%d', key, dir, e))
+    local key = format('pipeline/%s/%s%d', gid, dir, e)
+    local g = links[key]
+    if g == nil or not alive(g) then
+      g = dist.new_group_of({ self._neighbour(e - 1), self._neighbour(e) }, key)
+      links[key] = g
+    end
     return { group = g, peer = 1 - g:rank() }
   end
   if s > 1 then self._fin, self._bout = link(s - 1, 'F'), link(s - 1, 'B') end
