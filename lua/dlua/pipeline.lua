@@ -466,7 +466,7 @@ function Pipeline:_begin(kind, x, target)
     if hb[2] ~= kind then
       error(format('%s: this stage called %s but stage %d (rank %d) called %s: every stage of a pipeline makes the same '
                    .. 'calls in the same order', self:_where(), KIND_NAME[kind], s - 1, self._neighbour(s - 2),
-                   KIND_NAME[hb[2]] or '?'), 0)
+                   KIND_NAME[hb[2]] or '?'), 3)  -- the caller's line
     end
     c.n, c.N, c.mode = hb[3], hb[4], hb[5]
     c.sizes = M.split_sizes(c.N, self.chunks)
@@ -631,26 +631,16 @@ function Pipeline:_backward(i)
   self:_progress()
 end
 
--- Runs the schedule, waits for the sends, updates the statistics.
-function Pipeline:_run_ops(kind_name, t_start)
+-- Runs the schedule, then waits for the sends.
+function Pipeline:_run_ops(kind_name)
   local c = self._cur
-  local ops = M.schedule(kind_name, self.stages, self.stage, c.n)
-  for _, op in ipairs(ops) do
+  for _, op in ipairs(M.schedule(kind_name, self.stages, self.stage, c.n)) do
     if op.kind == 'F' then self:_forward(op.micro) else self:_backward(op.micro) end
   end
   for k, w in ipairs(c.sends) do
     self:_wait(w, 'a send to a neighbouring stage')
     c.sends[k] = nil
   end
-  local st = self.stats
-  st.steps = st.steps + 1
-  st.forward = st.forward + c.busy_f
-  st.backward = st.backward + c.busy_b
-  st.wait = st.wait + c.wait
-  st.micro = c.n
-  st.peak_live = max(st.peak_live, c.peak)
-  st.last_peak_live = c.peak
-  return ops
 end
 
 -- step(x, target): forward and backward of the batch through every stage, in micro-batches.
@@ -661,12 +651,21 @@ end
 function Pipeline:step(x, target)
   local t0 = dlua.perf_counter()
   self:_begin(KIND.step, x, target)
-  self:_run_ops(self.schedule, t0)
+  self:_run_ops(self.schedule)
   local c = self._cur
   local loss = dlua.zeros({}, { dtype = 'float64' })
   if self:is_last() then loss:copy_(c.loss:to('cpu')) end
   if self.stages > 1 then self.dist.broadcast(loss, self.stages - 1, { group = self.group }) end
-  self.stats.wall = self.stats.wall + (dlua.perf_counter() - t0)
+  -- the statistics count training steps only (an evaluation in between leaves them as they were)
+  local st = self.stats
+  st.steps = st.steps + 1
+  st.forward = st.forward + c.busy_f
+  st.backward = st.backward + c.busy_b
+  st.wait = st.wait + c.wait
+  st.micro = c.n
+  st.peak_live = max(st.peak_live, c.peak)
+  st.last_peak_live = c.peak
+  st.wall = st.wall + (dlua.perf_counter() - t0)
   self._steps = self._steps + 1
   self._cur = nil
   return loss
@@ -675,9 +674,8 @@ end
 -- forward(x): the batch through every stage in micro-batches, no backward (evaluation). Returns
 -- the output (the micro-batches' outputs concatenated) on the last stage, nil on the others.
 function Pipeline:forward(x)
-  local t0 = dlua.perf_counter()
   self:_begin(KIND.forward, x, nil)
-  self:_run_ops('forward', t0)
+  self:_run_ops('forward')
   local c = self._cur
   self._cur = nil
   self.stats.forward_calls = self.stats.forward_calls + 1
