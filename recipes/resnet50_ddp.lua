@@ -15,7 +15,7 @@ local opt = cli.parse(arg, {
   data = '', epochs = 1, batch = 32, lr = 0.1, warmup = 5, accumulate = 1, image_size = 32, workers = 2,
   seed = 1, limit = 0, eval_limit = 0, model = 'resnet50', momentum = 0.9, weight_decay = 1e-4,
   bucket_mb = 25, threads = 0, channels_last = true, print_every = 10, sync_bn = false, device = 'auto',
-  clip_grad = 0, save = '', save_every = 0, save_async = false, keep = 0, resume = '', stop_after = 0,
+  clip_grad = 0, zero = 0, offload = false, save = '', save_every = 0, save_async = false, keep = 0, resume = '', stop_after = 0,
   pipeline = 0, chunks = 8, schedule = '1f1b', split = 'time',
 }, {
   description = 'Trains a ResNet (default ResNet-50) data-parallel with dlua.dist.DDP.',
@@ -38,6 +38,8 @@ local opt = cli.parse(arg, {
     sync_bn = 'batch-norm statistics over all ranks (SyncBatchNorm) instead of per rank',
     device = "'auto' (this rank's GPU when each rank has one, else the CPU), 'cpu' or 'cuda'",
     clip_grad = 'clip the all-reduced gradients\' total 2-norm to N before each step (0: off)',
+    zero = 'ZeRO stage 1, 2 or 3 instead of DDP (dlua.dist.ZeRO: optimizer state, gradients, parameters sharded); 0: DDP',
+    offload = 'with --zero: optimizer state and step in pinned host memory (a no-op for CPU ranks, which says so)',
     save = 'checkpoint directory (dlua.ckpt: DIR/step-N/, DIR/latest)',
     save_every = 'save a checkpoint every N optimizer steps (0: only at the end, with --save)',
     save_async = 'write checkpoints on a background thread while training goes on',
@@ -168,6 +170,9 @@ local net = build({ in_channels = 3, num_classes = num_classes, zero_init_residu
 -- (under --pipeline, over the replicas of each stage; with one pipeline there is nothing to synchronise)
 if opt.sync_bn and not (piped and layout.data == nil) then nn.SyncBatchNorm.convert(net, piped and { group = layout.data } or nil) end
 net:to(device)
+if opt.zero ~= 0 and opt.zero ~= 1 and opt.zero ~= 2 and opt.zero ~= 3 then error('--zero: 0 (DDP), 1, 2 or 3', 0) end
+if opt.offload and opt.zero == 0 then error('--offload needs --zero 1, 2 or 3', 0) end
+if piped and opt.zero > 0 then error('--zero with --pipeline: not supported yet (docs/pipeline.md, ZeRO)', 0) end
 local criterion = nn.CrossEntropyLoss()
 local model, split_info
 if piped then
@@ -189,6 +194,8 @@ if piped then
   stages, split_info = dist.Pipeline.split(net, opt.pipeline, { costs = costs, by = by })
   model = dist.Pipeline(stages, { chunks = opt.chunks, schedule = opt.schedule, group = layout.pipe,
     data_group = layout.data, loss = criterion, ddp = layout.data and { bucket_mb = opt.bucket_mb } or nil })
+elseif opt.zero > 0 then
+  model = dist.ZeRO(net, { stage = opt.zero, offload = opt.offload, accumulate = opt.accumulate, bucket_mb = opt.bucket_mb })
 else
   model = dist.DDP(net, { accumulate = opt.accumulate, bucket_mb = opt.bucket_mb })
 end
@@ -221,6 +228,13 @@ if piped then
   end
   log('%s', model.ddp and ('DDP across the %d replicas of each stage: %d buckets, all-reduce over %s'):format(replicas,
     #model.ddp:bucket_plan(), transport) or 'one pipeline: no data parallelism')
+else
+  log('%d ranks x batch %d x accumulate %d = global batch %d; lr %.4g (%.3g per 256), %d warmup steps of %d; %s, %d threads per rank',
+    world, opt.batch, opt.accumulate, global_batch, peak, opt.lr, warm, total, device == 'cpu' and 'CPU' or device, dlua.get_num_threads())
+elseif opt.zero > 0 then
+  log('%d ranks x batch %d x accumulate %d = global batch %d; lr %.4g (%.3g per 256), %d warmup steps of %d; %s, %d threads per rank',
+    world, opt.batch, opt.accumulate, global_batch, peak, opt.lr, warm, total, device == 'cpu' and 'CPU' or device, dlua.get_num_threads())
+  log('%s; %d gradient buckets over %s%s', model:memory_line(), #model:bucket_plan(), transport, opt.sync_bn and ', SyncBatchNorm' or '')
 else
   log('%d ranks x batch %d x accumulate %d = global batch %d; lr %.4g (%.3g per 256), %d warmup steps of %d; %s, %d threads per rank',
     world, opt.batch, opt.accumulate, global_batch, peak, opt.lr, warm, total, device == 'cpu' and 'CPU' or device, dlua.get_num_threads())
@@ -312,8 +326,12 @@ for epoch = resumed_epoch or 1, opt.epochs do
     if i % opt.accumulate == 0 then
       -- waits for DDP's buckets, so the norm is the averaged gradients' (one device sync per step);
       -- a pipeline's norm sums its stages' pieces
-      if opt.clip_grad > 0 then
-        grad_norm = nn.utils.clip_grad_norm_(model, opt.clip_grad, 2, piped and { group = layout.pipe or true } or nil)
+      if opt.clip_grad > 0 then  -- under ZeRO: over every rank's shard
+        if opt.zero > 0 then
+          grad_norm = model:clip_grad_norm_(opt.clip_grad)
+        else
+          grad_norm = nn.utils.clip_grad_norm_(model, opt.clip_grad, 2, piped and { group = layout.pipe or true } or nil)
+        end
       end
       sgd:set_lr(schedule(step))
       sgd:step()
@@ -357,6 +375,6 @@ if piped then  -- each stage's own (its replicas hold the same)
   local crc = ckpt.crc32(model.module)
   if layout.replica == 1 then print(('stage %d parameters crc32 %s'):format(layout.stage, crc)) end
 else
-  log('parameters crc32 %s', ckpt.crc32(net))
+  log('parameters crc32 %s', ckpt.crc32(model))  -- ZeRO-3: its gathered state dict (every rank computes it)
 end
 dist.destroy()

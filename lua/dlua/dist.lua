@@ -461,6 +461,8 @@ end
 
 -- Data-parallel training (lua/dlua/ddp.lua, docs/ddp.md).
 function dist.DDP(model, opts) return require('dlua.ddp').new(dist, model, opts) end
+-- Sharded data parallelism, ZeRO stages 1-3 (lua/dlua/zero.lua, docs/zero.md).
+function dist.ZeRO(model, opts) return require('dlua.zero').new(dist, model, opts) end
 
 -- Pipeline parallelism (lua/dlua/pipeline.lua, docs/pipeline.md): dist.Pipeline(stages, opts),
 -- dist.Pipeline.split(model, n), dist.Pipeline.groups(p).
