@@ -47,7 +47,7 @@ local opt = cli.parse(arg, {
     resume = "'auto' (the newest complete checkpoint in --save, or a fresh start) or a checkpoint directory",
     stop_after = 'stop after N optimizer steps, saving first (the schedule is the full run\'s)',
     pipeline = 'cut the model into N pipeline stages, one per rank (dist.Pipeline); the ranks left over are data-parallel '
-      .. 'replicas of each pipeline (0: plain DDP)',
+      .. 'replicas of each pipeline, DDP or --zero 1 across them (0: no pipeline)',
     chunks = 'with --pipeline: micro-batches per step (--batch is then the images per pipeline per step)',
     schedule = "with --pipeline: 'gpipe' or '1f1b'",
     split = "with --pipeline: balance the stages by measured 'time' or by 'params'",
@@ -172,7 +172,8 @@ if opt.sync_bn and not (piped and layout.data == nil) then nn.SyncBatchNorm.conv
 net:to(device)
 if opt.zero ~= 0 and opt.zero ~= 1 and opt.zero ~= 2 and opt.zero ~= 3 then error('--zero: 0 (DDP), 1, 2 or 3', 0) end
 if opt.offload and opt.zero == 0 then error('--offload needs --zero 1, 2 or 3', 0) end
-if piped and opt.zero > 0 then error('--zero with --pipeline: not supported yet (docs/pipeline.md, ZeRO)', 0) end
+if piped and opt.zero > 1 then error('--zero 2 or 3 with --pipeline: not supported yet (--zero 1 shards the optimizer state across the replicas)', 0) end
+if piped and opt.zero > 0 and opt.clip_grad > 0 then error('--clip-grad with --pipeline --zero 1: not supported yet', 0) end
 local criterion = nn.CrossEntropyLoss()
 local model, split_info
 if piped then
@@ -192,8 +193,14 @@ if piped then
   end
   local stages
   stages, split_info = dist.Pipeline.split(net, opt.pipeline, { costs = costs, by = by })
+  -- across the replicas of each stage: DDP, or ZeRO-1 (--zero 1) through the pipeline's data_parallel hook
+  local zero1
+  if opt.zero == 1 and layout.data then
+    zero1 = function(m, grp) return dist.ZeRO(m, { stage = 1, group = grp, offload = opt.offload, bucket_mb = opt.bucket_mb }) end
+  end
   model = dist.Pipeline(stages, { chunks = opt.chunks, schedule = opt.schedule, group = layout.pipe,
-    data_group = layout.data, loss = criterion, ddp = layout.data and { bucket_mb = opt.bucket_mb } or nil })
+    data_group = layout.data, loss = criterion, data_parallel = zero1,
+    ddp = layout.data and not zero1 and { bucket_mb = opt.bucket_mb } or nil })
 elseif opt.zero > 0 then
   model = dist.ZeRO(net, { stage = opt.zero, offload = opt.offload, accumulate = opt.accumulate, bucket_mb = opt.bucket_mb })
 else
@@ -226,19 +233,16 @@ if piped then
   for s, b in ipairs(split_info.bounds) do
     log('  stage %d (by %s): %s .. %s', s, split_info.by, split_info.units[b[1]], split_info.units[b[2]])
   end
-  log('%s', model.ddp and ('DDP across the %d replicas of each stage: %d buckets, all-reduce over %s'):format(replicas,
-    #model.ddp:bucket_plan(), transport) or 'one pipeline: no data parallelism')
+  log('%s', model.ddp and ('%s across the %d replicas of each stage: %d buckets over %s'):format(opt.zero == 1 and 'ZeRO-1' or 'DDP',
+    replicas, #model.ddp:bucket_plan(), transport) or 'one pipeline: no data parallelism')
 else
   log('%d ranks x batch %d x accumulate %d = global batch %d; lr %.4g (%.3g per 256), %d warmup steps of %d; %s, %d threads per rank',
     world, opt.batch, opt.accumulate, global_batch, peak, opt.lr, warm, total, device == 'cpu' and 'CPU' or device, dlua.get_num_threads())
-elseif opt.zero > 0 then
-  log('%d ranks x batch %d x accumulate %d = global batch %d; lr %.4g (%.3g per 256), %d warmup steps of %d; %s, %d threads per rank',
-    world, opt.batch, opt.accumulate, global_batch, peak, opt.lr, warm, total, device == 'cpu' and 'CPU' or device, dlua.get_num_threads())
-  log('%s; %d gradient buckets over %s%s', model:memory_line(), #model:bucket_plan(), transport, opt.sync_bn and ', SyncBatchNorm' or '')
-else
-  log('%d ranks x batch %d x accumulate %d = global batch %d; lr %.4g (%.3g per 256), %d warmup steps of %d; %s, %d threads per rank',
-    world, opt.batch, opt.accumulate, global_batch, peak, opt.lr, warm, total, device == 'cpu' and 'CPU' or device, dlua.get_num_threads())
-  log('DDP: %d buckets, all-reduce over %s%s', #model:bucket_plan(), transport, opt.sync_bn and ', SyncBatchNorm' or '')
+  if opt.zero > 0 then
+    log('%s; %d gradient buckets over %s%s', model:memory_line(), #model:bucket_plan(), transport, opt.sync_bn and ', SyncBatchNorm' or '')
+  else
+    log('DDP: %d buckets, all-reduce over %s%s', #model:bucket_plan(), transport, opt.sync_bn and ', SyncBatchNorm' or '')
+  end
 end
 
 local function evaluate()

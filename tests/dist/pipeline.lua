@@ -280,12 +280,16 @@ do
 end
 
 ---------------------------------------------------------------------------------------------
--- 3. 2 pipelines x 2 replicas on 4 ranks = one rank on the whole batch (SGD, three steps)
-do
-  local g = Pipeline.groups(2)
-  if g.stage ~= rank % 2 + 1 or g.replica ~= math.floor(rank / 2) + 1 or g.replicas ~= 2 then fail('groups: %d %d', g.stage, g.replica) end
-  local pipe = Pipeline(Pipeline.split(mlp(55), 2), { group = g.pipe, data_group = g.data, chunks = 4, loss = crit })
-  if pipe.ddp == nil then fail('no DDP across the replicas of stage %d', g.stage) end
+-- 3. 2 pipelines x 2 replicas on 4 ranks = one rank on the whole batch (SGD, three steps): DDP across
+-- the replicas of each stage, then ZeRO-1 through the data_parallel hook
+local g = Pipeline.groups(2)
+if g.stage ~= rank % 2 + 1 or g.replica ~= math.floor(rank / 2) + 1 or g.replicas ~= 2 then fail('groups: %d %d', g.stage, g.replica) end
+for _, wrapper in ipairs({ 'ddp', 'zero1' }) do
+  local hook
+  if wrapper == 'zero1' then hook = function(m, grp) return dist.ZeRO(m, { stage = 1, group = grp }) end end
+  local pipe = Pipeline(Pipeline.split(mlp(55), 2), { group = g.pipe, data_group = g.data, chunks = 4, loss = crit,
+                                                      data_parallel = hook })
+  if pipe.ddp == nil then fail('no data parallelism across the replicas of stage %d', g.stage) end
   local opt = optim.SGD(pipe, { lr = 0.1, momentum = 0.9, weight_decay = 1e-3 })
   local ref = mlp(55)
   local ref_opt = optim.SGD(ref, { lr = 0.1, momentum = 0.9, weight_decay = 1e-3 })
@@ -302,13 +306,14 @@ do
     pipe:step(x:narrow(1, lo + 1, B), y:narrow(1, lo + 1, B))
     opt:step()
   end
+  if wrapper == 'zero1' then pipe.ddp:_wait_params() end  -- the stepped shards gathered back (else at the next forward)
   local rp = {}
   for _, e in ipairs(ref:named_parameters()) do rp[e.name] = e.param end
-  for _, e in ipairs(pipe:named_parameters()) do
+  for _, e in ipairs(pipe.module:named_parameters()) do
     local d = max_diff(e.param, rp[e.name])
-    if d > 1e-12 then fail('2x2: parameter %s differs from one rank on the whole batch by %g', e.name, d) end
+    if d > 1e-12 then fail('2x2 (%s): parameter %s differs from one rank on the whole batch by %g', wrapper, e.name, d) end
   end
-  if pipe.ddp.steps_synced ~= 3 then fail('DDP reduced %d times in 3 steps', pipe.ddp.steps_synced) end
+  if pipe.ddp.steps_synced ~= 3 then fail('%s reduced %d times in 3 steps', wrapper, pipe.ddp.steps_synced) end
   checks = checks + 1
 end
 

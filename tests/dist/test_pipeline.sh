@@ -35,6 +35,10 @@ out=$(cd "$root" && timeout 300 "$DLUA" --nproc 4 recipes/resnet50_ddp.lua --mod
   --batch 8 --image-size 16 --pipeline 2 --chunks 3 --split params 2>&1); rc=$?
 expect "resnet50_ddp --pipeline 2 on 4 ranks: trains, evaluates and reports the schedule" \
   '[ $rc -eq 0 ] && grep -q "2 pipelines x 2 stages x batch 8 in 3 micro-batches (1f1b) = global batch 16" <<<"$out" && grep -q "DDP across the 2 replicas of each stage" <<<"$out" && grep -Eq "^\[0\] epoch 1  train loss [0-9.]+  test accuracy 0\.[0-9]{4} \(32 images\)" <<<"$out" && grep -q "bubble .* measured" <<<"$out"' "$out"
+out=$(cd "$root" && timeout 300 "$DLUA" --nproc 4 recipes/resnet50_ddp.lua --model resnet18 --limit 32 --eval-limit 16 \
+  --batch 8 --image-size 16 --pipeline 2 --chunks 2 --split params --zero 1 2>&1); rc=$?
+expect "resnet50_ddp --pipeline 2 --zero 1 on 4 ranks: ZeRO-1 across the replicas" \
+  '[ $rc -eq 0 ] && grep -q "ZeRO-1 across the 2 replicas of each stage" <<<"$out" && grep -Eq "^\[0\] epoch 1  train loss [0-9.]+" <<<"$out"' "$out"
 out=$(cd "$root" && timeout 300 "$DLUA" --nproc 2 recipes/resnet50_ddp.lua --model resnet18 --limit 32 --eval-limit 16 \
   --batch 8 --image-size 16 --pipeline 2 --chunks 2 --schedule gpipe 2>&1); rc=$?
 expect "resnet50_ddp --pipeline 2 --schedule gpipe on 2 ranks (stages by measured time)" \
