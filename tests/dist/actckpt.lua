@@ -1,7 +1,7 @@
 -- Activation checkpointing under DDP: checkpointed blocks give bit-identical gradients to plain ones on every rank, each
 -- module's gradients are marked ready once (PyTorch's "Expected to mark a variable ready only once" cannot happen),
 -- buckets still start during backward; with SyncBatchNorm too (the recompute's statistics all-reduce again); ZeRO
--- stages 2 and 3 (one parameter gather per module per pass serves the recompute and the backward).
+-- stages 2 and 3 (one parameter gather per module per pass serves the recompute and the backward); pipeline stages.
 -- Run: dlua --nproc N tests/dist/actckpt.lua
 local dlua = require 'dlua'
 local nn = require 'dlua.nn'
@@ -147,7 +147,36 @@ for _, stage in ipairs({ 2, 3 }) do
   checks = checks + 1
 end
 
--- 3. the failure checkpointing avoids: a recompute that ran a module's backward a second time is refused
+-- 3. pipeline stages (dist.Pipeline) holding checkpointed blocks: several micro-batches' forwards before their
+-- backwards, each one's fields kept aside and put back; gradients and running statistics as without checkpointing
+for _, schedule in ipairs({ 'gpipe', '1f1b' }) do
+  local got = {}
+  for _, policy in ipairs({ 'none', 'blocks' }) do
+    local m = net(false)
+    m:checkpoint(policy)
+    local pipe = dist.Pipeline(dist.Pipeline.split(m, world), { chunks = 3, schedule = schedule, loss = nn.CrossEntropyLoss() })
+    local g = dlua.Generator(77)
+    local x = dlua.randn({ 7, 3, 10, 10 }, { generator = g })
+    local y = dlua.randint(1, 8, { 7 }, { generator = g, dtype = 'int64' })
+    for _ = 1, 2 do
+      pipe:zero_grad()
+      pipe:step(rank == 0 and x or nil, rank == world - 1 and y or nil)
+    end
+    local r = {}
+    for _, e in ipairs(pipe:named_parameters()) do r[e.name] = e.grad:clone() end
+    for _, e in ipairs(pipe.module:named_buffers()) do r[e.name] = e.buffer:clone() end
+    got[policy] = r
+  end
+  local n = 0
+  for name, t in pairs(got.none) do
+    identical(got.blocks[name], t, string.format('pipeline %s, blocks: %s', schedule, name))
+    n = n + 1
+  end
+  if n == 0 then fail('pipeline %s: nothing compared', schedule) end
+  checks = checks + 1
+end
+
+-- 4. the failure checkpointing avoids: a recompute that ran a module's backward a second time is refused
 do
   dlua.manual_seed(5)
   local lin = nn.Linear(4, 3)

@@ -222,19 +222,20 @@ end
 function Checkpoint:forward(...)
   local inner = self.module
   local args = pack(...)
-  -- As Torch7's output buffers, the previous forward's outputs go when the next forward starts: they
-  -- were kept for the next layer and for this segment's backward, both done. Waiting for the
-  -- collector instead would hold a second set of the model's kept activations through this step.
+  -- As Torch7's output buffers, the previous forward's outputs go when the next forward starts, once
+  -- their backward has run (the layers after them have run theirs too); waiting for the collector
+  -- would hold a second set of kept activations through this step. Not before that backward: a
+  -- pipeline stage runs several forwards before their backwards, keeping each one's fields aside.
   -- (Inputs belong to the caller and stay.)
   local prev = rawget(self, '_out')
-  if prev then
+  if prev and rawget(self, '_spent') then
     local mine = add_all(add_all({}, args), rawget(self, '_args'))
     for i = 1, prev.n do
       local t = prev[i]
       if is_tensor(t) and not mine[t] then t:free() end
     end
-    self._out = nil
   end
+  self._out, self._spent = nil, nil
   local mods = self:modules()
   self._mods = mods
   local before = held_set(mods)
@@ -257,15 +258,6 @@ function Checkpoint:backward(...)
   local args, states = rawget(self, '_args'), rawget(self, '_states')
   if args == nil then error('Checkpoint: backward before forward', 2) end
   local inner, mods, hooks = self.module, self._mods, Checkpoint.hooks
-  local prev = rawget(self, '_gin')
-  if prev then
-    local mine = add_all({}, pack(...))
-    for i = 1, prev.n do
-      local t = prev[i]
-      if is_tensor(t) and not mine[t] then t:free() end
-    end
-    self._gin = nil
-  end
   local tokens = {}
   for i, h in ipairs(hooks) do
     local enter = h.fns.enter
@@ -301,7 +293,7 @@ function Checkpoint:backward(...)
     end
     self._out = nil
   end
-  self.grad_input, self._gin = r[1], r
+  self.grad_input, self._spent = r[1], true
   return unpack(r, 1, r.n)
 end
 
