@@ -276,22 +276,25 @@ function Checkpoint:backward(...)
   end
   local spare = add_all(add_all(add_all({}, args), pack(...)), r)
   release(mods, before, spare)
-  -- A gradient the caller gave up (in_place: Sequential between its children) is spent once the
-  -- segment's backward has run, and so is this segment's output when a policy made the wrapper and
-  -- the output is not the model's (the layers after it have run their backward): both go now, as
-  -- PyTorch frees a graph's saved tensors in backward. A second backward after one forward then
-  -- fails with "tensor was freed" instead of reading them.
-  local kept = add_all(add_all({}, args), r)
-  local grad = select(2, ...)
-  if inner.grad_in_place and select(3, ...) == true and is_tensor(grad) and not kept[grad] then grad:free() end
-  local root, out = rawget(self, '_root'), rawget(self, '_out')
-  if root ~= nil and out ~= nil then
-    local final = rawget(root, 'output')
-    for i = 1, out.n do
-      local t = out[i]
-      if is_tensor(t) and not kept[t] and not rawequal(t, final) then t:free() end
+  -- A caller that gives the gradient up (backward(x, grad, true): Sequential between its children, the
+  -- ResNets and their blocks) has also run the backward of everything that read this segment's
+  -- output. Both are spent: the gradient goes now, and so does the output when a policy made the
+  -- wrapper and the output is not the model's (as PyTorch frees a graph's saved tensors in backward);
+  -- waiting for the next forward would hold them through the rest of this backward. A plain
+  -- backward(x, grad) keeps both (its caller may still read the output).
+  if inner.grad_in_place and select(3, ...) == true then
+    local kept = add_all(add_all({}, args), r)
+    local grad = select(2, ...)
+    if is_tensor(grad) and not kept[grad] then grad:free() end
+    local root, out = rawget(self, '_root'), rawget(self, '_out')
+    if root ~= nil and out ~= nil then
+      local final = rawget(root, 'output')
+      for i = 1, out.n do
+        local t = out[i]
+        if is_tensor(t) and not kept[t] and not rawequal(t, final) then t:free() end
+      end
+      self._out = nil
     end
-    self._out = nil
   end
   self.grad_input, self._spent = r[1], true
   return unpack(r, 1, r.n)
