@@ -13,7 +13,8 @@ local pack = function(...) return { n = select('#', ...), ... } end
 -- module's forward again on the kept input, with the generators where the first forward had them (the
 -- same dropout masks) and the buffers unchanged (batch-norm running statistics are updated once), then
 -- the module's own backward, and frees what that recompute made. The kernels and their order are the
--- same as without checkpointing, so gradients are bit-identical.
+-- same as without checkpointing, so gradients are bit-identical. Outputs and gradients given up are
+-- freed once spent (see forward and backward), not when the collector finds them.
 --
 -- The wrapper is transparent: parameters keep their names ("layer1.0.conv1.weight", not
 -- "layer1.0.module.conv1.weight"), fields it does not have read through to the module
@@ -98,7 +99,7 @@ function Checkpoint.register_hook(name, hook)
   Checkpoint.hooks[#Checkpoint.hooks + 1] = { name = name, fns = hook }
 end
 
--- The segment's modules (itself included), depth first.
+-- The segment's modules (the wrapped module first), depth first.
 function Checkpoint:modules()
   local r = {}
   self.module:walk(function(_, m) r[#r + 1] = m end)
