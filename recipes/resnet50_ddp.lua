@@ -16,7 +16,7 @@ local opt = cli.parse(arg, {
   seed = 1, limit = 0, eval_limit = 0, model = 'resnet50', momentum = 0.9, weight_decay = 1e-4,
   bucket_mb = 25, threads = 0, channels_last = true, print_every = 10, sync_bn = false, device = 'auto',
   clip_grad = 0, zero = 0, offload = false, save = '', save_every = 0, save_async = false, keep = 0, resume = '', stop_after = 0,
-  pipeline = 0, chunks = 8, schedule = '1f1b', split = 'time',
+  pipeline = 0, chunks = 8, schedule = '1f1b', split = 'time', checkpoint_activations = 'none',
 }, {
   description = 'Trains a ResNet (default ResNet-50) data-parallel with dlua.dist.DDP.',
   help = {
@@ -51,6 +51,7 @@ local opt = cli.parse(arg, {
     chunks = 'with --pipeline: micro-batches per step (--batch is then the images per pipeline per step)',
     schedule = "with --pipeline: 'gpipe' or '1f1b'",
     split = "with --pipeline: balance the stages by measured 'time' or by 'params'",
+    checkpoint_activations = "none, blocks or stages: recompute those in backward instead of keeping their activations",
   },
 })
 io.stdout:setvbuf('line')
@@ -169,6 +170,11 @@ if not build then error(('unknown --model %s'):format(opt.model), 0) end
 local net = build({ in_channels = 3, num_classes = num_classes, zero_init_residual = true }):input_grad(false)
 -- (under --pipeline, over the replicas of each stage; with one pipeline there is nothing to synchronise)
 if opt.sync_bn and not (piped and layout.data == nil) then nn.SyncBatchNorm.convert(net, piped and { group = layout.data } or nil) end
+local ckpt_policy = opt.checkpoint_activations
+if ckpt_policy ~= 'none' and ckpt_policy ~= 'blocks' and ckpt_policy ~= 'stages' then
+  error(('--checkpoint-activations %s: expected none, blocks or stages'):format(ckpt_policy), 0)
+end
+local ckpt_plan = net:checkpoint(ckpt_policy) -- before any pipeline split: the stages hold the wrappers
 net:to(device)
 if opt.zero ~= 0 and opt.zero ~= 1 and opt.zero ~= 2 and opt.zero ~= 3 then error('--zero: 0 (DDP), 1, 2 or 3', 0) end
 if opt.offload and opt.zero == 0 then error('--offload needs --zero 1, 2 or 3', 0) end
@@ -244,6 +250,7 @@ else
     log('DDP: %d buckets, all-reduce over %s%s', #model:bucket_plan(), transport, opt.sync_bn and ', SyncBatchNorm' or '')
   end
 end
+if ckpt_policy ~= 'none' then log('%s', tostring(ckpt_plan)) end
 
 local function evaluate()
   model:evaluate()
