@@ -1,4 +1,4 @@
--- Lua face of the rendezvous store (host/comm/store.c): a server and clients as Lua objects.
+-- Lua face of the rendezvous store (host/comm/store_*.c: table, server, client): a server and clients as Lua objects.
 local capi = require 'bindings.capi'
 local ffi, C, check = capi.ffi, capi.C, capi.check
 

@@ -233,7 +233,7 @@ end
 
 ---------------------------------------------------------------------------------------------
 -- LARS(model, {lr, momentum = 0.9, weight_decay = 0, trust_coefficient = 0.001, eps = 1e-8,
--- exclude = function(name, param) -> bool (default: 1-D parameters: biases, batch-norm)}):
+-- exclude = function(name, param) -> bool (default: 1-D parameters: biases, batch-norm), groups = ...}):
 -- each parameter's step is scaled by its own trust ratio |w| / (|g| + wd |w|) (You et al.).
 
 local LARS = setmetatable({}, { __index = Optimizer })
@@ -246,13 +246,21 @@ function optim.LARS(model, opts)
   local exclude = opts.exclude or function(_, param) return param:dim() <= 1 end
   local named = {}
   for _, e in ipairs(model:named_parameters()) do named[e.name] = e.param end
+  -- {dtype = {{group = g, list = {{offset, numel, excluded}, ...}}, ...}}: one fused call per group, which
+  -- brings its own lr_mult, momentum, weight_decay, trust_coefficient and eps
   self.param_ranges = {}
   for dt, ranges in pairs(self.ranges) do
-    local list = {}
+    local per_group, order = {}, {}
     for _, r in ipairs(ranges) do
-      for _, en in ipairs(r.entries) do list[#list + 1] = { en.offset, en.numel, exclude(en.name, named[en.name]) } end
+      local pg = per_group[r.group]
+      if not pg then
+        pg = { group = r.group, list = {} }
+        per_group[r.group] = pg
+        order[#order + 1] = pg
+      end
+      for _, en in ipairs(r.entries) do pg.list[#pg.list + 1] = { en.offset, en.numel, exclude(en.name, named[en.name]) } end
     end
-    self.param_ranges[dt] = list
+    self.param_ranges[dt] = order
   end
   return self
 end
@@ -260,12 +268,15 @@ end
 function LARS:step(opts)
   check_arena(self)
   local scale = opts and opts.grad_scale or 1
-  local d = self.defaults
-  for dt, list in pairs(self.param_ranges) do
+  for dt, groups in pairs(self.param_ranges) do
     local sync = self.model._grad_sync
     if sync then sync:wait_range(dt, 0, self.state[dt].numel) end  -- trust ratios need whole gradients
-    K.lars_step(self.arena.params[dt], self.arena.grads[dt], self:buffer(dt, 'momentum'), list, self.lr, d.momentum,
-      d.weight_decay, d.trust_coefficient, d.eps, self.steps == 0, scale)
+    local buf = self:buffer(dt, 'momentum')
+    for _, pg in ipairs(groups) do
+      local grp = pg.group
+      K.lars_step(self.arena.params[dt], self.arena.grads[dt], buf, pg.list, self.lr * grp.lr_mult, grp.momentum,
+        grp.weight_decay, grp.trust_coefficient, grp.eps, self.steps == 0, scale)
+    end
   end
   self.steps = self.steps + 1
 end

@@ -411,6 +411,30 @@ describe('dlua.optim', function()
     for i = 1, #b do assert.near(b[i] - 0.5 * gb[i], b2[i], 1e-12) end
   end)
 
+  it('LARS takes each group\'s lr_mult, weight_decay and trust_coefficient', function()
+    local m = setup()
+    local opt = optim.LARS(m, { lr = 0.5, momentum = 0, weight_decay = 0.01, trust_coefficient = 0.02,
+      exclude = function() return false end,
+      groups = { { filter = function(name) return name == 'bias' end, lr_mult = 0.25, weight_decay = 0.3,
+        trust_coefficient = 0.5 } } })
+    set_grads(m, 1)
+    local function step_ref(w, gw, lr, wd, tc)
+      local nw, ng = 0, 0
+      for i = 1, #w do nw, ng = nw + w[i] ^ 2, ng + gw[i] ^ 2 end
+      nw, ng = math.sqrt(nw), math.sqrt(ng)
+      local trust = tc * nw / (ng + wd * nw + 1e-8)
+      local out = {}
+      for i = 1, #w do out[i] = w[i] - lr * trust * (gw[i] + wd * w[i]) end
+      return out
+    end
+    local rw = step_ref(values(m.weight), values(m.grad_weight), 0.5, 0.01, 0.02)
+    local rb = step_ref(values(m.bias), values(m.grad_bias), 0.5 * 0.25, 0.3, 0.5)
+    opt:step()
+    local w2, b2 = values(m.weight), values(m.bias)
+    for i = 1, #rw do assert.near(rw[i], w2[i], 1e-12) end
+    for i = 1, #rb do assert.near(rb[i], b2[i], 1e-12) end
+  end)
+
   it('refuses what is not a module, and nesterov without momentum', function()
     assert.has_error(function() optim.SGD({}, { lr = 1 }) end, 'SGD: expected a dlua.nn module as the first argument')
     assert.has_error(function() optim.SGD(setup(), { lr = 1, nesterov = true }) end,
