@@ -14,6 +14,7 @@ local opt = cli.parse(arg, {
   label_smoothing = 0.0, model = 'resnet20', threads = 0, seed = 1, data = '',
   limit = 0, eval_limit = 0, eval_batch = 1000, channels_last = true, zero_init_residual = true, clip_grad = 0,
   print_every = 100, zero = 0, offload = false, save = '', save_every = 0, save_async = false, keep = 0, resume = '', stop_after = 0,
+  checkpoint_activations = 'none',
 }, {
   description = 'Trains a ResNet on Fashion-MNIST (Debian package dataset-fashion-mnist).',
   help = {
@@ -41,6 +42,7 @@ local opt = cli.parse(arg, {
     resume = "'auto' (the newest complete checkpoint in --save, or a fresh start) or a checkpoint directory",
     stop_after = 'stop after N optimizer steps, saving first (the schedule is the full run\'s)',
     zero_init_residual = 'ResNets: blocks start as the identity (last batch-norm scale 0, Goyal et al. 2017)',
+    checkpoint_activations = "none, blocks or stages: recompute those in backward instead of keeping their activations",
   },
 })
 
@@ -75,6 +77,11 @@ local model_lr = { resnet20 = 0.1, resnet32 = 0.1, resnet56 = 0.1, small_cnn = 0
 if opt.lr == 0 then opt.lr = model_lr[opt.model] or 0.1 end
 local net = build({ in_channels = 1, num_classes = 10, zero_init_residual = opt.zero_init_residual })
   :input_grad(false) -- the images need no gradient
+local ckpt_policy = opt.checkpoint_activations
+if ckpt_policy ~= 'none' and ckpt_policy ~= 'blocks' and ckpt_policy ~= 'stages' then
+  error(('--checkpoint-activations %s: expected none, blocks or stages'):format(ckpt_policy), 0)
+end
+local ckpt_plan = net:checkpoint(ckpt_policy)
 local model = opt.zero > 0 and dist.ZeRO(net, { stage = opt.zero, offload = opt.offload }) or distributed and dist.DDP(net) or net
 local criterion = nn.CrossEntropyLoss({ label_smoothing = opt.label_smoothing })
 local sgd = optim.SGD(model, {
@@ -94,6 +101,7 @@ local schedule = warm > 0
     or lr.cosine({ lr = opt.lr, steps = total })
 
 print(net)
+if ckpt_policy ~= 'none' then print(tostring(ckpt_plan)) end
 print(('%d parameters, %d steps of %d images%s, lr %s, %d threads%s'):format(net:num_parameters(), total, opt.batch,
   distributed and ' per rank' or '', tostring(schedule), dlua.get_num_threads(), distributed and (' per rank, %d ranks'):format(world) or ''))
 if opt.zero > 0 then print(model:memory_line()) end
