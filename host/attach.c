@@ -241,8 +241,11 @@ int dlua_attach_main(int argc, char **argv) {
   }
   struct stat st;
   if (stat(dir, &st) != 0) {
-    fprintf(stderr, "dlua attach: no job at %s (%s): is %s a launcher of `dlua --nproc`, still running?\n", dir,
-            strerror(errno), target);
+    if (errno == EACCES)
+      fprintf(stderr, "dlua attach: cannot reach %s: %s (another user's job?)\n", dir, strerror(errno));
+    else
+      fprintf(stderr, "dlua attach: no job at %s (%s): is %s a launcher of `dlua --nproc`, still running?\n", dir,
+              strerror(errno), target);
     return 1;
   }
   char token[400];

@@ -91,7 +91,7 @@ static void where_cb(void *data, lua_State *L, int samples, int vmstate) {
   (void)vmstate;
   if (!dlua_agent_lua_wanted()) return;  // a stray SIGPROF
   size_t len = 0;
-  const char *s = luaJIT_profile_dumpstack(L, "pl f\n", 40, &len);
+  const char *s = luaJIT_profile_dumpstack(L, "pl\n", 40, &len);
   char buf[8192];
   snprintf(buf, sizeof buf, "%.*s", (int)len, s ? s : "");
   dlua_agent_lua_where(buf);

@@ -20,7 +20,7 @@
 static void print_usage(FILE *f) {
   fputs(
       "usage: dlua [options] [script.lua [args...]]\n"
-      "       dlua attach PID|JOBDIR [--rank R] [--dump]   (a running job: docs/debug.md)\n"
+      "       dlua attach PID|JOBDIR [--rank R] [--dump]   (a running job: docs/launch.md)\n"
       "Runs a dlua training script or recipe; with no script, a REPL on a terminal, or the\n"
       "program read from standard input otherwise.\n"
       "\n"
@@ -41,7 +41,7 @@ static void print_usage(FILE *f) {
       "                 jobs use a free port on 127.0.0.1)\n"
       "  --ranks-output R  show only these ranks' output, e.g. 0 or 0,3\n"
       "  --max-restarts K  when a rank fails, restart the whole job up to K times (the\n"
-      "                 recipe resumes from its newest checkpoint: docs/debug.md)\n"
+      "                 recipe resumes from its newest checkpoint: docs/launch.md)\n"
       "\n"
       "environment:\n"
       "  DLUA_PATH      extra module folders or ?-templates, ';'-separated, searched first\n"
@@ -377,7 +377,10 @@ int main(int argc, char **argv) {
     }
   }
   /* before lua_close closes our process groups: that is what makes the peers fail */
-  if (status != 0) dlua_launch_report_failure();
+  if (status != 0) {
+    dlua_agent_flush(3000);  // a flight-recorder dump in progress (say, after this rank's collective timed out)
+    dlua_launch_report_failure();
+  }
   lua_close(L);
   return status == 0 ? 0 : 1;
 }

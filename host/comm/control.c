@@ -51,7 +51,7 @@ void dlua_control_reset(dlua_control_t *c) {
     atomic_store(&c->rank[i].step, -1);
     atomic_store(&c->rank[i].done_seq, atomic_load(&c->cmd_seq));
     atomic_store(&c->rank[i].ok, 1);
-    c->rank[i].err[0] = '\0';
+    c->rank[i].text[0] = '\0';
   }
 }
 
@@ -158,7 +158,7 @@ void dlua_control_done(int ok, const char *text) {
   if (!c || !g_running) return;
   int64_t seq = g_running;
   dlua_control_rank_t *me = &c->rank[g_li];
-  snprintf(me->err, sizeof me->err, "%s", ok ? "" : (text ? text : ""));
+  snprintf(me->text, sizeof me->text, "%s", text ? text : "");
   atomic_store(&me->ok, ok ? 1 : 0);
   if (c->cmd_target == g_li || (c->cmd_target < 0 && g_li == 0)) {
     snprintf(c->reply, sizeof c->reply, "%s", text ? text : "");

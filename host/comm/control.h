@@ -5,19 +5,19 @@
 #include <stddef.h>
 #include <stdint.h>
 
-enum { CONTROL_CMD_BYTES = 16384, CONTROL_REPLY_BYTES = 65536, CONTROL_ERR_BYTES = 512 };
+enum { CONTROL_CMD_BYTES = 16384, CONTROL_REPLY_BYTES = 65536, CONTROL_TEXT_BYTES = 512 };
 
 typedef struct {
   _Atomic int64_t step;      /* the last step this rank finished (its last step boundary), -1: none yet */
   _Atomic int64_t done_seq;  /* the last command it ran (or passed over: not its rank) */
   _Atomic int32_t ok;        /* how that command ended */
-  char err[CONTROL_ERR_BYTES];
+  char text[CONTROL_TEXT_BYTES]; /* what it returned or raised (cut to fit): a command for every rank shows each */
 } dlua_control_rank_t;
 
 /* One page for the ranks of this node. The launcher posts a command in three moves (pending = 1; it reads
    every rank's step and picks the step the command runs at; cmd..., cmd_seq + 1, pending = 0) and a rank
    at a boundary first stores its step, then waits while pending is set: so a command for every rank
-   runs at the same step on each (docs/debug.md). */
+   runs at the same step on each (docs/launch.md). */
 typedef struct {
   uint64_t magic;
   int32_t nproc;             /* local ranks */

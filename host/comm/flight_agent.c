@@ -25,7 +25,8 @@ enum {
   CSTACK_WAIT_MS = 300,
   MAX_FRAMES = 48,
   TB_BYTES = 8192,
-  REQUEST_GAP_S = 5
+  REQUEST_GAP_S = 5,
+  EXPECT_S = 2          /* how long after asking the launcher for a dump its signal may take */
 };
 
 static int g_started;
@@ -33,6 +34,9 @@ static pthread_t g_main, g_thread;
 static sem_t g_wake;                 /* posted by the signal handler and by requests */
 static atomic_long g_pending_id;     /* the launcher's dump number (sigqueue's value), 0: none */
 static atomic_int g_pending_timeout; /* a local request after a timeout */
+static atomic_int g_busy;            /* a dump is being written */
+static atomic_int g_exiting;         /* the main thread waits in dlua_agent_flush: it runs no Lua any more */
+static _Atomic double g_expect_until; /* we asked the launcher for a dump: its signal may come until then */
 
 static void (*g_lua_trigger)(void);
 static atomic_int g_lua_want;
@@ -199,10 +203,18 @@ static char *c_stack(void) {
   return text;
 }
 
+static double mono_now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
 static void dump_now(const char *reason, long dump_id) {
   dlua_flight_where_t where = {"unknown", NULL, NULL};
   char *tb = NULL, *cs = NULL;
-  if (g_lua_trigger) {
+  if (atomic_load(&g_exiting)) {
+    where.state = "exiting";  // its program failed; the main thread waits for this dump before it exits
+  } else if (g_lua_trigger) {
     while (sem_trywait(&g_lua_sem) == 0) {  // a stale answer
     }
     atomic_store(&g_lua_want, 1);
@@ -216,7 +228,7 @@ static void dump_now(const char *reason, long dump_id) {
   if (tb) {
     where.state = "lua";
     where.traceback = tb;
-  } else if ((cs = c_stack()) != NULL) {
+  } else if (!atomic_load(&g_exiting) && (cs = c_stack()) != NULL) {
     where.state = "c";  // not at a Lua line within LUA_WAIT_MS: inside a C call (or a collective's wait)
     where.c_stack = cs;
   }
@@ -236,9 +248,11 @@ static void *agent_main(void *arg) {
   for (;;) {
     while (sem_wait(&g_wake) != 0 && errno == EINTR) {
     }
+    atomic_store(&g_busy, 1);
     long id = atomic_exchange(&g_pending_id, 0);
     int timeout = atomic_exchange(&g_pending_timeout, 0);
     dump_now(timeout && id == 0 ? "timeout" : id ? "job" : "signal", id);
+    atomic_store(&g_busy, 0);
   }
   return NULL;
 }
@@ -283,8 +297,26 @@ void dlua_agent_request_job_dump(const char *reason) {
   long prev = atomic_load(&last);
   if (prev && now - prev < REQUEST_GAP_S) return;
   atomic_store(&last, now);
-  if (dlua_launch_notify("dump", reason ? reason : "timeout")) return;  // the launcher signals every rank, this one too
+  if (dlua_launch_notify("dump", reason ? reason : "timeout")) {  // the launcher signals every rank, this one too
+    atomic_store(&g_expect_until, mono_now() + EXPECT_S);
+    return;
+  }
   if (!g_started) return;
   atomic_store(&g_pending_timeout, 1);
   sem_post(&g_wake);
+}
+
+void dlua_agent_flush(int ms) {
+  if (!g_started) return;
+  atomic_store(&g_exiting, 1);
+  double deadline = mono_now() + ms / 1000.0;
+  for (;;) {
+    double t = mono_now();
+    int value = 0;
+    sem_getvalue(&g_wake, &value);
+    int waiting = atomic_load(&g_busy) || value > 0 || atomic_load(&g_pending_id) != 0 || t < atomic_load(&g_expect_until);
+    if (!waiting || t >= deadline) break;
+    struct timespec ts = {0, 10 * 1000000L};
+    nanosleep(&ts, NULL);
+  }
 }

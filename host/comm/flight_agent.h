@@ -19,4 +19,8 @@ void dlua_agent_lua_where(const char *traceback);
    signals and prints the diagnosis); otherwise this rank does. At most one request per 5 s. */
 void dlua_agent_request_job_dump(const char *reason);
 
+/* The program failed and the process is about to exit: waits (at most ms) for a dump that is being written or that
+   the launcher is about to ask for (this rank asked it to, after a timeout), so the dump is not lost with the process. */
+void dlua_agent_flush(int ms);
+
 #endif

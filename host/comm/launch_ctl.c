@@ -1,6 +1,7 @@
 /* The launcher's control of a running job: its private directory (token, `dlua attach`'s Unix socket), the
    commands attach relays to the ranks through the control page, and the flight-recorder dumps with their diagnosis. */
 #define _GNU_SOURCE 1
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
@@ -72,6 +73,23 @@ static int write_private_file(const char *path, const char *text) {
 
 static void *attach_main(void *arg);
 
+/* A directory named after our pid is left from an earlier launcher that had it (killed, say): its files are not ours. */
+static void clear_stale(const char *dir) {
+  DIR *d = opendir(dir);
+  if (!d) return;
+  struct dirent *e;
+  char p[PATH_MAX + 300];
+  while ((e = readdir(d)) != NULL) {
+    const char *n = e->d_name;
+    if (!strcmp(n, "attach.sock") || !strcmp(n, "token") || !strcmp(n, "job") || !strncmp(n, "flight-rank", 11) ||
+        !strncmp(n, ".flight-rank", 12)) {
+      snprintf(p, sizeof p, "%s/%s", dir, n);
+      unlink(p);
+    }
+  }
+  closedir(d);
+}
+
 int dlua_launch_ctl_open(dlua_job_t *job) {
   char base[PATH_MAX], why[PATH_MAX + 128] = "";
   const char *user_flight = getenv("DLUA_FLIGHT_DIR");
@@ -90,6 +108,7 @@ int dlua_launch_ctl_open(dlua_job_t *job) {
     }
   }
   if (private_dir(base, why, sizeof why) != 0 || private_dir(job->dir, why, sizeof why) != 0) goto off;
+  clear_stale(job->dir);
   job->own_dir = 1;
   if (!job->flight_dir[0]) snprintf(job->flight_dir, sizeof job->flight_dir, "%s", job->dir);
   char p[PATH_MAX + 32], info[512];
@@ -154,8 +173,8 @@ void dlua_launch_ctl_close(dlua_job_t *job) {
     path_in(job, names[i], p, sizeof p);
     unlink(p);
   }
-  /* kept when it holds flight-recorder dumps: the diagnosis named them */
-  if (rmdir(job->dir) != 0 && errno == ENOTEMPTY)
+  /* kept when it holds this job's flight-recorder dumps: the diagnosis named them */
+  if (rmdir(job->dir) != 0 && errno == ENOTEMPTY && job->dumps_written && !strcmp(job->flight_dir, job->dir))
     fprintf(stderr, "dlua: flight-recorder dumps kept in %s\n", job->dir);
   free(job->diagnosis);
   job->diagnosis = NULL;
@@ -315,13 +334,16 @@ static void rank_command(dlua_job_t *job, int fd, int li, const char *code) {
   const char *w = getenv("DLUA_ATTACH_WAIT");
   double limit = dlua_launch_now() + (w && *w ? atof(w) : 120.0);
   for (;;) {
-    int all = 1, any_running = 0;
+    int all = 1, any_running = 0, late = li >= 0 ? li : 0;
     pthread_mutex_lock(&job->mu);
     int finished = job->finished || job->failed_rank >= 0;
     for (int i = 0; i < c->nproc; i++) {
       if (li >= 0 && i != li) continue;
       if (job->ranks[i].running) any_running = 1;
-      if (atomic_load(&c->rank[i].done_seq) < seq && job->ranks[i].running) all = 0;
+      if (atomic_load(&c->rank[i].done_seq) < seq && job->ranks[i].running) {
+        if (all) late = i;
+        all = 0;
+      }
     }
     pthread_mutex_unlock(&job->mu);
     if (all && any_running) break;
@@ -331,29 +353,62 @@ static void rank_command(dlua_job_t *job, int fd, int li, const char *code) {
     }
     if (client_gone(fd)) return;
     if (dlua_launch_now() > limit) {
-      snprintf(err, sizeof err, "rank %d did not reach a step boundary in time (its last: step %lld)",
-               job->first_rank + (li >= 0 ? li : 0), (long long)atomic_load(&c->rank[li >= 0 ? li : 0].step));
+      snprintf(err, sizeof err, "rank %d did not reach a step boundary in time (its last: step %lld); the command "
+               "stays posted and runs there when it does", job->first_rank + late, (long long)atomic_load(&c->rank[late].step));
       reply(fd, 0, err);
       return;
     }
     usleep(10 * 1000);
   }
-  size_t cap = CONTROL_REPLY_BYTES + (size_t)c->nproc * (CONTROL_ERR_BYTES + 32) + 128;
+  if (li >= 0) {  // one rank: its whole answer
+    int ok = atomic_load(&c->rank[li].ok);
+    reply(fd, ok, atomic_load(&c->reply_seq) == seq ? c->reply : c->rank[li].text);
+    return;
+  }
+  /* every rank: the step, then each rank's answer, ranks with the same answer on one line */
+  size_t cap = (size_t)c->nproc * (CONTROL_TEXT_BYTES + 48) + 128;
   char *text = malloc(cap);
-  if (!text) return;
-  size_t used = 0;
+  unsigned char *told = calloc((size_t)c->nproc, 1);
+  if (!text || !told) {
+    free(text);
+    free(told);
+    reply(fd, 0, "out of memory");
+    return;
+  }
+  size_t used = (size_t)snprintf(text, cap, "applied at step %lld on ranks %d-%d\n", (long long)at, job->first_rank,
+                                 job->first_rank + c->nproc - 1);
   int ok = 1;
-  if (li < 0)
-    used += (size_t)snprintf(text + used, cap - used, "applied at step %lld on ranks %d-%d\n", (long long)at,
-                             job->first_rank, job->first_rank + c->nproc - 1);
-  if (atomic_load(&c->reply_seq) == seq) used += (size_t)snprintf(text + used, cap - used, "%s", c->reply);
   for (int i = 0; i < c->nproc; i++) {
-    if ((li >= 0 && i != li) || atomic_load(&c->rank[i].ok)) continue;
-    ok = 0;
-    if (li < 0 && i > 0) used += (size_t)snprintf(text + used, cap - used, "rank %d: %s\n", job->first_rank + i, c->rank[i].err);
+    if (told[i]) continue;
+    int oki = atomic_load(&c->rank[i].ok);
+    if (!oki) ok = 0;
+    char ranks[128];
+    size_t rn = 0;
+    int same = 0;
+    for (int j = i; j < c->nproc; j++) {
+      if (told[j] || atomic_load(&c->rank[j].ok) != oki || strcmp(c->rank[j].text, c->rank[i].text) != 0) continue;
+      told[j] = 1;
+      same++;
+      int end = j;  // a run j..end of ranks with this answer
+      while (end + 1 < c->nproc && !told[end + 1] && atomic_load(&c->rank[end + 1].ok) == oki &&
+             strcmp(c->rank[end + 1].text, c->rank[i].text) == 0)
+        told[++end] = 1, same++;
+      if (rn + 24 < sizeof ranks)
+        rn += (size_t)(end > j ? snprintf(ranks + rn, sizeof ranks - rn, "%s%d-%d", rn ? "," : "", job->first_rank + j,
+                                          job->first_rank + end)
+                               : snprintf(ranks + rn, sizeof ranks - rn, "%s%d", rn ? "," : "", job->first_rank + j));
+      j = end;
+    }
+    const char *t = c->rank[i].text;
+    size_t tn = strlen(t);
+    while (tn > 0 && t[tn - 1] == '\n') tn--;
+    if (tn == 0) t = "(nothing)", tn = 9;
+    if (used < cap)
+      used += (size_t)snprintf(text + used, cap - used, "%s %s: %.*s\n", same > 1 ? "ranks" : "rank", ranks, (int)tn, t);
   }
   reply(fd, ok, text);
   free(text);
+  free(told);
 }
 
 static void serve(dlua_job_t *job, int fd) {

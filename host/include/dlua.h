@@ -892,7 +892,7 @@ uint32_t dlua_crc32(uint32_t crc, const void *data, size_t n);
 /* The CRC32 of tensors' logical row-major bytes in turn (any layout, any device). */
 dlua_status_t dlua_tensors_crc32(int64_t n, dlua_tensor_t *const *tensors, uint32_t *crc);
 
-/* ==== a running job: the flight recorder, the launcher's control page (docs/debug.md) ======== */
+/* ==== a running job: the flight recorder, the launcher's control page (docs/launch.md) ======== */
 
 /* The flight recorder keeps this process's last DLUA_FLIGHT_SIZE collectives (default 1024, 0: off)
    of every group; SIGUSR1, a collective's timeout or `dlua attach --dump` writes them. */

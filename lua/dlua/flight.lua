@@ -75,6 +75,15 @@ local function by_group(dumps)
   return groups, order
 end
 
+-- The rank's newest entry of any group (its last collective), or nil.
+local function newest(d)
+  local best
+  for _, e in ipairs(d.entries or {}) do
+    if not best or (e.id or 0) > (best.id or 0) then best = e end
+  end
+  return best
+end
+
 -- Where rank r is, in a line or a few: in a collective, or its Lua traceback / C stack.
 local function position(r, d, now, inflight)
   local lines = {}
@@ -84,12 +93,19 @@ local function position(r, d, now, inflight)
     return lines
   end
   local w = d.where or {}
+  local last = newest(d)
+  if last and last.state == 'failed' then
+    lines[1] = format('rank %d: its %s failed: %s', r, describe(last), last.error or '?')
+    return lines
+  end
   if w.state == 'lua' and w.traceback and #w.traceback > 0 then
     lines[1] = format('rank %d: not in a collective; running Lua at %s', r, w.traceback[1])
     for i = 2, math.min(#w.traceback, 8) do lines[#lines + 1] = '    ' .. w.traceback[i] end
   elseif w.state == 'c' and w.c_stack and #w.c_stack > 0 then
     lines[1] = format('rank %d: not in a collective; inside a C call:', r)
     for i = 1, math.min(#w.c_stack, 8) do lines[#lines + 1] = '    ' .. w.c_stack[i] end
+  elseif w.state == 'exiting' then
+    lines[1] = format('rank %d: its program failed; it is exiting', r)
   else
     lines[1] = format('rank %d: not in a collective; where it is is unknown', r)
   end
@@ -161,9 +177,12 @@ function M.diagnose(dir, opts)
     if #behind == 0 then
       local waiting = {}
       for r, e in pairs(g.inflight) do if e.seq == top.seq then waiting[#waiting + 1] = r end end
-      if #waiting > 0 and #waiting == #ahead then
+      if #waiting > 0 then
         out[#out + 1] = format('group %s (%s): every rank issued %s; it has not completed on %s', name,
           g.backend or '?', describe(top), ranks_text(waiting))
+      elseif #waiting == 0 then
+        out[#out + 1] = format('group %s (%s): no rank is behind: %s issued %s, completed', name, g.backend or '?',
+          ranks_text(ahead), describe(top))
       end
     end
   end
