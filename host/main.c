@@ -48,6 +48,8 @@ static void print_usage(FILE *f) {
       "  LUA_PATH       the usual Lua module path, searched after dlua's own tree\n"
       "  DLUA_EXE       what --nproc starts for each rank (default: this dlua binary)\n"
       "  DLUA_FLIGHT_DIR  where ranks write flight-recorder dumps (SIGUSR1, a timeout)\n"
+      "  DLUA_RUN_DIR   where launchers keep their jobs' private directories (dlua attach)\n"
+      "  DLUA_NAN_CHECK loss (default), modules or off: dlua.monitor's NaN guard\n"
       "  RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (torchrun), SLURM_PROCID...,\n"
       "  OMPI_COMM_WORLD_RANK...: a script calling dlua.dist.init() joins that job\n",
       f);

@@ -72,6 +72,11 @@ int64_t dlua_control_max_step(const dlua_control_t *c, int *all_started) {
 }
 
 int64_t dlua_control_post(dlua_control_t *c, int target, const char *code, int64_t *at_step, char *err, size_t errlen) {
+  if (target >= 0 && atomic_load(&c->rank[target].step) < 0) {
+    snprintf(err, errlen, "rank %d has not reached a step boundary yet (chunks run there: the training loop calls "
+             "dlua.monitor's step() after each step)", c->first_rank + target);
+    return -1;
+  }
   atomic_store(&c->pending, 1);
   int64_t at = -1;
   if (target < 0) {
@@ -81,7 +86,8 @@ int64_t dlua_control_post(dlua_control_t *c, int target, const char *code, int64
     int64_t m = dlua_control_max_step(c, &all);
     if (!all) {
       atomic_store(&c->pending, 0);
-      snprintf(err, errlen, "not every rank has reached a step boundary yet (the recipe calls monitor:step() after each step)");
+      snprintf(err, errlen, "not every rank has reached a step boundary yet (commands run there: the training loop calls "
+               "dlua.monitor's step() after each step)");
       return -1;
     }
     at = m + 1;

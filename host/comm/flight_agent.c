@@ -176,6 +176,8 @@ static void frame_name(uintptr_t a, char *out, size_t cap) {
    (a scan: a frame may be missing or stale, the first lines are the reliable ones). NULL: no answer. */
 static char *c_stack(void) {
   g_stack_len = 0;
+  while (sem_trywait(&g_bt_sem) == 0) {  // a stray SIGURG's answer (the kernel sends SIGURG for out-of-band data)
+  }
   if (pthread_kill(g_main, SIGURG) != 0 || !wait_sem(&g_bt_sem, CSTACK_WAIT_MS)) return NULL;
   range_t ranges[256];
   int nr = text_ranges(ranges, 256);

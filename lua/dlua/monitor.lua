@@ -139,7 +139,7 @@ function Monitor:check_loss(loss, input, ...)
       self:_unhook_modules()
       if not ok then self._culprit = nil end
     end
-    if not self._culprit then self._nan_hint = ' (DLUA_NAN_CHECK=modules checks every module in every forward)' end
+    if not self._culprit and self.model then self._nan_hint = ' (DLUA_NAN_CHECK=modules checks every module in every forward)' end
   end
   error(self:_nan_message('loss', step, v), 2)  -- at the recipe's line
 end
