@@ -112,7 +112,13 @@ local function in_tree(source)
   local rel = source:sub(#tree + 2)
   return rel:find('^lua/dlua/') ~= nil or rel:find('^bindings/') ~= nil or rel:find('^models/') ~= nil
 end
+-- While set (a message), every collective raises it instead of starting: dlua.monitor's NaN guard runs a forward
+-- again on one rank only, and a collective there (SyncBatchNorm, ZeRO-3's gathers) would meet the other ranks' next one.
+local forbidden
+function M.forbid(msg) forbidden = msg end
+
 function M.site()
+  if forbidden then error(forbidden, 3) end
   local issuer
   for level = 3, 40 do
     local info = debug.getinfo(level, 'Sl')

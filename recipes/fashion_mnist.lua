@@ -15,7 +15,7 @@ local opt = cli.parse(arg, {
   label_smoothing = 0.0, model = 'resnet20', threads = 0, seed = 1, data = '',
   limit = 0, eval_limit = 0, eval_batch = 1000, channels_last = true, zero_init_residual = true, clip_grad = 0,
   print_every = 100, zero = 0, offload = false, save = '', save_every = 0, save_async = false, keep = 0, resume = '', stop_after = 0,
-  checkpoint_activations = 'none', nan_check = 'loss',
+  checkpoint_activations = 'none', nan_check = '',
 }, {
   description = 'Trains a ResNet on Fashion-MNIST (Debian package dataset-fashion-mnist).',
   help = {
@@ -45,7 +45,7 @@ local opt = cli.parse(arg, {
     zero_init_residual = 'ResNets: blocks start as the identity (last batch-norm scale 0, Goyal et al. 2017)',
     checkpoint_activations = "none, blocks or stages: recompute those in backward instead of keeping their activations",
     nan_check = "loss: a non-finite loss stops the run, naming the step and the first module whose output went non-finite; "
-      .. "modules: every module's output checked in every forward (slow); off",
+      .. "modules: every module's output checked in every forward (slow); off (default: DLUA_NAN_CHECK, else loss)",
   },
 })
 

@@ -17,7 +17,7 @@ local opt = cli.parse(arg, {
   seed = 1, limit = 0, eval_limit = 0, model = 'resnet50', momentum = 0.9, weight_decay = 1e-4,
   bucket_mb = 25, threads = 0, channels_last = true, print_every = 10, sync_bn = false, device = 'auto',
   clip_grad = 0, zero = 0, offload = false, save = '', save_every = 0, save_async = false, keep = 0, resume = '', stop_after = 0,
-  pipeline = 0, chunks = 8, schedule = '1f1b', split = 'time', checkpoint_activations = 'none', nan_check = 'loss',
+  pipeline = 0, chunks = 8, schedule = '1f1b', split = 'time', checkpoint_activations = 'none', nan_check = '',
 }, {
   description = 'Trains a ResNet (default ResNet-50) data-parallel with dlua.dist.DDP.',
   help = {
@@ -54,7 +54,7 @@ local opt = cli.parse(arg, {
     split = "with --pipeline: balance the stages by measured 'time' or by 'params'",
     checkpoint_activations = "none, blocks or stages: recompute those in backward instead of keeping their activations",
     nan_check = "loss: a non-finite loss stops the run, naming the step and the first module whose output went non-finite; "
-      .. "modules: every module's output checked in every forward (slow); off",
+      .. "modules: every module's output checked in every forward (slow); off (default: DLUA_NAN_CHECK, else loss)",
   },
 })
 io.stdout:setvbuf('line')

@@ -415,12 +415,15 @@ static void serve(dlua_job_t *job, int fd) {
   char line[512];
   struct ucred cred;
   socklen_t cl = sizeof cred;
+  /* the hello first, even from a client we refuse: a Unix socket closed with unread data resets the connection, and
+     the client would not read why */
+  int said = read_line(fd, line, sizeof line, HELLO_MS);
   if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &cl) != 0 || cred.uid != geteuid()) {
     reply(fd, 0, "refused: the job belongs to another user");
     return;
   }
   char token[400] = "";
-  if (read_line(fd, line, sizeof line, HELLO_MS) < 0 || sscanf(line, "dlua-attach 1 %399s", token) != 1) {
+  if (said < 0 || sscanf(line, "dlua-attach 1 %399s", token) != 1) {
     reply(fd, 0, "refused: expected 'dlua-attach 1 <token>'");
     return;
   }

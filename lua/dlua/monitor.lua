@@ -1,6 +1,7 @@
 -- dlua.monitor: a training loop's step boundary: the NaN guard, `dlua attach`'s commands, a restart's log line (docs/launch.md).
 local dlua = require 'dlua'
 local binding = require 'bindings.monitor'
+local dist_binding = require 'bindings.dist'
 local spmd = require 'dlua.spmd'
 
 local M = {}
@@ -52,7 +53,8 @@ function M.Monitor(opts)
   for k in pairs(opts) do
     if not allowed[k] then error(format('Monitor: unknown option %s', tostring(k)), 2) end
   end
-  local check = opts.nan_check or os.getenv('DLUA_NAN_CHECK') or 'loss'
+  local check = opts.nan_check
+  if check == nil or check == '' then check = os.getenv('DLUA_NAN_CHECK') or 'loss' end
   if check == '' or check == '1' then check = 'loss' end
   if check ~= 'loss' and check ~= 'modules' and check ~= 'off' and check ~= '0' then
     error(format("Monitor: nan_check must be 'loss', 'modules' or 'off', got %s", tostring(check)), 2)
@@ -129,17 +131,21 @@ function Monitor:check_loss(loss, input, ...)
   local step = self.steps + 1
   self._nan_hint = ''
   if self.nan_check ~= 'modules' then
-    -- the same forward again, module by module (once: the run ends here). Not under ZeRO-3 or a pipeline: their
-    -- forward talks to the other ranks, which are not running it.
-    local m = self.model
-    local talks = type(m) == 'table' and (rawget(m, 'stage') == 3 or rawget(m, 'schedule') ~= nil)
-    if input ~= nil and not talks and self:_hook_modules(false) then
+    -- the same forward again, module by module (once: the run ends here), on this rank alone: a forward that talks to
+    -- the other ranks (SyncBatchNorm, ZeRO-3's gathers) stops at its first collective, which would not meet theirs
+    if input ~= nil and self:_hook_modules(false) then
       local root = inner(self.model)
+      dist_binding.forbid('the NaN guard\'s check runs no collective')
       local ok = pcall(root.forward, root, input, ...)
+      dist_binding.forbid(nil)
       self:_unhook_modules()
-      if not ok then self._culprit = nil end
+      -- a culprit found before the forward stopped stands: modules run in order
+      if not ok and not self._culprit then self._nan_hint = ' (its forward talks to the other ranks, so it was not run again' ..
+        ' here; DLUA_NAN_CHECK=modules checks every module in every forward)' end
     end
-    if not self._culprit and self.model then self._nan_hint = ' (DLUA_NAN_CHECK=modules checks every module in every forward)' end
+    if not self._culprit and self._nan_hint == '' and self.model then
+      self._nan_hint = ' (DLUA_NAN_CHECK=modules checks every module in every forward)'
+    end
   end
   error(self:_nan_message('loss', step, v), 2)  -- at the recipe's line
 end

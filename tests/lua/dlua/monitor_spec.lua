@@ -137,3 +137,29 @@ describe('dlua.monitor step boundary', function()
     assert.truthy(text:find('this run saves no checkpoints', 1, true), text)
   end)
 end)
+
+describe('dlua.monitor NaN guard on one rank of many', function()
+  it('runs no collective while it checks (a SyncBatchNorm-like module stops the check, not the run)', function()
+    local dist_binding = require 'bindings.dist'
+    local nn = dlua.nn
+    local Talks = nn.Module:extend('Talks')
+    function Talks:forward(x)
+      dist_binding.site()  -- what every collective calls first
+      return x
+    end
+    local m = nn.Sequential(nn.Linear(3, 2), Talks(), nn.Linear(2, 1))
+    local x = dlua.randn(2, 3)
+    local mon = monitor.Monitor({ model = m })
+    -- the NaN comes after the talking module: the check stops there and says why
+    m:children()[3].weight[{ 1, 1 }] = 0 / 0
+    local err = guard_error(mon, m:forward(x):sum():item(), x)
+    assert.truthy(err:find('loss is nan at step 1 (its forward talks to the other ranks', 1, true), err)
+    -- a culprit before the talking module is still named
+    m:children()[3].weight:fill_(1)
+    m:children()[1].bias[1] = 0 / 0
+    err = guard_error(mon, m:forward(x):sum():item(), x)
+    assert.truthy(err:find('0 (Linear); its bias holds non-finite values', 1, true), err)
+    -- and collectives work again afterwards
+    assert.is_string(dist_binding.site())
+  end)
+end)
