@@ -120,7 +120,7 @@ function M.forbid(msg) forbidden = msg end
 function M.site()
   if forbidden then error(forbidden, 3) end
   local issuer
-  for level = 3, 40 do
+  for level = 3, 64 do  -- a bucket started deep in backward is still traced to the user
     local info = debug.getinfo(level, 'Sl')
     if info == nil then break end
     local src = info.short_src or '?'

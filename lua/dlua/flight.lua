@@ -75,6 +75,15 @@ local function by_group(dumps)
   return groups, order
 end
 
+-- dlua's own tree (lua/dlua, bindings, models), to find the first frame of a traceback that is the user's code.
+local tree = (debug.getinfo(1, 'S').source or ''):match('^@(.*)lua/dlua/flight%.lua$')
+local function is_library(frame)
+  if frame:find('^%[') then return true end  -- [builtin#21], [C]
+  if tree == nil or frame:sub(1, #tree) ~= tree then return false end
+  local rel = frame:sub(#tree + 1)
+  return rel:find('^lua/dlua/') ~= nil or rel:find('^bindings/') ~= nil or rel:find('^models/') ~= nil
+end
+
 -- The rank's newest entry of any group (its last collective), or nil.
 local function newest(d)
   local best
@@ -99,7 +108,12 @@ local function position(r, d, now, inflight)
     return lines
   end
   if w.state == 'lua' and w.traceback and #w.traceback > 0 then
-    lines[1] = format('rank %d: not in a collective; running Lua at %s', r, w.traceback[1])
+    local user
+    for _, f in ipairs(w.traceback) do
+      if not is_library(f) then user = f break end
+    end
+    lines[1] = format('rank %d: not in a collective; running Lua at %s%s', r, w.traceback[1],
+      user and user ~= w.traceback[1] and format(' (in %s)', user) or '')
     for i = 2, math.min(#w.traceback, 8) do lines[#lines + 1] = '    ' .. w.traceback[i] end
   elseif w.state == 'c' and w.c_stack and #w.c_stack > 0 then
     lines[1] = format('rank %d: not in a collective; inside a C call:', r)

@@ -73,4 +73,13 @@ describe('dlua.flight diagnose', function()
     local text = flight.diagnose(dir, { first = 0, count = 1 })
     has(text, 'rank 0: its all_reduce #1 on (4) float32 at train.lua:11 failed: timed out after 3000 ms')
   end)
+
+  it("names the first frame of the user's own code when the rank is inside dlua's", function()
+    local tree = debug.getinfo(flight.diagnose, 'S').source:match('^@(.*)lua/dlua/flight%.lua$')
+    write(0, 0, {}, { state = 'lua', traceback = { tree .. 'bindings/nn.lua:75', tree .. 'lua/dlua/nn/init.lua:240',
+      '[builtin#21]', 'recipes/train.lua:149', 'recipes/train.lua:300' }, c_stack = {} })
+    local text = flight.diagnose(dir, { first = 0, count = 1 })
+    has(text, 'rank 0: not in a collective; running Lua at ' .. tree .. 'bindings/nn.lua:75 (in recipes/train.lua:149)')
+    has(text, 'no collective recorded yet')
+  end)
 end)
