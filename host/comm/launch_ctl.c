@@ -73,6 +73,28 @@ static int write_private_file(const char *path, const char *text) {
 
 static void *attach_main(void *arg);
 
+/* The directories of launchers that died without cleaning up (SIGKILL): their socket, token and job file go, and the
+   directory with them unless it holds flight-recorder dumps. A directory's name is its launcher's pid. */
+static void sweep_dead(const char *base) {
+  DIR *d = opendir(base);
+  if (!d) return;
+  struct dirent *e;
+  char p[PATH_MAX + 300];
+  while ((e = readdir(d)) != NULL) {
+    char *end;
+    long pid = strtol(e->d_name, &end, 10);
+    if (*end || pid <= 0 || pid == (long)getpid() || kill((pid_t)pid, 0) == 0 || errno != ESRCH) continue;
+    static const char *const names[] = {"attach.sock", "token", "job"};
+    for (int i = 0; i < 3; i++) {
+      snprintf(p, sizeof p, "%s/%s/%s", base, e->d_name, names[i]);
+      unlink(p);
+    }
+    snprintf(p, sizeof p, "%s/%s", base, e->d_name);
+    rmdir(p);  // fails, and keeps it, when dumps are there
+  }
+  closedir(d);
+}
+
 /* A directory named after our pid is left from an earlier launcher that had it (killed, say): its files are not ours. */
 static void clear_stale(const char *dir) {
   DIR *d = opendir(dir);
@@ -109,6 +131,7 @@ int dlua_launch_ctl_open(dlua_job_t *job) {
   }
   if (private_dir(base, why, sizeof why) != 0 || private_dir(job->dir, why, sizeof why) != 0) goto off;
   clear_stale(job->dir);
+  sweep_dead(base);
   job->own_dir = 1;
   if (!job->flight_dir[0]) snprintf(job->flight_dir, sizeof job->flight_dir, "%s", job->dir);
   char p[PATH_MAX + 32], info[512];

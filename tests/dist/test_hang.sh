@@ -167,6 +167,17 @@ expect "the job directory is kept for its dumps, and says so" \
   'grep -qxF "dlua: flight-recorder dumps kept in $jd" "$log" && [ ! -e "$jd/attach.sock" ] && [ ! -e "$jd/token" ]' "$(ls -la "$jd"; grep -a '^dlua' "$log")"
 no_strays "attach"
 
+# a launcher killed with SIGKILL leaves its directory behind; the next launcher removes it
+"$DLUA" --nproc 1 -e 'while true do end' >/dev/null 2>&1 &
+kp=$!
+for _ in $(seq 100); do [ -S "$work/run/$kp/attach.sock" ] && break; sleep 0.1; done
+kill -9 "$kp"
+wait "$kp" 2>/dev/null
+left=$([ -S "$work/run/$kp/attach.sock" ] && echo yes)
+"$DLUA" --nproc 1 -e 'print(1)' >/dev/null 2>&1
+expect "a killed launcher's directory: left behind, then swept by the next launcher" '[ "$left" = yes ] && [ ! -e "$work/run/$kp" ]' "$(ls -la "$work/run")"
+no_strays "killed launcher"
+
 # the socket itself refuses a client of another user (root passes the directory's mode; the launcher checks its peer)
 if [ "$(id -u)" = 0 ] && id nobody >/dev/null 2>&1 && command -v setpriv >/dev/null; then
   nb=$(mktemp -d /tmp/dlua-hang-nobody.XXXXXX)
