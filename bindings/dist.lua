@@ -103,17 +103,37 @@ end
 
 local work_out = ffi.new('dlua_work_t *[1]')
 
--- "file.lua:42": the user's line that called the collective (outside dlua's own modules).
+-- "file.lua:42": the user's line that called the collective: the first caller outside dlua's own tree (bindings/,
+-- lua/dlua/, models/), followed by the line in dlua that issued it when that is another ("train.lua:20 via ddp.lua:288":
+-- a DDP bucket's all-reduce, started in backward).
+local tree = (debug.getinfo(1, 'S').source or ''):match('^@(.*)bindings/dist%.lua$')
+local function in_tree(source)
+  if tree == nil or source:sub(1, 1) ~= '@' or source:sub(2, #tree + 1) ~= tree then return false end
+  local rel = source:sub(#tree + 2)
+  return rel:find('^lua/dlua/') ~= nil or rel:find('^bindings/') ~= nil or rel:find('^models/') ~= nil
+end
+-- While set (a message), every collective raises it instead of starting: dlua.monitor's NaN guard runs a forward
+-- again on one rank only, and a collective there (SyncBatchNorm, ZeRO-3's gathers) would meet the other ranks' next one.
+local forbidden
+function M.forbid(msg) forbidden = msg end
+
 function M.site()
-  for level = 3, 12 do
+  if forbidden then error(forbidden, 3) end
+  local issuer
+  for level = 3, 64 do  -- a bucket started deep in backward is still traced to the user
     local info = debug.getinfo(level, 'Sl')
     if info == nil then break end
     local src = info.short_src or '?'
     if info.what ~= 'C' and not src:find('bindings[/\\]') and not src:find('dlua[/\\]dist%.lua$') then
-      return format('%s:%d', src, info.currentline or 0)
+      local here = format('%s:%d', src, info.currentline or 0)
+      if not in_tree(info.source or '') then
+        if issuer == nil then return here end
+        return format('%s via %s', here, issuer)
+      end
+      issuer = issuer or format('%s:%d', src:match('[^/\\]+$') or src, info.currentline or 0)
     end
   end
-  return '?'
+  return issuer or '?'
 end
 
 local function finish(op, status, async, keep, result)

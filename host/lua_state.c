@@ -6,14 +6,17 @@
 #include <luajit.h>
 #include <lauxlib.h>
 #include <lualib.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/time.h>
 #include <unistd.h>
 
+#include "comm/flight_agent.h"
 #include "core/api.h"
 
 extern const char dlua_embedded_header[];
@@ -73,6 +76,38 @@ void dlua_state_at_prompt(int on) {
 }
 
 int dlua_state_prompt_interrupted(void) { return g_prompt_interrupted; }
+
+/* ---- where the Lua code is, for the flight recorder ------------------------------------ */
+
+/* LuaJIT's profiler runs its callback at the next line the Lua code reaches, in machine code too (traces
+   compiled with it on check for it at every new line), where a hook never runs inside a compiled loop.
+   So the profiler is on from the start with its timer stopped, and the flight recorder's agent fires it
+   once, by hand, when it wants a traceback. */
+static pthread_t g_lua_thread;
+
+static void where_cb(void *data, lua_State *L, int samples, int vmstate) {
+  (void)data;
+  (void)samples;
+  (void)vmstate;
+  if (!dlua_agent_lua_wanted()) return;  // a stray SIGPROF
+  size_t len = 0;
+  const char *s = luaJIT_profile_dumpstack(L, "pl\n", 40, &len);
+  char buf[8192];
+  snprintf(buf, sizeof buf, "%.*s", (int)len, s ? s : "");
+  dlua_agent_lua_where(buf);
+}
+
+static void where_trigger(void) { pthread_kill(g_lua_thread, SIGPROF); }
+
+static void start_where(lua_State *L) {
+  const char *v = getenv("DLUA_FLIGHT_LUA");
+  if (v && !strcmp(v, "0")) return;
+  g_lua_thread = pthread_self();
+  luaJIT_profile_start(L, "li1000000", where_cb, NULL);
+  struct itimerval off = {{0, 0}, {0, 0}};
+  setitimer(ITIMER_PROF, &off, NULL);  // no sampling: only the agent's SIGPROF
+  dlua_agent_set_lua(where_trigger);
+}
 
 /* ---- protected calls ---------------------------------------------------------------- */
 
@@ -254,5 +289,46 @@ lua_State *dlua_state_new(void) {
   lua_setfield(L, -2, "dlua.host");
   lua_pop(L, 2);
   install_sigint(1);
+  start_where(L);
   return L;
+}
+
+/* The launcher's diagnosis of flight-recorder dumps: lua/dlua/flight.lua in a state of its own (no signal
+   handling: the launcher keeps its own). */
+char *dlua_state_flight_diagnosis(const char *dir, int first, int n, int64_t id) {
+  if (!g_root[0]) find_root();
+  lua_State *L = luaL_newstate();
+  if (L == NULL) return NULL;
+  luaL_openlibs(L);
+  set_paths(L);
+  char *out = NULL;
+  lua_pushcfunction(L, traceback_handler);
+  lua_getglobal(L, "require");
+  lua_pushliteral(L, "dlua.flight");
+  if (lua_pcall(L, 1, 1, 1) == 0) {
+    lua_getfield(L, -1, "diagnose");
+    lua_pushstring(L, dir);
+    lua_createtable(L, 0, 3);
+    lua_pushinteger(L, first);
+    lua_setfield(L, -2, "first");
+    lua_pushinteger(L, n);
+    lua_setfield(L, -2, "count");
+    lua_pushnumber(L, (lua_Number)id);
+    lua_setfield(L, -2, "dump_id");
+    if (lua_pcall(L, 2, 1, 1) == 0 && lua_isstring(L, -1)) {
+      out = strdup(lua_tostring(L, -1));
+    } else {
+      const char *e = lua_tostring(L, -1);
+      size_t cap = 64 + (e ? strlen(e) : 0);
+      out = malloc(cap);
+      if (out) snprintf(out, cap, "the diagnosis failed: %s", e ? e : "?");
+    }
+  } else {
+    const char *e = lua_tostring(L, -1);
+    size_t cap = 64 + (e ? strlen(e) : 0);
+    out = malloc(cap);
+    if (out) snprintf(out, cap, "no diagnosis: %s", e ? e : "?");
+  }
+  lua_close(L);
+  return out;
 }

@@ -2,6 +2,7 @@
 #ifndef DLUA_LUA_STATE_H
 #define DLUA_LUA_STATE_H
 #include <lua.h>
+#include <stdint.h>
 
 /* Opens a state with the standard libraries, dlua's module paths and the `dlua.host`
    preload. Returns NULL (message printed) on failure. */
@@ -18,6 +19,10 @@ int dlua_state_dofile_args(lua_State *L, const char *path, int narg);
 
 /* Runs `dlua = require 'dlua'`; reports failures and returns their status. */
 int dlua_state_preload_global(lua_State *L);
+
+/* The flight recorder's diagnosis (lua/dlua/flight.lua) of the dumps dir/flight-rank<first..first+n-1>.json
+   of dump `id` (0: any), as text to free; for the launcher (dlua_launch_set_diagnoser). */
+char *dlua_state_flight_diagnosis(const char *dir, int first, int n, int64_t id);
 
 /* The directory holding lua/dlua/init.lua, as found at start-up. */
 const char *dlua_state_root(void);

@@ -8,6 +8,9 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "attach.h"
+#include "comm/control.h"
+#include "comm/flight_agent.h"
 #include "comm/launch.h"
 #include "core/api.h"
 #include "lua_state.h"
@@ -17,6 +20,7 @@
 static void print_usage(FILE *f) {
   fputs(
       "usage: dlua [options] [script.lua [args...]]\n"
+      "       dlua attach PID|JOBDIR [--rank R] [--dump]   (a running job: docs/launch.md)\n"
       "Runs a dlua training script or recipe; with no script, a REPL on a terminal, or the\n"
       "program read from standard input otherwise.\n"
       "\n"
@@ -36,11 +40,16 @@ static void print_usage(FILE *f) {
       "  --master H:P   where node 0's rendezvous store listens (multi-node; single-node\n"
       "                 jobs use a free port on 127.0.0.1)\n"
       "  --ranks-output R  show only these ranks' output, e.g. 0 or 0,3\n"
+      "  --max-restarts K  when a rank fails, restart the whole job up to K times (the\n"
+      "                 recipe resumes from its newest checkpoint: docs/launch.md)\n"
       "\n"
       "environment:\n"
       "  DLUA_PATH      extra module folders or ?-templates, ';'-separated, searched first\n"
       "  LUA_PATH       the usual Lua module path, searched after dlua's own tree\n"
       "  DLUA_EXE       what --nproc starts for each rank (default: this dlua binary)\n"
+      "  DLUA_FLIGHT_DIR  where ranks write flight-recorder dumps (SIGUSR1, a timeout)\n"
+      "  DLUA_RUN_DIR   where launchers keep their jobs' private directories (dlua attach)\n"
+      "  DLUA_NAN_CHECK loss (default), modules or off: dlua.monitor's NaN guard\n"
       "  RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (torchrun), SLURM_PROCID...,\n"
       "  OMPI_COMM_WORLD_RANK...: a script calling dlua.dist.init() joins that job\n",
       f);
@@ -64,6 +73,7 @@ typedef struct {
   char master_host[256];
   int master_port;
   const char *ranks_output;
+  int max_restarts;
   int launcher_opts; /* any launcher option given */
   int interactive;   /* -i */
   int version;       /* -v */
@@ -87,7 +97,8 @@ static int parse_int(const char *opt, const char *v, int lo, int hi, int *out) {
    --ranks-output R, also as --opt=value). Returns 1 if argv[*i] was one (advancing *i past
    its value), 0 if not, -1 after printing an error. */
 static int launcher_option(int argc, char **argv, int *i, options_t *o) {
-  static const char *names[] = {"--nproc", "--nnodes", "--node-rank", "--master", "--ranks-output", NULL};
+  static const char *names[] = {"--nproc", "--nnodes", "--node-rank", "--master", "--ranks-output",
+                                "--max-restarts", NULL};
   const char *a = argv[*i];
   int which = -1;
   const char *val = NULL;
@@ -126,6 +137,7 @@ static int launcher_option(int argc, char **argv, int *i, options_t *o) {
       o->master_host[colon - val] = '\0';
       return parse_int("--master port", colon + 1, 1, 65535, &o->master_port) ? -1 : 1;
     }
+    case 5: return parse_int("--max-restarts", val, 0, 1000000, &o->max_restarts) ? -1 : 1;
     default: o->ranks_output = val; return 1;
   }
 }
@@ -173,7 +185,7 @@ static int parse_options(int argc, char **argv, options_t *o) {
   }
   if (i < argc) o->script = i;
   if (o->launcher_opts && o->nproc == 0) {
-    fprintf(stderr, "dlua: --nnodes/--node-rank/--master/--ranks-output need --nproc\n");
+    fprintf(stderr, "dlua: --nnodes/--node-rank/--master/--ranks-output/--max-restarts need --nproc\n");
     return -1;
   }
   if (o->nnodes == 0) o->nnodes = 1;
@@ -183,6 +195,15 @@ static int parse_options(int argc, char **argv, options_t *o) {
   }
   if (o->nnodes > 1 && o->master_host[0] == '\0') {
     fprintf(stderr, "dlua: --nnodes %d needs --master host:port (where node 0's store listens)\n", o->nnodes);
+    return -1;
+  }
+  if (o->max_restarts > 0 && o->nnodes > 1) {
+    fprintf(stderr, "dlua: --max-restarts restarts a single-node job; for several nodes use the cluster's "
+                    "scheduler (each node's launcher would restart on its own)\n");
+    return -1;
+  }
+  if (o->max_restarts > 0 && o->interactive) {
+    fprintf(stderr, "dlua: --max-restarts does not go with -i (the SPMD REPL)\n");
     return -1;
   }
   if (o->nproc != 0 && !o->script && !o->script_stdin && !o->interactive && !o->has_exec) {
@@ -237,9 +258,11 @@ static int launch(int argc, char **argv, const options_t *o) {
   lo.master_port = o->master_port;
   lo.ranks_output = o->ranks_output;
   lo.spmd_repl = o->interactive;
+  lo.max_restarts = o->max_restarts;
   lo.argc = rargc;
   lo.argv = rargv;
   dlua_launch_install_signals();
+  dlua_launch_set_diagnoser(dlua_state_flight_diagnosis);
   dlua_job_t *job;
   if (dlua_job_start(&lo, &job) != 0) {
     free(rargv);
@@ -313,6 +336,7 @@ static int run_script(lua_State *L, int argc, char **argv, const options_t *o) {
 }
 
 int main(int argc, char **argv) {
+  if (argc > 1 && strcmp(argv[1], "attach") == 0) return dlua_attach_main(argc - 1, argv + 1);
   options_t o;
   if (parse_options(argc, argv, &o) != 0) return 1;
   if (o.version) {
@@ -321,6 +345,8 @@ int main(int argc, char **argv) {
   }
   if (o.nproc != 0) return launch(argc, argv, &o);
   dlua_launch_rank_init();  // a rank of `dlua --nproc N`: where to say that it failed
+  dlua_control_rank_init(); // ... and its launcher's control page (dlua attach, restarts)
+  dlua_agent_start();       // SIGUSR1 dumps the flight recorder
   /* a rank under the launcher writes into a pipe: flush each line so output is live */
   if (getenv("DLUA_LAUNCHER")) setvbuf(stdout, NULL, _IOLBF, 0);
 
@@ -353,7 +379,10 @@ int main(int argc, char **argv) {
     }
   }
   /* before lua_close closes our process groups: that is what makes the peers fail */
-  if (status != 0) dlua_launch_report_failure();
+  if (status != 0) {
+    dlua_agent_flush(3000);  // a flight-recorder dump in progress (say, after this rank's collective timed out)
+    dlua_launch_report_failure();
+  }
   lua_close(L);
   return status == 0 ? 0 : 1;
 }

@@ -7,6 +7,7 @@ local lr = require 'dlua.lr'
 local data = require 'dlua.data'
 local cli = require 'dlua.cli'
 local ckpt = require 'dlua.ckpt'
+local monitor = require 'dlua.monitor'
 local resnet = require 'models.resnet'
 
 local opt = cli.parse(arg, {
@@ -14,7 +15,7 @@ local opt = cli.parse(arg, {
   label_smoothing = 0.0, model = 'resnet20', threads = 0, seed = 1, data = '',
   limit = 0, eval_limit = 0, eval_batch = 1000, channels_last = true, zero_init_residual = true, clip_grad = 0,
   print_every = 100, zero = 0, offload = false, save = '', save_every = 0, save_async = false, keep = 0, resume = '', stop_after = 0,
-  checkpoint_activations = 'none',
+  checkpoint_activations = 'none', nan_check = '',
 }, {
   description = 'Trains a ResNet on Fashion-MNIST (Debian package dataset-fashion-mnist).',
   help = {
@@ -43,6 +44,8 @@ local opt = cli.parse(arg, {
     stop_after = 'stop after N optimizer steps, saving first (the schedule is the full run\'s)',
     zero_init_residual = 'ResNets: blocks start as the identity (last batch-norm scale 0, Goyal et al. 2017)',
     checkpoint_activations = "none, blocks or stages: recompute those in backward instead of keeping their activations",
+    nan_check = "loss: a non-finite loss stops the run, naming the step and the first module whose output went non-finite; "
+      .. "modules: every module's output checked in every forward (slow); off (default: DLUA_NAN_CHECK, else loss)",
   },
 })
 
@@ -191,7 +194,11 @@ local function save_checkpoint()
   if opt.save == '' then return end
   ckpt.save(opt.save, state, { step = progress.step, keep = opt.keep > 0 and opt.keep or nil, async = opt.save_async })
 end
-local resumed_epoch
+-- The step boundary: the NaN guard, `dlua attach` (read the loss, change the learning rate, save, stop).
+local mon = monitor.Monitor({ model = model, optimizer = sgd, schedule = schedule, save = opt.save ~= '' and save_checkpoint or nil,
+  nan_check = opt.nan_check, print = print, state = { progress = progress, sampler = sampler, net = net, opt = opt } })
+opt.resume = monitor.resume_option(opt.resume, opt.save)  -- a job restarted by --max-restarts resumes from its newest checkpoint
+local resumed_epoch, resumed_info
 if opt.resume ~= '' then
   local saved_opts = {}
   state.options = saved_opts
@@ -205,11 +212,12 @@ if opt.resume ~= '' then
       end
     end
     if info.resharded then progress.step = math.floor(progress.images / (opt.batch * world)) end
-    resumed_epoch = sampler.epoch
+    resumed_epoch, resumed_info = sampler.epoch, info
     print(('resumed from %s: step %d, epoch %d%s'):format(info.path, progress.step, sampler.epoch,
       info.resharded and (' (saved by %d ranks, now %d)'):format(info.world_size, world) or ''))
   end
 end
+mon:restarted(resumed_info, progress.step)
 
 local step = progress.step
 local stopped = false
@@ -221,11 +229,11 @@ for epoch = resumed_epoch or 1, opt.epochs do
   local fresh = 0  -- images this run trained on in this epoch (for img/s)
   for i, x, y in data.batches(epoch_set(epoch), { batch = opt.batch, skip = sampler:skip(epoch),
     seed = opt.seed * 1000 + rank, epoch = epoch, drop_last = true, augment = { crop_pad = 2, flip = true }, mean = mean, std = std }) do
-    sgd:set_lr(schedule(step))
+    sgd:set_lr(mon:lr(step))
     sgd:zero_grad()
     local input = to_input(x)
     local out = model:forward(input)
-    local loss = criterion:forward(out, y):item()
+    local loss = mon:check_loss(criterion:forward(out, y):item(), input)
     model:backward(input, criterion:backward(out, y))
     if opt.clip_grad > 0 then  -- after DDP's all-reduce; under ZeRO over every rank's shard
       clip:add(opt.zero > 0 and model:clip_grad_norm_(opt.clip_grad) or nn.utils.clip_grad_norm_(model, opt.clip_grad))
@@ -240,7 +248,7 @@ for epoch = resumed_epoch or 1, opt.epochs do
       progress_line(epoch, i, steps_per_epoch, meter.loss_sum / meter.images, fresh * world / dt, math.floor((total - step) * dt / fresh * opt.batch))
     end
     if opt.save_every > 0 and step % opt.save_every == 0 then save_checkpoint() end
-    if opt.stop_after > 0 and step >= opt.stop_after then
+    if mon:step(step, loss) or opt.stop_after > 0 and step >= opt.stop_after then
       stopped = true
       break
     end

@@ -9,6 +9,7 @@ local lr = require 'dlua.lr'
 local data = require 'dlua.data'
 local cli = require 'dlua.cli'
 local ckpt = require 'dlua.ckpt'
+local monitor = require 'dlua.monitor'
 local resnet = require 'models.resnet'
 
 local opt = cli.parse(arg, {
@@ -16,7 +17,7 @@ local opt = cli.parse(arg, {
   seed = 1, limit = 0, eval_limit = 0, model = 'resnet50', momentum = 0.9, weight_decay = 1e-4,
   bucket_mb = 25, threads = 0, channels_last = true, print_every = 10, sync_bn = false, device = 'auto',
   clip_grad = 0, zero = 0, offload = false, save = '', save_every = 0, save_async = false, keep = 0, resume = '', stop_after = 0,
-  pipeline = 0, chunks = 8, schedule = '1f1b', split = 'time', checkpoint_activations = 'none',
+  pipeline = 0, chunks = 8, schedule = '1f1b', split = 'time', checkpoint_activations = 'none', nan_check = '',
 }, {
   description = 'Trains a ResNet (default ResNet-50) data-parallel with dlua.dist.DDP.',
   help = {
@@ -52,6 +53,8 @@ local opt = cli.parse(arg, {
     schedule = "with --pipeline: 'gpipe' or '1f1b'",
     split = "with --pipeline: balance the stages by measured 'time' or by 'params'",
     checkpoint_activations = "none, blocks or stages: recompute those in backward instead of keeping their activations",
+    nan_check = "loss: a non-finite loss stops the run, naming the step and the first module whose output went non-finite; "
+      .. "modules: every module's output checked in every forward (slow); off (default: DLUA_NAN_CHECK, else loss)",
   },
 })
 io.stdout:setvbuf('line')
@@ -286,7 +289,12 @@ local function save_checkpoint()
   if opt.save == '' then return end
   ckpt.save(opt.save, state, { step = progress.step, keep = opt.keep > 0 and opt.keep or nil, async = opt.save_async })
 end
-local resumed_epoch
+-- The step boundary: the NaN guard, `dlua attach` (read the loss, change the learning rate, save, stop).
+local mon = monitor.Monitor({ model = model, optimizer = sgd, schedule = schedule, save = opt.save ~= '' and save_checkpoint or nil,
+  nan_check = opt.nan_check, print = function(...) log('%s', table.concat({ ... }, '\t')) end,
+  state = { progress = progress, sampler = sampler, net = net, opt = opt } })
+opt.resume = monitor.resume_option(opt.resume, opt.save)  -- a job restarted by --max-restarts resumes from its newest checkpoint
+local resumed_epoch, resumed_info
 if opt.resume ~= '' then
   local saved_opts = {}
   state.options = saved_opts
@@ -301,11 +309,13 @@ if opt.resume ~= '' then
       end
     end
     if info.resharded then progress.step = math.floor(progress.images / global_batch) end
-    resumed_epoch = sampler.epoch
+    resumed_epoch, resumed_info = sampler.epoch, info
     log('resumed from %s: step %d, epoch %d%s', info.path, progress.step, sampler.epoch,
       info.resharded and (' (saved by %d ranks, now %d)'):format(info.world_size, world) or '')
   end
 end
+
+mon:restarted(resumed_info, progress.step)
 
 local step, acc = progress.step, 0
 local stopped = false
@@ -328,6 +338,7 @@ for epoch = resumed_epoch or 1, opt.epochs do
     else
       local out = model:forward(x)
       local loss = criterion:forward(out, y)
+      mon:check_loss(loss, x)  -- one device sync per micro-batch on a GPU
       model:backward(x, criterion:backward(out, y))
       loss_sum:add_(loss:double() * y:numel())
     end
@@ -344,7 +355,7 @@ for epoch = resumed_epoch or 1, opt.epochs do
           grad_norm = nn.utils.clip_grad_norm_(model, opt.clip_grad, 2, piped and { group = layout.pipe or true } or nil)
         end
       end
-      sgd:set_lr(schedule(step))
+      sgd:set_lr(mon:lr(step))
       sgd:step()
       sgd:zero_grad()
       step = step + 1
@@ -353,10 +364,10 @@ for epoch = resumed_epoch or 1, opt.epochs do
       if s % opt.print_every == 0 or s == steps_per_epoch then
         local dt = dlua.perf_counter() - t0
         log('epoch %d  step %d/%d  loss %.4f  lr %.4g  %.1f img/s%s', epoch, s, steps_per_epoch, loss_sum:item() / meter.seen,
-          schedule(step - 1), fresh * replicas / dt, grad_norm and ('  grad norm %.4g'):format(grad_norm) or '')
+          sgd:get_lr(), fresh * replicas / dt, grad_norm and ('  grad norm %.4g'):format(grad_norm) or '')
       end
       if opt.save_every > 0 and step % opt.save_every == 0 then save_checkpoint() end
-      if opt.stop_after > 0 and step >= opt.stop_after then
+      if mon:step(step) or opt.stop_after > 0 and step >= opt.stop_after then
         stopped = true
         break
       end

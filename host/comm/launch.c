@@ -21,73 +21,12 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "comm/launch_job.h"
 #include "core/api.h"
 
 extern char **environ;
 
-enum {
-  LINE_MAX_BYTES = 65536,  /* a longer line is cut and emitted in pieces */
-  STOP_GRACE_MS = 3000,    /* SIGTERM to SIGKILL when a rank failed */
-  INTERRUPT_GRACE_MS = 10000, /* SIGINT to SIGKILL after Ctrl-C */
-  DRAIN_MS = 1000,         /* output still read after every rank ended */
-  WATCH_MS = 500,          /* multi-node: how often the job's failure key is checked */
-  PEER_GRACE_MS = 1000,    /* a rank failed because a peer went away: how long to wait for the cause */
-  LAUNCH_FD = 3            /* the failure pipe's write end, in every rank */
-};
-
-/* What a failed rank said of itself on the failure pipe. */
-enum { CLAIM_NONE, CLAIM_OWN, CLAIM_PEER };
-static const char CLAIM_TAG[] = "dlua-rank-failed";
-
-typedef struct {
-  char *data;
-  size_t len;
-} linebuf_t;
-
-typedef struct {
-  pid_t pid;
-  int fd[2];          /* stdout, stderr pipes; -1 once closed */
-  linebuf_t buf[2];
-  int running;
-  int status;         /* waitpid status once ended */
-  int stopped_by_us;  /* we sent it a signal before it ended */
-  char last_error[512];
-  int in_traceback;
-  int claim;          /* CLAIM_*: its line on the failure pipe, if any */
-  long claim_seq;     /* that line's place in the pipe, from 1 */
-} rank_t;
-
-struct dlua_job {
-  dlua_launch_opts_t o;
-  int world;
-  int first_rank;                 /* global rank of local rank 0 */
-  char token[320];
-  char host[256];
-  int port;
-  dlua_store_server_t *server;
-  dlua_store_t *store;            /* multi-node only: the failure key */
-  rank_t *ranks;
-  unsigned char *show;            /* per local rank: echo its output */
-  pid_t pgid;
-  pthread_t pump;
-  int pump_started;
-  pthread_mutex_t mu;
-  int finished;
-  int failed_rank;                /* local index of the rank that failed first, or -1 */
-  char remote_failure[600];       /* another node reported a failure */
-  int interrupted;
-  double kill_at;                 /* 0: no deadline; else SIGKILL the rest then */
-  double all_ended_at;
-  double next_watch;
-  int ctl[2];                     /* the failure pipe every rank writes to; -1 when closed */
-  char ctlbuf[256];               /* a line of it not yet complete */
-  size_t ctllen;
-  long claims;                    /* lines read from it */
-  double peer_since;              /* when a rank first failed because a peer went away (0: none) */
-  int announced;                  /* multi-node: the failure is posted in the store */
-};
-
-static double now_s(void) {
+double dlua_launch_now(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
   return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
@@ -95,11 +34,13 @@ static double now_s(void) {
 
 /* ---- signals ------------------------------------------------------------------------ */
 
-static volatile sig_atomic_t g_signals;
+static volatile sig_atomic_t g_signals, g_dump_signals;
 
 static void on_signal(int sig) {
-  (void)sig;
-  g_signals++;
+  if (sig == SIGUSR1)
+    g_dump_signals++;
+  else
+    g_signals++;
 }
 
 void dlua_launch_install_signals(void) {
@@ -111,165 +52,14 @@ void dlua_launch_install_signals(void) {
   sigaction(SIGINT, &sa, NULL);
   sigaction(SIGTERM, &sa, NULL);
   sigaction(SIGHUP, &sa, NULL);
+  sigaction(SIGUSR1, &sa, NULL);
   signal(SIGPIPE, SIG_IGN);
 }
 
+int dlua_launch_dump_signals(void) { return (int)g_dump_signals; }
+
 int dlua_launch_signals_seen(void) { return (int)g_signals; }
 void dlua_launch_signals_reset(void) { g_signals = 0; }
-
-/* ---- a rank's side ------------------------------------------------------------------ */
-
-static int g_report_fd = -1;
-static int g_local_rank = -1;
-static atomic_int g_peer_lost;
-
-void dlua_launch_rank_init(void) {
-  const char *v = getenv("DLUA_LAUNCH_FD");
-  const char *lr = getenv("LOCAL_RANK");
-  if (v == NULL) return;
-  int fd = atoi(v);
-  struct stat st;
-  /* only the pipe the launcher gave us: an inherited variable may name an unrelated fd */
-  if (fd > 2 && lr != NULL && fstat(fd, &st) == 0 && S_ISFIFO(st.st_mode)) {
-    fcntl(fd, F_SETFD, FD_CLOEXEC);
-    g_report_fd = fd;
-    g_local_rank = atoi(lr);
-  }
-  unsetenv("DLUA_LAUNCH_FD");
-}
-
-void dlua_launch_note_peer_lost(void) { atomic_store(&g_peer_lost, 1); }
-
-void dlua_launch_report_failure(void) {
-  if (g_report_fd < 0) return;
-  char line[64];
-  int n = snprintf(line, sizeof line, "%s %d %s\n", CLAIM_TAG, g_local_rank,
-                   atomic_load(&g_peer_lost) ? "peer" : "own");
-  /* one write under PIPE_BUF bytes: atomic, so the ranks' lines never interleave */
-  ssize_t w;
-  do w = write(g_report_fd, line, (size_t)n);
-  while (w < 0 && errno == EINTR);
-  close(g_report_fd);
-  g_report_fd = -1;
-}
-
-/* ---- output ------------------------------------------------------------------------- */
-
-static void write_all(int fd, const char *p, size_t n) {
-  while (n > 0) {
-    ssize_t w = write(fd, p, n);
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      return;  // our own stdout is gone: nothing useful left to do with the text
-    }
-    p += w;
-    n -= (size_t)w;
-  }
-}
-
-/* Remembers the line that starts the rank's last error report ("dlua: <message>"), the
-   line the failure summary quotes. */
-static void note_error_line(rank_t *r, const char *line, size_t n) {
-  static const char tb[] = "stack traceback:";
-  if (n >= sizeof tb - 1 && memcmp(line, tb, sizeof tb - 1) == 0) {
-    r->in_traceback = 1;
-    return;
-  }
-  if (r->in_traceback && (line[0] == '\t' || line[0] == ' ')) return;
-  r->in_traceback = 0;
-  static const char pre[] = "dlua: ";
-  if (n > sizeof pre - 1 && memcmp(line, pre, sizeof pre - 1) == 0) {
-    line += sizeof pre - 1;
-    n -= sizeof pre - 1;
-  } else if (r->last_error[0] && strncmp(r->last_error, "dlua", 4) != 0) {
-    /* keep a "dlua: " line over later plain ones (e.g. a C library's chatter) */
-  }
-  if (n == 0) return;
-  if (n >= sizeof r->last_error) n = sizeof r->last_error - 1;
-  memcpy(r->last_error, line, n);
-  r->last_error[n] = '\0';
-}
-
-static void emit_line(dlua_job_t *job, int li, int stream, const char *line, size_t n) {
-  rank_t *r = &job->ranks[li];
-  if (stream == 1) note_error_line(r, line, n);
-  if (!job->show[li]) return;
-  char prefix[32];
-  int pn = snprintf(prefix, sizeof prefix, "[%d] ", job->first_rank + li);
-  char *out = malloc((size_t)pn + n + 1);
-  if (out == NULL) return;
-  memcpy(out, prefix, (size_t)pn);
-  memcpy(out + pn, line, n);
-  out[(size_t)pn + n] = '\n';
-  write_all(stream == 0 ? STDOUT_FILENO : STDERR_FILENO, out, (size_t)pn + n + 1);
-  free(out);
-}
-
-/* Emits the complete lines in the rank's buffer; at EOF (or a full buffer) the rest too. */
-static void flush_lines(dlua_job_t *job, int li, int stream, int eof) {
-  linebuf_t *b = &job->ranks[li].buf[stream];
-  size_t start = 0;
-  for (size_t i = 0; i < b->len; i++) {
-    if (b->data[i] == '\n') {
-      emit_line(job, li, stream, b->data + start, i - start);
-      start = i + 1;
-    }
-  }
-  if ((eof || b->len - start >= LINE_MAX_BYTES) && b->len > start) {
-    emit_line(job, li, stream, b->data + start, b->len - start);
-    start = b->len;
-  }
-  memmove(b->data, b->data + start, b->len - start);
-  b->len -= start;
-}
-
-static void read_pipe(dlua_job_t *job, int li, int stream) {
-  rank_t *r = &job->ranks[li];
-  linebuf_t *b = &r->buf[stream];
-  char chunk[16384];
-  ssize_t n = read(r->fd[stream], chunk, sizeof chunk);
-  if (n < 0 && (errno == EINTR || errno == EAGAIN)) return;
-  if (n <= 0) {
-    flush_lines(job, li, stream, 1);
-    close(r->fd[stream]);
-    r->fd[stream] = -1;
-    return;
-  }
-  char *grown = realloc(b->data, b->len + (size_t)n);
-  if (grown == NULL) return;  // drop this piece rather than stop pumping
-  b->data = grown;
-  memcpy(b->data + b->len, chunk, (size_t)n);
-  b->len += (size_t)n;
-  flush_lines(job, li, stream, 0);
-}
-
-/* Reads the failure pipe: each line claims a failure for a local rank, in the order written. */
-static void read_ctl(dlua_job_t *job) {
-  if (job->ctl[0] < 0) return;
-  for (;;) {
-    ssize_t n = read(job->ctl[0], job->ctlbuf + job->ctllen, sizeof job->ctlbuf - 1 - job->ctllen);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return;
-    job->ctllen += (size_t)n;
-    job->ctlbuf[job->ctllen] = '\0';
-    char *start = job->ctlbuf, *nl;
-    while ((nl = strchr(start, '\n')) != NULL) {
-      *nl = '\0';
-      int li = -1;
-      char kind[8] = "";
-      size_t tl = sizeof CLAIM_TAG - 1;
-      if (strncmp(start, CLAIM_TAG, tl) == 0 && sscanf(start + tl, "%d %7s", &li, kind) == 2 && li >= 0 &&
-          li < job->o.nproc && job->ranks[li].claim == CLAIM_NONE) {
-        job->ranks[li].claim = strcmp(kind, "peer") == 0 ? CLAIM_PEER : CLAIM_OWN;
-        job->ranks[li].claim_seq = ++job->claims;
-      }
-      start = nl + 1;
-    }
-    job->ctllen = strlen(start);
-    memmove(job->ctlbuf, start, job->ctllen);
-    if (job->ctllen == sizeof job->ctlbuf - 1) job->ctllen = 0;  // not ours: drop it
-  }
-}
 
 /* ---- ranks -------------------------------------------------------------------------- */
 
@@ -358,14 +148,14 @@ static void decide(dlua_job_t *job, int final) {
   }
   int culprit = own >= 0 ? own : plain;
   if (culprit < 0 && peer >= 0) {
-    double t = now_s();
+    double t = dlua_launch_now();
     if (job->peer_since == 0) job->peer_since = t;
     if (final || t - job->peer_since >= PEER_GRACE_MS / 1000.0) culprit = peer;
   }
   if (culprit < 0) return;
   job->failed_rank = culprit;
   signal_running(job, SIGTERM, culprit);
-  job->kill_at = now_s() + STOP_GRACE_MS / 1000.0;
+  job->kill_at = dlua_launch_now() + STOP_GRACE_MS / 1000.0;
 }
 
 /* Multi-node: posts the failure in the store once the failed rank ended (its error read). */
@@ -384,7 +174,7 @@ static void announce_when_ended(dlua_job_t *job) {
 /* Multi-node: another node's rank failed → stop ours. Called with job->mu held. */
 static void watch_remote(dlua_job_t *job) {
   if (job->store == NULL || job->failed_rank >= 0 || job->remote_failure[0] || job->interrupted) return;
-  double t = now_s();
+  double t = dlua_launch_now();
   if (t < job->next_watch) return;
   job->next_watch = t + WATCH_MS / 1000.0;
   void *v = NULL;
@@ -396,7 +186,7 @@ static void watch_remote(dlua_job_t *job) {
   snprintf(job->remote_failure, sizeof job->remote_failure, "%.*s", (int)n, (const char *)v);
   dlua_store_free_value(v);
   signal_running(job, SIGTERM, -1);
-  job->kill_at = now_s() + STOP_GRACE_MS / 1000.0;
+  job->kill_at = dlua_launch_now() + STOP_GRACE_MS / 1000.0;
 }
 
 static void *pump_main(void *arg) {
@@ -407,6 +197,7 @@ static void *pump_main(void *arg) {
   int n = job->o.nproc;
   struct pollfd *pf = calloc((size_t)(2 * n + 1), sizeof *pf);
   int *who = calloc((size_t)(2 * n + 1), sizeof *who);
+  int dump_signals = dlua_launch_dump_signals();
   for (;;) {
     int k = 0;
     if (job->ctl[0] >= 0 && pf) {
@@ -427,19 +218,26 @@ static void *pump_main(void *arg) {
       int rc = poll(pf, (nfds_t)k, 50);
       if (rc > 0)
         for (int j = 0; j < k; j++)
-          if (pf[j].revents && who[j] >= 0) read_pipe(job, who[j] / 2, who[j] % 2);
+          if (pf[j].revents && who[j] >= 0) dlua_launch_read_pipe(job, who[j] / 2, who[j] % 2);
     } else {
       usleep(50 * 1000);
     }
     pthread_mutex_lock(&job->mu);
     /* the pipe after reaping: a rank's line is written before it exits, so it is there by now */
     reap(job);
-    read_ctl(job);
-    decide(job, !any_running(job));
+    dlua_launch_read_ctl(job);
+    int sigs = dlua_launch_dump_signals();
+    if (sigs != dump_signals) {
+      dump_signals = sigs;
+      dlua_launch_dump_begin(job, "SIGUSR1 to the launcher");
+    }
+    /* while the ranks write their dumps, none is stopped: a failure's verdict waits for them */
+    int dumping = dlua_launch_dump_poll(job);
+    if (!dumping) decide(job, !any_running(job));
     announce_when_ended(job);
     watch_remote(job);
-    double t = now_s();
-    if (job->kill_at > 0 && t >= job->kill_at && any_running(job)) {
+    double t = dlua_launch_now();
+    if (!dumping && job->kill_at > 0 && t >= job->kill_at && any_running(job)) {
       signal_running(job, SIGKILL, -1);
       job->kill_at = 0;
     }
@@ -453,11 +251,12 @@ static void *pump_main(void *arg) {
       for (int i = 0; i < n; i++)
         for (int s = 0; s < 2; s++)
           if (job->ranks[i].fd[s] >= 0) {
-            flush_lines(job, i, s, 1);
+            dlua_launch_flush_lines(job, i, s, 1);
             close(job->ranks[i].fd[s]);
             job->ranks[i].fd[s] = -1;
           }
       job->finished = 1;
+      pthread_cond_broadcast(&job->cv);
       pthread_mutex_unlock(&job->mu);
       break;
     }
@@ -538,10 +337,12 @@ static int parse_show(dlua_job_t *job) {
 static char **rank_env(const dlua_job_t *job, int li) {
   static const char *ours[] = {"RANK=", "WORLD_SIZE=", "LOCAL_RANK=", "LOCAL_WORLD_SIZE=", "GROUP_RANK=",
                                "NODE_RANK=", "MASTER_ADDR=", "MASTER_PORT=", "DLUA_JOB_TOKEN=",
-                               "DLUA_LAUNCHER=", "DLUA_SPMD_REPL=", "DLUA_LAUNCH_FD=", NULL};
+                               "DLUA_LAUNCHER=", "DLUA_SPMD_REPL=", "DLUA_LAUNCH_FD=", "DLUA_CONTROL_FD=",
+                               "DLUA_JOB_DIR=", "DLUA_RESTART_COUNT=", "DLUA_RESTART_STEP=", "DLUA_MAX_RESTARTS=",
+                               NULL};
   size_t n = 0;
   while (environ[n]) n++;
-  char **env = calloc(n + 16, sizeof *env);
+  char **env = calloc(n + 24, sizeof *env);
   if (env == NULL) return NULL;
   size_t k = 0;
   int has_omp = 0;
@@ -552,7 +353,7 @@ static char **rank_env(const dlua_job_t *job, int li) {
     if (strncmp(environ[i], "OMP_NUM_THREADS=", 16) == 0) has_omp = 1;
     if (!skip) env[k++] = strdup(environ[i]);
   }
-  char v[512];
+  char v[PATH_MAX + 64];
 #define PUT(...) (snprintf(v, sizeof v, __VA_ARGS__), env[k++] = strdup(v))
   PUT("RANK=%d", job->first_rank + li);
   PUT("WORLD_SIZE=%d", job->world);
@@ -566,6 +367,12 @@ static char **rank_env(const dlua_job_t *job, int li) {
   PUT("DLUA_LAUNCHER=1");
   PUT("DLUA_LAUNCH_FD=%d", LAUNCH_FD);
   if (job->o.spmd_repl) PUT("DLUA_SPMD_REPL=1");
+  if (job->control) PUT("DLUA_CONTROL_FD=%d", CONTROL_FD);
+  if (job->dir[0]) PUT("DLUA_JOB_DIR=%s", job->dir);
+  if (job->flight_dir[0] && !getenv("DLUA_FLIGHT_DIR")) PUT("DLUA_FLIGHT_DIR=%s", job->flight_dir);
+  PUT("DLUA_RESTART_COUNT=%d", job->restarts);
+  PUT("DLUA_MAX_RESTARTS=%d", job->o.max_restarts);
+  if (job->restarts > 0) PUT("DLUA_RESTART_STEP=%lld", (long long)job->reached);
   if (!has_omp) {
     /* N ranks sharing the cores: each gets its share instead of N full thread pools */
     long cores = sysconf(_SC_NPROCESSORS_ONLN);
@@ -619,11 +426,13 @@ static int spawn(dlua_job_t *job, int li, const char *exe) {
     signal(SIGTERM, SIG_DFL);
     signal(SIGHUP, SIG_DFL);
     signal(SIGPIPE, SIG_DFL);
+    signal(SIGUSR1, SIG_IGN);  // kept across exec until the rank's flight recorder takes it: a dump never kills
     int devnull = open("/dev/null", O_RDONLY | O_CLOEXEC);
     if (devnull >= 0) dup2(devnull, STDIN_FILENO);
     dup2(out[1], STDOUT_FILENO);
     dup2(err[1], STDERR_FILENO);
-    dup2(job->ctl[1], LAUNCH_FD);  // ctl[1] is above LAUNCH_FD, so the dup2s above never clobber it
+    dup2(job->ctl[1], LAUNCH_FD);  // ctl[1] and control_fd are above CONTROL_FD: no dup2 clobbers them
+    if (job->control_fd >= 0) dup2(job->control_fd, CONTROL_FD);
     execve(exe, argv, env);
     static const char msg[] = "dlua: cannot start a rank: exec failed\n";
     ssize_t w = write(STDERR_FILENO, msg, sizeof msg - 1);
@@ -652,6 +461,57 @@ static int spawn(dlua_job_t *job, int li, const char *exe) {
   return 0;
 }
 
+/* A fresh store on node 0 (each run of the job gets its own: the last run's keys would mislead the next). */
+static int start_store(dlua_job_t *job) {
+  if (job->server) {
+    dlua_store_server_stop(job->server);
+    job->server = NULL;
+  }
+  /* single node: loopback only; several nodes: every interface, the others must reach it */
+  const char *bind = job->o.nnodes > 1 ? "0.0.0.0" : job->host;
+  if (dlua_store_server_start(bind, job->o.master_port, job->token, &job->server) != DLUA_OK) {
+    fprintf(stderr, "dlua: cannot start the job's store: %s\n", dlua_last_error());
+    return -1;
+  }
+  job->port = dlua_store_server_port(job->server);
+  return 0;
+}
+
+/* Starts every local rank and the pump: once, then again for each restart. */
+static int start_ranks(dlua_job_t *job) {
+  for (int i = 0; i < job->o.nproc; i++) {
+    rank_t *r = &job->ranks[i];
+    for (int s = 0; s < 2; s++) free(r->buf[s].data);
+    memset(r, 0, sizeof *r);
+    r->fd[0] = r->fd[1] = -1;
+  }
+  job->pgid = 0;
+  job->failed_rank = -1;
+  job->finished = 0;
+  job->kill_at = job->all_ended_at = job->peer_since = 0;
+  if (job->control) dlua_control_reset(job->control);
+  for (int i = 0; i < job->o.nproc; i++) {
+    if (spawn(job, i, job->exe) != 0) {
+      fprintf(stderr, "dlua: cannot start rank %d: %s\n", job->first_rank + i, strerror(errno));
+      pthread_mutex_lock(&job->mu);
+      signal_running(job, SIGKILL, -1);
+      pthread_mutex_unlock(&job->mu);
+      for (int j = 0; j < i; j++) waitpid(job->ranks[j].pid, NULL, 0);
+      for (int j = 0; j < i; j++) job->ranks[j].running = 0;
+      return -1;
+    }
+  }
+  if (pthread_create(&job->pump, NULL, pump_main, job) != 0) {
+    fprintf(stderr, "dlua: cannot start the launcher's output thread\n");
+    signal_running(job, SIGKILL, -1);
+    for (int j = 0; j < job->o.nproc; j++) waitpid(job->ranks[j].pid, NULL, 0);
+    for (int j = 0; j < job->o.nproc; j++) job->ranks[j].running = 0;
+    return -1;
+  }
+  job->pump_started = 1;
+  return 0;
+}
+
 int dlua_job_start(const dlua_launch_opts_t *opts, dlua_job_t **out) {
   *out = NULL;
   dlua_job_t *job = calloc(1, sizeof *job);
@@ -662,7 +522,10 @@ int dlua_job_start(const dlua_launch_opts_t *opts, dlua_job_t **out) {
   job->o = *opts;
   job->failed_rank = -1;
   job->ctl[0] = job->ctl[1] = -1;
+  job->control_fd = job->listen_fd = -1;
+  job->reached = -1;
   pthread_mutex_init(&job->mu, NULL);
+  pthread_cond_init(&job->cv, NULL);
   if (job->o.nnodes < 1) job->o.nnodes = 1;
   job->world = job->o.nproc * job->o.nnodes;
   job->first_rank = job->o.node_rank * job->o.nproc;
@@ -683,13 +546,7 @@ int dlua_job_start(const dlua_launch_opts_t *opts, dlua_job_t **out) {
   }
 
   if (job->o.node_rank == 0) {
-    /* single node: loopback only; several nodes: every interface, the others must reach it */
-    const char *bind = multi ? "0.0.0.0" : job->host;
-    if (dlua_store_server_start(bind, job->o.master_port, job->token, &job->server) != DLUA_OK) {
-      fprintf(stderr, "dlua: cannot start the job's store: %s\n", dlua_last_error());
-      goto fail;
-    }
-    job->port = dlua_store_server_port(job->server);
+    if (start_store(job) != 0) goto fail;
   } else {
     job->port = job->o.master_port;
   }
@@ -705,39 +562,32 @@ int dlua_job_start(const dlua_launch_opts_t *opts, dlua_job_t **out) {
     goto fail;
   }
   job->ctl[0] = ctl[0];
-  job->ctl[1] = fcntl(ctl[1], F_DUPFD_CLOEXEC, LAUNCH_FD + 1);
+  job->ctl[1] = fcntl(ctl[1], F_DUPFD_CLOEXEC, CONTROL_FD + 1);
   close(ctl[1]);
   if (job->ctl[1] < 0) {
     fprintf(stderr, "dlua: cannot create the launcher's failure pipe: %s\n", strerror(errno));
     goto fail;
   }
-
+  /* the control page (steps, attach's commands); without it the job runs, unattachable */
+  int cfd = -1;
+  job->control = dlua_control_create(job->o.nproc, job->first_rank, &cfd);
+  if (job->control) {
+    job->control_fd = fcntl(cfd, F_DUPFD_CLOEXEC, CONTROL_FD + 1);
+    close(cfd);
+    if (job->control_fd < 0) {
+      dlua_control_destroy(job->control);
+      job->control = NULL;
+    }
+  }
   job->ranks = calloc((size_t)job->o.nproc, sizeof *job->ranks);
   if (job->ranks == NULL) goto fail;
   for (int i = 0; i < job->o.nproc; i++) job->ranks[i].fd[0] = job->ranks[i].fd[1] = -1;
+  if (dlua_launch_ctl_open(job) != 0) goto fail;
   /* DLUA_EXE: a wrapper that starts this dlua (tests/gpu/run.sh's bundle runs the binary through its own
      dynamic loader, so /proc/self/exe is the loader there). */
   const char *env_exe = getenv("DLUA_EXE");
-  const char *exe = job->o.exe ? job->o.exe : env_exe && *env_exe ? env_exe : "/proc/self/exe";
-  for (int i = 0; i < job->o.nproc; i++) {
-    if (spawn(job, i, exe) != 0) {
-      fprintf(stderr, "dlua: cannot start rank %d: %s\n", job->first_rank + i, strerror(errno));
-      pthread_mutex_lock(&job->mu);
-      signal_running(job, SIGKILL, -1);
-      pthread_mutex_unlock(&job->mu);
-      for (int j = 0; j < i; j++) waitpid(job->ranks[j].pid, NULL, 0);
-      for (int j = 0; j < i; j++) job->ranks[j].running = 0;
-      goto fail;
-    }
-  }
-  if (pthread_create(&job->pump, NULL, pump_main, job) != 0) {
-    fprintf(stderr, "dlua: cannot start the launcher's output thread\n");
-    signal_running(job, SIGKILL, -1);
-    for (int j = 0; j < job->o.nproc; j++) waitpid(job->ranks[j].pid, NULL, 0);
-    for (int j = 0; j < job->o.nproc; j++) job->ranks[j].running = 0;
-    goto fail;
-  }
-  job->pump_started = 1;
+  job->exe = job->o.exe ? job->o.exe : env_exe && *env_exe ? env_exe : "/proc/self/exe";
+  if (start_ranks(job) != 0) goto fail;
   *out = job;
   return 0;
 fail:
@@ -778,20 +628,77 @@ static void multi_node_finish(dlua_job_t *job, int ok) {
   }
 }
 
+/* The failure's summary: the rank that failed, how, its error; the ranks stopped with it. */
+static void report_failure(dlua_job_t *job) {
+  rank_t *r = &job->ranks[job->failed_rank];
+  char how[128];
+  describe_end(r, how, sizeof how);
+  if (r->claim == CLAIM_OWN && r->stopped_by_us) {
+    /* it failed, then hung closing (e.g. a collective in flight): say so rather than only the kill */
+    char killed[sizeof how];
+    memcpy(killed, how, sizeof how);
+    snprintf(how, sizeof how, "an error, then %.80s as it did not exit", killed);
+  }
+  /* the others: stopped by us, or failed only because a peer (the failed rank) went away */
+  char others[256] = "";
+  size_t used = 0;
+  int nstopped = 0;
+  for (int i = 0; i < job->o.nproc && used < sizeof others - 16; i++) {
+    const rank_t *q = &job->ranks[i];
+    if (i == job->failed_rank || !(q->stopped_by_us || q->claim == CLAIM_PEER)) continue;
+    used += (size_t)snprintf(others + used, sizeof others - used, "%s%d", nstopped ? ", " : "", job->first_rank + i);
+    nstopped++;
+  }
+  fprintf(stderr, "dlua: rank %d failed (%s)%s%s\n", job->first_rank + job->failed_rank, how,
+          r->last_error[0] ? ": " : "", r->last_error);
+  if (nstopped) fprintf(stderr, "dlua: stopped rank%s %s\n", nstopped == 1 ? "" : "s", others);
+}
+
+/* After a failure: restarts the job when the budget allows and the job had started (every rank finished a
+   step: a failure before that is start-up's, and would fail again, pytorch #60910). 1: restarted. */
+static int maybe_restart(dlua_job_t *job) {
+  if (job->o.max_restarts <= 0) return 0;
+  int started = 0;
+  int64_t reached = job->control ? dlua_control_max_step(job->control, &started) : -1;
+  if (!started) {
+    fprintf(stderr, "dlua: not restarting: the job failed during start-up (before every rank finished a step; "
+                    "it would fail again)\n");
+    return 0;
+  }
+  if (job->restarts >= job->o.max_restarts) {
+    fprintf(stderr, "dlua: not restarting: %d restart%s of the job used (--max-restarts %d)\n", job->restarts,
+            job->restarts == 1 ? "" : "s", job->o.max_restarts);
+    return 0;
+  }
+  job->restarts++;
+  job->reached = reached;
+  fprintf(stderr, "dlua: restarting the job (restart %d of %d); it had finished step %lld\n", job->restarts,
+          job->o.max_restarts, (long long)reached);
+  if (job->o.node_rank == 0 && start_store(job) != 0) return 0;
+  return start_ranks(job) == 0;
+}
+
 int dlua_job_wait(dlua_job_t *job) {
   int seen = 0;
   for (;;) {
     pthread_mutex_lock(&job->mu);
     int finished = job->finished;
     pthread_mutex_unlock(&job->mu);
-    if (finished) break;
+    if (finished) {
+      pthread_join(job->pump, NULL);
+      job->pump_started = 0;
+      if (job->interrupted || job->remote_failure[0] || job->failed_rank < 0) break;
+      report_failure(job);
+      if (!maybe_restart(job)) return 1;
+      continue;
+    }
     int s = dlua_launch_signals_seen();
     if (s > seen) {
       pthread_mutex_lock(&job->mu);
       if (seen == 0) {
         job->interrupted = 1;
         signal_running(job, SIGINT, -1);
-        job->kill_at = now_s() + INTERRUPT_GRACE_MS / 1000.0;
+        job->kill_at = dlua_launch_now() + INTERRUPT_GRACE_MS / 1000.0;
       } else {
         signal_running(job, SIGKILL, -1);
       }
@@ -800,8 +707,6 @@ int dlua_job_wait(dlua_job_t *job) {
     }
     usleep(20 * 1000);
   }
-  pthread_join(job->pump, NULL);
-  job->pump_started = 0;
 
   if (job->interrupted) {
     fprintf(stderr, "dlua: interrupted; stopped %d rank%s\n", job->o.nproc, job->o.nproc == 1 ? "" : "s");
@@ -812,38 +717,13 @@ int dlua_job_wait(dlua_job_t *job) {
             job->o.node_rank);
     return 1;
   }
-  if (job->failed_rank >= 0) {
-    rank_t *r = &job->ranks[job->failed_rank];
-    char how[128];
-    describe_end(r, how, sizeof how);
-    if (r->claim == CLAIM_OWN && r->stopped_by_us) {
-      /* it failed, then hung closing (e.g. a collective in flight): say so rather than only the kill */
-      char killed[sizeof how];
-      memcpy(killed, how, sizeof how);
-      snprintf(how, sizeof how, "an error, then %.80s as it did not exit", killed);
-    }
-    /* the others: stopped by us, or failed only because a peer (the failed rank) went away */
-    char others[256] = "";
-    size_t used = 0;
-    int nstopped = 0;
-    for (int i = 0; i < job->o.nproc && used < sizeof others - 16; i++) {
-      const rank_t *q = &job->ranks[i];
-      if (i == job->failed_rank || !(q->stopped_by_us || q->claim == CLAIM_PEER)) continue;
-      used += (size_t)snprintf(others + used, sizeof others - used, "%s%d", nstopped ? ", " : "",
-                               job->first_rank + i);
-      nstopped++;
-    }
-    fprintf(stderr, "dlua: rank %d failed (%s)%s%s\n", job->first_rank + job->failed_rank, how,
-            r->last_error[0] ? ": " : "", r->last_error);
-    if (nstopped) fprintf(stderr, "dlua: stopped rank%s %s\n", nstopped == 1 ? "" : "s", others);
-    return 1;
-  }
   multi_node_finish(job, 1);
   return 0;
 }
 
 void dlua_job_free(dlua_job_t *job) {
   if (job == NULL) return;
+  dlua_launch_ctl_close(job);  // first: the attach thread reads the ranks
   if (job->ranks) {
     pthread_mutex_lock(&job->mu);
     signal_running(job, SIGKILL, -1);
@@ -862,10 +742,13 @@ void dlua_job_free(dlua_job_t *job) {
     free(job->ranks);
   }
   free(job->show);
+  if (job->control) dlua_control_destroy(job->control);
+  if (job->control_fd >= 0) close(job->control_fd);
   if (job->store) dlua_store_close(job->store);
   if (job->server) dlua_store_server_stop(job->server);
   for (int s = 0; s < 2; s++)
     if (job->ctl[s] >= 0) close(job->ctl[s]);
+  pthread_cond_destroy(&job->cv);
   pthread_mutex_destroy(&job->mu);
   free(job);
 }

@@ -2,6 +2,7 @@
    stops the whole job when one rank fails, and never leaves a process behind. */
 #ifndef DLUA_COMM_LAUNCH_H
 #define DLUA_COMM_LAUNCH_H
+#include <stddef.h>
 #include <stdint.h>
 
 typedef struct {
@@ -13,6 +14,7 @@ typedef struct {
   const char *ranks_output; /* NULL: every rank's output; else "0" or "0,2,3" */
   int spmd_repl;            /* the ranks serve the SPMD REPL (the caller runs the frontend) */
   const char *exe;          /* the dlua binary to start (NULL: /proc/self/exe) */
+  int max_restarts;         /* restarts of the whole job after a rank failed (single node) */
   int argc;                 /* arguments given to every rank after the executable */
   char **argv;
 } dlua_launch_opts_t;
@@ -43,6 +45,16 @@ int dlua_job_wait(dlua_job_t *job);
 /* Stops the ranks if still running, the store, the thread; frees the job. */
 void dlua_job_free(dlua_job_t *job);
 
+/* The flight recorder's diagnosis of the dumps in dir (ranks first..first+n-1, dump number id), as
+   text (malloc'ed; NULL: none). main.c supplies it: it is Lua (lua/dlua/flight.lua). */
+typedef char *(*dlua_launch_diagnose_fn)(const char *dir, int first, int n, int64_t id);
+void dlua_launch_set_diagnoser(dlua_launch_diagnose_fn fn);
+
+/* Where the launcher with process id `pid` keeps its job directory (token, `dlua attach`'s socket,
+   flight-recorder dumps): $DLUA_RUN_DIR, else $XDG_RUNTIME_DIR/dlua, else /tmp/dlua-<uid>, then
+   /<pid>. Returns 0, or -1 when the name does not fit. */
+int dlua_launch_job_dir(int pid, char *out, size_t cap);
+
 /* GPUs this machine shows the ranks: CUDA_VISIBLE_DEVICES if set, else the NVIDIA driver's
    /proc entries. The launcher does not initialise CUDA itself (its children would inherit a
    context they cannot use). */
@@ -59,6 +71,9 @@ int dlua_launch_gpu_count(void);
    and keeps the fd, close-on-exec. Call once at startup; without the variable, nothing. */
 void dlua_launch_rank_init(void);
 
+/* Writes "dlua-rank-<what> <local rank> <arg>" to the launcher's pipe; 1 when there is a launcher. */
+int dlua_launch_notify(const char *what, const char *arg);
+
 /* Records that a collective failed because a peer closed its connection or exited. Any thread. */
 void dlua_launch_note_peer_lost(void);
 
@@ -66,7 +81,8 @@ void dlua_launch_note_peer_lost(void);
    lost, "peer". Call before closing the Lua state. */
 void dlua_launch_report_failure(void);
 
-/* Installs the launcher's SIGINT/SIGTERM handling (a flag dlua_job_wait reads). */
+/* Installs the launcher's SIGINT/SIGTERM handling (a flag dlua_job_wait reads) and SIGUSR1 (every rank
+   dumps its flight recorder). */
 void dlua_launch_install_signals(void);
 /* Set by those handlers: how many Ctrl-C/SIGTERM arrived. */
 int dlua_launch_signals_seen(void);

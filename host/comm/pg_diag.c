@@ -8,6 +8,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "comm/flight_agent.h"
 #include "comm/launch.h"
 #include "comm/pg.h"
 #include "core/dtype.h"
@@ -34,6 +35,8 @@ static void sleep_ms(int ms) {
 static void at_key(char *buf, size_t n, const dlua_pg_t *pg, int rank) { snprintf(buf, n, "%s/at/%d", pg->name, rank); }
 
 void dlua_pg_diagnose(dlua_pg_t *pg, dlua_work_t *w, dlua_pg_result_t r, const char *be_msg, int64_t timeout_ms) {
+  /* a hang: every rank's flight recorder, while the ranks are still where they hung */
+  if (r == DLUA_PG_TIMEOUT) dlua_agent_request_job_dump("timeout");
   char key[PG_NAME + 32], val[PG_SITE + 64];
   const char *coll = dlua_pg_kind_name(w->kind);
   at_key(key, sizeof key, pg, pg->rank);

@@ -11,6 +11,7 @@
 #include <time.h>
 
 #include "comm/pg.h"
+#include "comm/flight.h"
 #include "comm/pg_diag.h"
 #include "core/error.h"
 #include "core/tensor.h"
@@ -127,6 +128,7 @@ static void run_work(dlua_pg_t *pg, dlua_work_t *w) {
   if (broken) return;
   w->status = DLUA_OK;
   w->msg[0] = '\0';
+  dlua_flight_started(w);
 
   if (__atomic_load_n(&pg->debug, __ATOMIC_RELAXED) && w->kind != K_SEND && w->kind != K_RECV) {
     int d = dlua_pg_debug_check(pg, w, timeout);
@@ -146,6 +148,7 @@ static void run_work(dlua_pg_t *pg, dlua_work_t *w) {
 
 /* Publishes a finished work (or frees it, when its caller already let go). */
 static void work_complete(dlua_pg_t *pg, dlua_work_t *w) {
+  dlua_flight_ended(w);
   work_release_tensors(w);  // before `done`: the caller may free its memory once it sees done
   pthread_mutex_lock(&pg->mu);
   int detached = w->detached;
@@ -260,6 +263,7 @@ dlua_status_t dlua_pg_enqueue(dlua_pg_t *pg, dlua_work_t *w, dlua_work_t **work)
     return s;
   }
   w->seq = (w->kind == K_SEND || w->kind == K_RECV) ? pg->seq : ++pg->seq;
+  dlua_flight_issued(pg, w);  // under mu: before the comm thread can end it
   if (pg->tail)
     pg->tail->next = w;
   else
@@ -272,7 +276,10 @@ dlua_status_t dlua_pg_enqueue(dlua_pg_t *pg, dlua_work_t *w, dlua_work_t **work)
 
 dlua_status_t dlua_pg_track_posted(dlua_pg_t *pg, dlua_work_t *w, dlua_work_t **work) {
   pthread_mutex_lock(&pg->mu);
+  dlua_flight_issued(pg, w);
+  dlua_flight_started(w);  // posted: its transfer runs
   if (!w->xfer) {
+    dlua_flight_ended(w);
     __atomic_store_n(&w->done, 1, __ATOMIC_RELEASE);  // nothing to move
   } else {
     if (!pg->has_p2p_thread) {
@@ -284,6 +291,8 @@ dlua_status_t dlua_pg_track_posted(dlua_pg_t *pg, dlua_work_t *w, dlua_work_t **
         dlua_status_t s = r != DLUA_PG_OK     ? DLUA_ERR(DLUA_ERR_BACKEND, "%s: %s", kind_names[w->kind], err)
                           : w->status != DLUA_OK ? DLUA_ERR(w->status, "%s", w->msg)
                                                  : DLUA_OK;
+        if (s != DLUA_OK && w->status == DLUA_OK) w->status = s;
+        dlua_flight_ended(w);
         dlua_pg_work_destroy(w);
         return s;
       }

@@ -891,3 +891,23 @@ dlua_status_t dlua_io_remove_dir(const char *dir);
 uint32_t dlua_crc32(uint32_t crc, const void *data, size_t n);
 /* The CRC32 of tensors' logical row-major bytes in turn (any layout, any device). */
 dlua_status_t dlua_tensors_crc32(int64_t n, dlua_tensor_t *const *tensors, uint32_t *crc);
+
+/* ==== a running job: the flight recorder, the launcher's control page (docs/launch.md) ======== */
+
+/* The flight recorder keeps this process's last DLUA_FLIGHT_SIZE collectives (default 1024, 0: off)
+   of every group; SIGUSR1, a collective's timeout or `dlua attach --dump` writes them. */
+int dlua_flight_capacity(void);
+/* The DDP/ZeRO bucket (1-based; 0: none) that the calling thread's next collectives belong to. */
+void dlua_flight_set_bucket(int bucket);
+/* Writes this process's dump now: dir/flight-rank<RANK>.json (dir NULL: DLUA_FLIGHT_DIR, else the
+   current directory), with `traceback` (newline-separated frames) as where it is. */
+dlua_status_t dlua_flight_dump(const char *dir, const char *reason, const char *traceback);
+
+/* A rank of `dlua --nproc` shares a page with its launcher, through which `dlua attach` reaches it. */
+int dlua_control_available(void);
+/* This rank finished `step` (a step boundary). 1 when a command is to run here now: read it with
+   dlua_control_command, answer with dlua_control_done. A command for every rank runs at the same
+   step on each. */
+int dlua_control_boundary(int64_t step);
+const char *dlua_control_command(int *every_rank, int64_t *at_step);
+void dlua_control_done(int ok, const char *text);

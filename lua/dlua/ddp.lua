@@ -1,6 +1,7 @@
 -- dlua.dist.DDP: data-parallel training with bucketed all-reduce overlapped with backward (docs/ddp.md).
 local dlua = require 'dlua'
 local bit = require 'bit'
+local flight = require 'bindings.monitor'  -- the flight recorder notes each collective's bucket
 
 local M = {}
 local format = string.format
@@ -283,7 +284,9 @@ function DDP:_launch(b)
   -- accumulate = k: the k micro-batches' summed gradients become their mean, so a step
   -- equals one on the k-times larger batch
   if self.accumulate > 1 then b.tensor:mul_(1 / self.accumulate) end
+  flight.set_bucket(b.index)  -- (a hook that raises ends the step; the next launch sets it again)
   local w = self.hook(self.hook_state, b)
+  flight.set_bucket(0)
   if w == nil or w.wait == nil then
     fail(4, 'DDP: the communication hook must return a handle with wait() (bucket %d)', b.index)
   end

@@ -11,15 +11,15 @@ local function env_number(name)
 end
 
 -- Compiles as the plain REPL does: an expression first (so `1+1` prints 2), then a statement.
-local function compile(code)
+local function compile(code, name)
   local src = code:sub(1, 1) == '=' and code:sub(2) or code
-  local f, err = loadstring('return select(1, ' .. src .. '\n)', '=stdin')
+  local f, err = loadstring('return select(1, ' .. src .. '\n)', name)
   if f or code:sub(1, 1) == '=' then return f, err end
-  return loadstring(code, '=stdin')
+  return loadstring(code, name)
 end
 
--- Runs one chunk with print and io.write captured; returns ok, text.
-local function run(code)
+-- Runs one chunk with print and io.write captured (in env, when given: its globals); returns ok, text.
+local function run(code, env, name)
   local out = {}
   local function emit(s) out[#out + 1] = s end
   local saved_print, saved_write = print, io.write
@@ -34,7 +34,8 @@ local function run(code)
     return io.stdout
   end
   local ok, err
-  local f, cerr = compile(code)
+  local f, cerr = compile(code, name or '=stdin')
+  if f and env then setfenv(f, env) end
   if not f then
     ok, err = false, cerr
   else
@@ -55,6 +56,9 @@ local function run(code)
   if not ok then emit(tostring(err) .. '\n') end
   return ok, table.concat(out)
 end
+
+-- For `dlua attach` (dlua.monitor): the same, with the chunk's globals in env.
+function M.run_chunk(code, env) return run(code, env, '=attach') end
 
 function M.serve()
   local rank, world = env_number('RANK'), env_number('WORLD_SIZE')

@@ -1,6 +1,7 @@
 -- dlua.zero.sharded: ZeRO stages 2 and 3: gradients reduced bucket by bucket during backward into each rank's shard; stage 3 also gathers each module's parameters just before it runs and frees them after.
 local dlua = require 'dlua'
 local ddp = require 'dlua.ddp'
+local flight = require 'bindings.monitor'  -- the flight recorder notes each collective's bucket
 
 local M = {}
 local S = {}  -- methods put on the ZeRO object
@@ -172,7 +173,9 @@ function S._launch(z, b)
       local lo, hi = max(b.offset, r.offset), min(b.offset + b.numel, r.offset + r.numel)
       parts[q] = Z.slice(b.buf, lo < hi and lo - b.offset or 0, lo < hi and hi - lo or 0)
     end
+    flight.set_bucket(b.index)
     b.work = z.dist.reduce_scatter(parts[z.rank + 1], parts, 'avg', { async = true, group = z.group })
+    flight.set_bucket(0)
   end
   b.launched = true
   z._inflight[#z._inflight + 1] = b

@@ -1,0 +1,324 @@
+/* A rank's flight-recorder agent: SIGUSR1 (or a timeout, or the launcher) makes it dump the ring with where the rank is. */
+#define _GNU_SOURCE
+#include "comm/flight_agent.h"
+
+#include <errno.h>
+#include <dlfcn.h>
+#include <pthread.h>
+#include <semaphore.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <ucontext.h>
+#include <unistd.h>
+
+#include "comm/flight.h"
+#include "comm/launch.h"
+#include "comm/pg_worker.h"
+#include "core/error.h"
+
+enum {
+  LUA_WAIT_MS = 1000,  /* how long the running Lua code has to answer (it answers at its next line) */
+  CSTACK_WAIT_MS = 300,
+  MAX_FRAMES = 48,
+  TB_BYTES = 8192,
+  REQUEST_GAP_S = 5,
+  EXPECT_S = 2          /* how long after asking the launcher for a dump its signal may take */
+};
+
+static int g_started;
+static pthread_t g_main, g_thread;
+static sem_t g_wake;                 /* posted by the signal handler and by requests */
+static atomic_long g_pending_id;     /* the launcher's dump number (sigqueue's value), 0: none */
+static atomic_int g_pending_timeout; /* a local request after a timeout */
+static atomic_int g_busy;            /* a dump is being written */
+static atomic_int g_exiting;         /* the main thread waits in dlua_agent_flush: it runs no Lua any more */
+static _Atomic double g_expect_until; /* we asked the launcher for a dump: its signal may come until then */
+
+static void (*g_lua_trigger)(void);
+static atomic_int g_lua_want;
+static sem_t g_lua_sem;
+static pthread_mutex_t g_lua_mu = PTHREAD_MUTEX_INITIALIZER;
+static char g_lua_tb[TB_BYTES];
+
+/* The main thread's registers and the top of its stack, copied by its own signal handler: unwinding there
+   (backtrace()) may allocate (libgcc sorts the unwind tables LuaJIT registers for its machine code on first
+   use), and the handler may have interrupted malloc. Copying memory is safe; the agent reads the copy. */
+enum { STACK_COPY = 64 * 1024 };
+static uintptr_t g_pc, g_sp;
+static uintptr_t g_stack_lo, g_stack_hi;     /* the main thread's stack */
+static unsigned char g_stack[STACK_COPY];
+static volatile sig_atomic_t g_stack_len;
+static sem_t g_bt_sem;
+
+static void on_dump_signal(int sig, siginfo_t *si, void *uc) {
+  (void)sig;
+  (void)uc;
+  int saved = errno;
+  if (si && si->si_code == SI_QUEUE) atomic_store(&g_pending_id, (long)si->si_value.sival_int);
+  sem_post(&g_wake);  // async-signal-safe
+  errno = saved;
+}
+
+/* On the main thread, at the agent's request: where the C code is. */
+static void on_stack_signal(int sig, siginfo_t *si, void *ucv) {
+  (void)sig;
+  (void)si;
+  int saved = errno;
+  ucontext_t *uc = ucv;
+#if defined(__x86_64__)
+  g_pc = (uintptr_t)uc->uc_mcontext.gregs[REG_RIP];
+  g_sp = (uintptr_t)uc->uc_mcontext.gregs[REG_RSP];
+#elif defined(__aarch64__)
+  g_pc = (uintptr_t)uc->uc_mcontext.pc;
+  g_sp = (uintptr_t)uc->uc_mcontext.sp;
+#else
+  (void)uc;
+  g_pc = g_sp = 0;
+#endif
+  size_t n = 0;
+  if (g_sp >= g_stack_lo && g_sp < g_stack_hi) {
+    n = g_stack_hi - g_sp;
+    if (n > STACK_COPY) n = STACK_COPY;
+    memcpy(g_stack, (const void *)g_sp, n);
+  }
+  g_stack_len = (sig_atomic_t)n;
+  sem_post(&g_bt_sem);
+  errno = saved;
+}
+
+static int wait_sem(sem_t *s, int ms) {
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  ts.tv_sec += ms / 1000;
+  ts.tv_nsec += (long)(ms % 1000) * 1000000L;
+  if (ts.tv_nsec >= 1000000000L) {
+    ts.tv_sec++;
+    ts.tv_nsec -= 1000000000L;
+  }
+  int r;
+  while ((r = sem_timedwait(s, &ts)) != 0 && errno == EINTR) {
+  }
+  return r == 0;
+}
+
+void dlua_agent_set_lua(void (*trigger)(void)) { g_lua_trigger = trigger; }
+int dlua_agent_lua_wanted(void) { return atomic_load(&g_lua_want); }
+
+void dlua_agent_lua_where(const char *traceback) {
+  pthread_mutex_lock(&g_lua_mu);
+  if (atomic_exchange(&g_lua_want, 0)) {
+    snprintf(g_lua_tb, sizeof g_lua_tb, "%s", traceback ? traceback : "");
+    sem_post(&g_lua_sem);
+  }
+  pthread_mutex_unlock(&g_lua_mu);
+}
+
+/* The executable mappings of this process, for telling return addresses from other words. */
+typedef struct {
+  uintptr_t lo, hi;
+} range_t;
+
+static int text_ranges(range_t *out, int cap) {
+  FILE *f = fopen("/proc/self/maps", "r");
+  if (!f) return 0;
+  int n = 0;
+  char line[512];
+  while (n < cap && fgets(line, sizeof line, f)) {
+    unsigned long lo, hi;
+    char perms[8];
+    if (sscanf(line, "%lx-%lx %7s", &lo, &hi, perms) == 3 && perms[2] == 'x') out[n++] = (range_t){lo, hi};
+  }
+  fclose(f);
+  return n;
+}
+
+static const range_t *in_text(const range_t *r, int n, uintptr_t a) {
+  for (int i = 0; i < n; i++)
+    if (a >= r[i].lo && a < r[i].hi) return &r[i];
+  return NULL;
+}
+
+/* Whether the instruction before `ret` is a call (x86-64: e8 rel32, or ff /2 through a register or memory). */
+static int after_call(const range_t *r, uintptr_t ret) {
+#if defined(__x86_64__)
+  if (ret < r->lo + 7) return 0;
+  const unsigned char *p = (const unsigned char *)ret;
+  if (p[-5] == 0xe8) return 1;
+  for (int k = 2; k <= 7; k++)
+    if (p[-k] == 0xff && ((p[-k + 1] >> 3) & 7) == 2) return 1;
+  return 0;
+#else
+  (void)r;
+  (void)ret;
+  return 1;
+#endif
+}
+
+static void frame_name(uintptr_t a, char *out, size_t cap) {
+  Dl_info info;
+  if (dladdr((void *)a, &info) && info.dli_fname) {
+    const char *slash = strrchr(info.dli_fname, '/');
+    const char *file = slash ? slash + 1 : info.dli_fname;
+    if (info.dli_sname)
+      snprintf(out, cap, "%s+0x%lx (%s)", info.dli_sname, (unsigned long)(a - (uintptr_t)info.dli_saddr), file);
+    else
+      snprintf(out, cap, "0x%lx (%s+0x%lx)", (unsigned long)a, file, (unsigned long)(a - (uintptr_t)info.dli_fbase));
+  } else {
+    snprintf(out, cap, "0x%lx (JIT-compiled Lua code, or an unnamed mapping)", (unsigned long)a);
+  }
+}
+
+/* The main thread's C stack, as text: the function it is in, then the return addresses found on its stack
+   (a scan: a frame may be missing or stale, the first lines are the reliable ones). NULL: no answer. */
+static char *c_stack(void) {
+  g_stack_len = 0;
+  while (sem_trywait(&g_bt_sem) == 0) {  // a stray SIGURG's answer (the kernel sends SIGURG for out-of-band data)
+  }
+  if (pthread_kill(g_main, SIGURG) != 0 || !wait_sem(&g_bt_sem, CSTACK_WAIT_MS)) return NULL;
+  range_t ranges[256];
+  int nr = text_ranges(ranges, 256);
+  size_t cap = (size_t)MAX_FRAMES * 160 + 1, used = 0;
+  char *text = malloc(cap);
+  if (!text) return NULL;
+  text[0] = '\0';
+  char name[150], prev[150] = "";
+  frame_name(g_pc, name, sizeof name);
+  used += (size_t)snprintf(text + used, cap - used, "%s\n", name);
+  int frames = 1;
+  size_t len = (size_t)g_stack_len;
+  for (size_t off = 0; off + sizeof(uintptr_t) <= len && frames < MAX_FRAMES; off += sizeof(uintptr_t)) {
+    uintptr_t a;
+    memcpy(&a, g_stack + off, sizeof a);
+    const range_t *r = in_text(ranges, nr, a);
+    if (!r || !after_call(r, a)) continue;
+    frame_name(a - 1, name, sizeof name);  // the call instruction's address: its line, not the next one's
+    if (!strcmp(name, prev)) continue;
+    snprintf(prev, sizeof prev, "%s", name);
+    used += (size_t)snprintf(text + used, cap - used, "%s\n", name);
+    frames++;
+    if (used >= cap - 1) break;
+  }
+  return text;
+}
+
+static double mono_now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static void dump_now(const char *reason, long dump_id) {
+  dlua_flight_where_t where = {"unknown", NULL, NULL};
+  char *tb = NULL, *cs = NULL;
+  if (atomic_load(&g_exiting)) {
+    where.state = "exiting";  // its program failed; the main thread waits for this dump before it exits
+  } else if (g_lua_trigger) {
+    while (sem_trywait(&g_lua_sem) == 0) {  // a stale answer
+    }
+    atomic_store(&g_lua_want, 1);
+    g_lua_trigger();
+    int got = wait_sem(&g_lua_sem, LUA_WAIT_MS);
+    pthread_mutex_lock(&g_lua_mu);
+    atomic_store(&g_lua_want, 0);
+    if (got) tb = strdup(g_lua_tb);
+    pthread_mutex_unlock(&g_lua_mu);
+  }
+  if (tb) {
+    where.state = "lua";
+    where.traceback = tb;
+  } else if (!atomic_load(&g_exiting) && (cs = c_stack()) != NULL) {
+    where.state = "c";  // not at a Lua line within LUA_WAIT_MS: inside a C call (or a collective's wait)
+    where.c_stack = cs;
+  }
+  if (dlua_flight_write(dlua_flight_default_dir(), reason, dump_id, &where) != DLUA_OK) {
+    fprintf(stderr, "dlua: %s\n", dlua_last_error());
+    dlua_clear_error();
+  }
+  free(tb);
+  free(cs);
+  char arg[32];
+  snprintf(arg, sizeof arg, "%ld", dump_id);
+  dlua_launch_notify("dumped", arg);
+}
+
+static void *agent_main(void *arg) {
+  (void)arg;
+  for (;;) {
+    while (sem_wait(&g_wake) != 0 && errno == EINTR) {
+    }
+    atomic_store(&g_busy, 1);
+    long id = atomic_exchange(&g_pending_id, 0);
+    int timeout = atomic_exchange(&g_pending_timeout, 0);
+    dump_now(timeout && id == 0 ? "timeout" : id ? "job" : "signal", id);
+    atomic_store(&g_busy, 0);
+  }
+  return NULL;
+}
+
+void dlua_agent_start(void) {
+  if (g_started) return;
+  g_started = 1;
+  g_main = pthread_self();
+  sem_init(&g_wake, 0, 0);
+  sem_init(&g_lua_sem, 0, 0);
+  sem_init(&g_bt_sem, 0, 0);
+  pthread_attr_t attr;
+  if (pthread_getattr_np(g_main, &attr) == 0) {
+    void *lo;
+    size_t size;
+    if (pthread_attr_getstack(&attr, &lo, &size) == 0) {
+      g_stack_lo = (uintptr_t)lo;
+      g_stack_hi = (uintptr_t)lo + size;
+    }
+    pthread_attr_destroy(&attr);
+  }
+  struct sigaction sa;
+  memset(&sa, 0, sizeof sa);
+  sa.sa_sigaction = on_dump_signal;
+  sa.sa_flags = SA_SIGINFO | SA_RESTART;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGUSR1, &sa, NULL);
+  memset(&sa, 0, sizeof sa);
+  sa.sa_sigaction = on_stack_signal;
+  sa.sa_flags = SA_SIGINFO | SA_RESTART;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGURG, &sa, NULL);
+  if (dlua_pg_start_quiet_thread(&g_thread, agent_main, NULL) == 0)
+    pthread_detach(g_thread);
+  else
+    g_started = 0;
+}
+
+void dlua_agent_request_job_dump(const char *reason) {
+  static atomic_long last;
+  long now = (long)time(NULL);
+  long prev = atomic_load(&last);
+  if (prev && now - prev < REQUEST_GAP_S) return;
+  atomic_store(&last, now);
+  if (dlua_launch_notify("dump", reason ? reason : "timeout")) {  // the launcher signals every rank, this one too
+    atomic_store(&g_expect_until, mono_now() + EXPECT_S);
+    return;
+  }
+  if (!g_started) return;
+  atomic_store(&g_pending_timeout, 1);
+  sem_post(&g_wake);
+}
+
+void dlua_agent_flush(int ms) {
+  if (!g_started) return;
+  atomic_store(&g_exiting, 1);
+  double deadline = mono_now() + ms / 1000.0;
+  for (;;) {
+    double t = mono_now();
+    int value = 0;
+    sem_getvalue(&g_wake, &value);
+    int waiting = atomic_load(&g_busy) || value > 0 || atomic_load(&g_pending_id) != 0 || t < atomic_load(&g_expect_until);
+    if (!waiting || t >= deadline) break;
+    struct timespec ts = {0, 10 * 1000000L};
+    nanosleep(&ts, NULL);
+  }
+}
