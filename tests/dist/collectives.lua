@@ -1,14 +1,26 @@
 -- Every collective on every dtype, sync and async, checked on each rank against a locally computed result.
--- Run: dlua --nproc N tests/dist/collectives.lua [quick]
+-- Run: dlua --nproc N tests/dist/collectives.lua [quick] [gloo|mpi]
+--      mpirun -np N dlua tests/dist/collectives.lua [quick] [mpi]   (the same checks over MPI)
 local dlua = require 'dlua'
 local dist = dlua.dist
-dist.init{ timeout = 60 }
+local quick, backend = false, nil
+for _, a in ipairs(arg) do
+  if a == 'quick' then quick = true elseif a == 'gloo' or a == 'mpi' then backend = a end
+end
+dist.init{ timeout = 60, backend = backend }
 local rank, world = dist.rank(), dist.world_size()
-local quick = arg[1] == 'quick'
+-- under mpirun the default is MPI (dist.init picks it from the launch), under dlua --nproc gloo
+local want_backend = backend or (os.getenv('PMIX_RANK') and dist.is_mpi_available() and 'mpi') or 'gloo'
+if (backend or os.getenv('PMIX_RANK')) and dist.backend() ~= want_backend then
+  error(string.format('rank %d: backend %s, expected %s', rank, dist.backend(), want_backend))
+end
 
--- Every launcher rank is on this host: all-reduce goes through shared memory unless DLUA_SHM=0.
+-- Every rank is on this host: gloo all-reduces through shared memory unless DLUA_SHM=0; MPI says it shares one.
 local transport, why = dist.transport()
-local want_transport = os.getenv('DLUA_SHM') == '0' and 'tcp' or 'shm'
+local want_transport = want_backend == 'mpi' and 'mpi' or os.getenv('DLUA_SHM') == '0' and 'tcp' or 'shm'
+if want_backend == 'mpi' and not why:find('every rank on this host', 1, true) then
+  error(string.format('rank %d: mpi transport: %s', rank, why))
+end
 if transport ~= want_transport then
   error(string.format('rank %d: transport %s (%s), expected %s', rank, transport, why, want_transport))
 end
@@ -192,5 +204,5 @@ ok, err = pcall(dist.broadcast, dlua.zeros({ 2 }), world)
 if ok or not tostring(err):find('src ' .. world .. ' is not a rank', 1, true) then fail('bad src: %s', tostring(err)) end
 
 dist.barrier()
-print(string.format('rank %d of %d: %d checks passed', rank, world, checks))
+print(string.format('rank %d of %d: %d checks passed (%s)', rank, world, checks, dist.backend()))
 dist.destroy()
