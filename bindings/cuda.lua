@@ -59,8 +59,11 @@ function M.memory_stats(d)
   return t
 end
 
+-- (and dlua.memory_peak's count of storage bytes for that device)
 function M.reset_peak_memory_stats(d)
-  check(C.dlua_cuda_reset_peak_memory_stats(ordinal('reset_peak_memory_stats', d)), 'reset_peak_memory_stats')
+  local dev = ordinal('reset_peak_memory_stats', d)
+  check(C.dlua_cuda_reset_peak_memory_stats(dev), 'reset_peak_memory_stats')
+  C.dlua_memory_reset_peak(dev)
 end
 
 -- Gives cached, unused device memory (and unused pinned host memory) back to the driver.

@@ -170,11 +170,13 @@ function M.image_decode(bytes, scale)
 end
 
 function M.image_write_jpeg(img, path, quality)
-  core.call('image_write_jpeg', C.dlua_image_write_jpeg, 3, img, path_arg('image_write_jpeg', path), quality or 90)
+  core.call('image_write_jpeg', C.dlua_image_write_jpeg, 3, core.handle('write_jpeg', img, 'the image'),
+    path_arg('image_write_jpeg', path), quality or 90)
 end
 
 function M.image_write_png(img, path)
-  core.call('image_write_png', C.dlua_image_write_png, 2, img, path_arg('image_write_png', path))
+  core.call('image_write_png', C.dlua_image_write_png, 2, core.handle('write_png', img, 'the image'),
+    path_arg('image_write_png', path))
 end
 
 -- An ImageFolder's file list: a cdata handle freed by the GC. cache_dir: nil (default), '' (off) or a folder.
@@ -236,7 +238,8 @@ end
 
 -- The transforms applied to one image (H, W, C) uint8, as sample `index` (1-based) of `epoch`.
 function M.pipeline_apply(p, img, seed, epoch, index)
-  return new('transform', C.dlua_pipeline_apply, 5, p, img, u64('transform', 'seed', seed, 0),
+  return new('transform', C.dlua_pipeline_apply, 5, p, core.handle('transform', img, 'the image'),
+    u64('transform', 'seed', seed, 0),
     u64('transform', 'epoch', epoch, 1), index - 1)
 end
 

@@ -41,6 +41,23 @@ end
 function M.memory_peak(device)
   return tonumber(core.C.dlua_memory_peak(core.device('memory_peak', device)))
 end
+-- torch.cuda.memory_stats / reset_peak_memory_stats for the CPU as well: bytes of tensor storage alive
+-- now (allocated) and at most since start or the last reset (peak_allocated), and what the allocator
+-- keeps for reuse (cached; reserved = allocated + cached). A CUDA device gives its caching allocator's
+-- full table (dlua.cuda.memory_stats: sizes rounded to its blocks).
+function M.memory_stats(device)
+  local d = core.device('memory_stats', device)
+  if d ~= core.C.DLUA_CPU then return require('bindings.cuda').memory_stats(d) end
+  local C = core.C
+  local allocated, cached = tonumber(C.dlua_memory_allocated(d)), tonumber(C.dlua_memory_cached(d))
+  return { allocated = allocated, peak_allocated = tonumber(C.dlua_memory_peak(d)), cached = cached,
+           reserved = allocated + cached }
+end
+function M.reset_peak_memory_stats(device)
+  local d = core.device('reset_peak_memory_stats', device)
+  if d ~= core.C.DLUA_CPU then return require('bindings.cuda').reset_peak_memory_stats(d) end
+  core.C.dlua_memory_reset_peak(d)
+end
 -- Bytes kept by the allocator for reuse, and releasing them (PyTorch's torch.cuda.memory_reserved /
 -- empty_cache, here for the CPU too).
 function M.memory_cached(device)

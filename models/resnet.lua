@@ -28,6 +28,7 @@ end
 local BasicBlock = nn.Module:extend('BasicBlock')
 M.BasicBlock = BasicBlock
 BasicBlock.expansion = 1
+BasicBlock.is_block = true -- for model:checkpoint('blocks'); a stage is a module of blocks
 
 function BasicBlock:__init(cin, planes, stride, downsample, opts)
   self:add_module('conv1', conv3x3(cin, planes, stride))
@@ -67,6 +68,7 @@ end
 local Bottleneck = nn.Module:extend('Bottleneck')
 M.Bottleneck = Bottleneck
 Bottleneck.expansion = 4
+Bottleneck.is_block = true
 
 function Bottleneck:__init(cin, planes, stride, downsample, opts)
   self:add_module('conv1', conv1x1(cin, planes))

@@ -13,7 +13,8 @@ local opt = cli.parse(arg, {
   epochs = 10, batch = 128, lr = 0, momentum = 0.9, weight_decay = 5e-4, warmup = 1,
   label_smoothing = 0.0, model = 'resnet20', threads = 0, seed = 1, data = '',
   limit = 0, eval_limit = 0, eval_batch = 1000, channels_last = true, zero_init_residual = true, clip_grad = 0,
-  print_every = 100, save = '', save_every = 0, save_async = false, keep = 0, resume = '', stop_after = 0,
+  print_every = 100, zero = 0, offload = false, save = '', save_every = 0, save_async = false, keep = 0, resume = '', stop_after = 0,
+  checkpoint_activations = 'none',
 }, {
   description = 'Trains a ResNet on Fashion-MNIST (Debian package dataset-fashion-mnist).',
   help = {
@@ -32,6 +33,8 @@ local opt = cli.parse(arg, {
     channels_last = 'keep activations in NHWC memory (faster convolutions)',
     clip_grad = 'clip the gradients\' total 2-norm to N before each step (nn.utils.clip_grad_norm_; 0: off)',
     print_every = 'steps between progress lines (when not on a terminal)',
+    zero = 'ZeRO stage 1, 2 or 3 (dlua.dist.ZeRO: optimizer state, gradients, parameters sharded over the ranks); 0: DDP',
+    offload = 'with --zero: optimizer state and step in host memory (a no-op for CPU ranks, which says so)',
     save = 'checkpoint directory (dlua.ckpt: DIR/step-N/, DIR/latest)',
     save_every = 'save a checkpoint every N optimizer steps (0: only at the end, with --save)',
     save_async = 'write checkpoints on a background thread while training goes on',
@@ -39,6 +42,7 @@ local opt = cli.parse(arg, {
     resume = "'auto' (the newest complete checkpoint in --save, or a fresh start) or a checkpoint directory",
     stop_after = 'stop after N optimizer steps, saving first (the schedule is the full run\'s)',
     zero_init_residual = 'ResNets: blocks start as the identity (last batch-norm scale 0, Goyal et al. 2017)',
+    checkpoint_activations = "none, blocks or stages: recompute those in backward instead of keeping their activations",
   },
 })
 
@@ -49,8 +53,10 @@ dlua.manual_seed(opt.seed)
 local dist = dlua.dist
 local world_env = tonumber(os.getenv('WORLD_SIZE') or os.getenv('SLURM_NTASKS') or os.getenv('OMPI_COMM_WORLD_SIZE') or '1') or 1
 local distributed = world_env > 1
+if opt.zero ~= 0 and opt.zero ~= 1 and opt.zero ~= 2 and opt.zero ~= 3 then error('--zero: 0 (DDP), 1, 2 or 3', 0) end
+if opt.offload and opt.zero == 0 then error('--offload needs --zero 1, 2 or 3', 0) end
 local rank, world = 0, 1
-if distributed then
+if distributed or opt.zero > 0 then
   dist.init()
   rank, world = dist.rank(), dist.world_size()
 end
@@ -71,7 +77,12 @@ local model_lr = { resnet20 = 0.1, resnet32 = 0.1, resnet56 = 0.1, small_cnn = 0
 if opt.lr == 0 then opt.lr = model_lr[opt.model] or 0.1 end
 local net = build({ in_channels = 1, num_classes = 10, zero_init_residual = opt.zero_init_residual })
   :input_grad(false) -- the images need no gradient
-local model = distributed and dist.DDP(net) or net
+local ckpt_policy = opt.checkpoint_activations
+if ckpt_policy ~= 'none' and ckpt_policy ~= 'blocks' and ckpt_policy ~= 'stages' then
+  error(('--checkpoint-activations %s: expected none, blocks or stages'):format(ckpt_policy), 0)
+end
+local ckpt_plan = net:checkpoint(ckpt_policy)
+local model = opt.zero > 0 and dist.ZeRO(net, { stage = opt.zero, offload = opt.offload }) or distributed and dist.DDP(net) or net
 local criterion = nn.CrossEntropyLoss({ label_smoothing = opt.label_smoothing })
 local sgd = optim.SGD(model, {
   lr = opt.lr, momentum = opt.momentum, nesterov = true, weight_decay = opt.weight_decay,
@@ -90,8 +101,10 @@ local schedule = warm > 0
     or lr.cosine({ lr = opt.lr, steps = total })
 
 print(net)
+if ckpt_policy ~= 'none' then print(tostring(ckpt_plan)) end
 print(('%d parameters, %d steps of %d images%s, lr %s, %d threads%s'):format(net:num_parameters(), total, opt.batch,
   distributed and ' per rank' or '', tostring(schedule), dlua.get_num_threads(), distributed and (' per rank, %d ranks'):format(world) or ''))
+if opt.zero > 0 then print(model:memory_line()) end
 
 -- A redrawn progress bar on a terminal, plain periodic lines otherwise (LuaJIT has no isatty).
 local tty
@@ -173,7 +186,7 @@ function meter:load_state_dict(sd)
   for k, v in pairs(sd.clip) do clip[k] = v end
 end
 local state = { model = model, optimizer = sgd, schedule = schedule, sampler = sampler, rng = dlua.default_generator(),
-  progress = progress, meter = ckpt.per_rank(meter), comm = distributed and ckpt.comm_state(model) or nil, options = opt }
+  progress = progress, meter = ckpt.per_rank(meter), comm = model ~= net and ckpt.comm_state(model) or nil, options = opt }
 local function save_checkpoint()
   if opt.save == '' then return end
   ckpt.save(opt.save, state, { step = progress.step, keep = opt.keep > 0 and opt.keep or nil, async = opt.save_async })
@@ -214,7 +227,9 @@ for epoch = resumed_epoch or 1, opt.epochs do
     local out = model:forward(input)
     local loss = criterion:forward(out, y):item()
     model:backward(input, criterion:backward(out, y))
-    if opt.clip_grad > 0 then clip:add(nn.utils.clip_grad_norm_(model, opt.clip_grad)) end  -- after DDP's all-reduce
+    if opt.clip_grad > 0 then  -- after DDP's all-reduce; under ZeRO over every rank's shard
+      clip:add(opt.zero > 0 and model:clip_grad_norm_(opt.clip_grad) or nn.utils.clip_grad_norm_(model, opt.clip_grad))
+    end
     sgd:step()
     step = step + 1
     meter.loss_sum, meter.images, fresh = meter.loss_sum + loss * y:numel(), meter.images + y:numel(), fresh + y:numel()
@@ -248,5 +263,5 @@ end
 if opt.save ~= '' and not (opt.save_every > 0 and step % opt.save_every == 0 and step > 0) then save_checkpoint() end
 ckpt.wait()
 if stopped then print(('stopped after step %d'):format(step)) else print(('done in %.0f s'):format(dlua.perf_counter() - t_start)) end
-print('parameters crc32 ' .. ckpt.crc32(net))
-if distributed then dist.destroy() end
+print('parameters crc32 ' .. ckpt.crc32(model))  -- ZeRO-3: its gathered state dict
+if dist.is_initialized() then dist.destroy() end

@@ -319,10 +319,12 @@ dlua_status_t dlua_pg_reduce_scatter(dlua_pg_t *pg, dlua_tensor_t *out, dlua_ten
     if (ins[r]->dtype != out->dtype)
       return DLUA_ERR(DLUA_ERR_ARG, "reduce_scatter: ins[%d] is %s, out is %s", r, dlua_dtype_name(ins[r]->dtype),
                       dlua_dtype_name(out->dtype));
-    if (dlua_tensor_numel(ins[r]) != dlua_tensor_numel(out))
-      return DLUA_ERR(DLUA_ERR_ARG, "reduce_scatter: ins[%d] has %" PRId64 " elements, out has %" PRId64, r,
-                      dlua_tensor_numel(ins[r]), dlua_tensor_numel(out));
   }
+  /* the parts may differ in size (every rank passes the same sizes: ZeRO's shards of a bucket); out is
+     this rank's */
+  if (dlua_tensor_numel(ins[pg->rank]) != dlua_tensor_numel(out))
+    return DLUA_ERR(DLUA_ERR_ARG, "reduce_scatter: out has %" PRId64 " elements, this rank's part ins[%d] has %" PRId64,
+                    dlua_tensor_numel(out), pg->rank, dlua_tensor_numel(ins[pg->rank]));
   dlua_work_t *w = dlua_pg_work_new(pg, K_REDUCE_SCATTER, site);
   if (!w) return DLUA_ERR_OOM;
   w->op = op;

@@ -141,10 +141,11 @@ static dlua_pg_result_t from_shm(dlua_work_t *w, dlua_shm_result_t sr, const cha
                                                         : DLUA_PG_PEER_LOST;
 }
 
-/* reduce_scatter's inputs packed into dst (rank r's at r * m elements); false (the work's error set) on failure. */
-static int stage_parts(dlua_work_t *w, char *dst, size_t m, size_t es, dlua_cuda_stream_t *cs) {
+/* reduce_scatter's inputs packed into dst (rank r's part at at[r] elements); false (the work's error set) on
+   failure. */
+static int stage_parts(dlua_work_t *w, char *dst, const size_t *at, size_t es, dlua_cuda_stream_t *cs) {
   for (int r = 0; r < w->nlist; r++)
-    if (copy_to_flat(w->ins[r], dst + (size_t)r * m * es, cs) != DLUA_OK) {
+    if (copy_to_flat(w->ins[r], dst + at[r] * es, cs) != DLUA_OK) {
       dlua_pg_work_from_last_error(w, "staging");
       return 0;
     }
@@ -189,22 +190,26 @@ static dlua_pg_result_t gloo_one(gloo_ctx_t *x, dlua_work_t *w, dlua_tensor_t *t
   return gr;
 }
 
-/* Reduce-scatter as a ring over point-to-point exchanges: after size-1 steps, chunk `rank` of acc
-   holds the reduction of every rank's ins[rank]. acc (size * m elements) is consumed. */
-static dlua_pg_result_t ring_reduce_scatter(gloo_ctx_t *x, char *acc, char *tmp, size_t m, size_t es,
-                                            dlua_pg_reduce_fn fn, uint32_t tag, int64_t timeout, char *err,
-                                            size_t errlen) {
+/* Reduce-scatter as a ring over point-to-point exchanges: after size-1 steps, part `rank` of acc holds the
+   reduction of every rank's ins[rank]. Part q has counts[q] elements at at[q] (sizes may differ); acc is
+   consumed; tmp holds the largest part. */
+static dlua_pg_result_t ring_reduce_scatter(gloo_ctx_t *x, char *acc, char *tmp, const size_t *counts,
+                                            const size_t *at, size_t es, dlua_pg_reduce_fn fn, uint32_t tag,
+                                            int64_t timeout, char *err, size_t errlen) {
   int n = x->size, r = x->rank;
   int next = (r + 1) % n, prev = (r + n - 1) % n;
   int64_t deadline = now_ms() + timeout;
   for (int s = 0; s < n - 1; s++) {
     int send_idx = ((r - s - 1) % n + n) % n, recv_idx = ((r - s - 2) % n + n) % n;
     int64_t left = deadline - now_ms();
-    dlua_pg_result_t gr = dlua_gloo_exchange(x->gloo, acc + (size_t)send_idx * m * es, m * es, next, tmp, m * es,
-                                               prev, PG_RING_PREFIX, tag, left > 0 ? left : 1, err, errlen);
+    // an empty part is neither sent nor received (every rank knows every part's size)
+    dlua_pg_result_t gr = dlua_gloo_exchange(x->gloo, acc + at[send_idx] * es, counts[send_idx] * es,
+                                             counts[send_idx] ? next : -1, tmp, counts[recv_idx] * es,
+                                             counts[recv_idx] ? prev : -1, PG_RING_PREFIX, tag, left > 0 ? left : 1,
+                                             err, errlen);
     if (gr != DLUA_PG_OK) return gr;
-    char *c = acc + (size_t)recv_idx * m * es;
-    fn(c, c, tmp, m);
+    char *c = acc + at[recv_idx] * es;
+    fn(c, c, tmp, counts[recv_idx]);
   }
   return DLUA_PG_OK;
 }
@@ -285,40 +290,57 @@ static dlua_pg_result_t gl_run(void *c, dlua_work_t *w, int64_t timeout, char *e
     }
     case K_REDUCE_SCATTER: {
       dlua_tensor_t *out = w->t;
-      size_t m = (size_t)dlua_tensor_numel(out), es = dlua_dtype_size(out->dtype);
-      if (m == 0) break;
+      size_t es = dlua_dtype_size(out->dtype), total = 0, most = 0;
+      size_t *counts = malloc(2 * (size_t)size * sizeof(size_t)), *at = counts + size;
+      if (!counts) {
+        dlua_pg_work_set(w, DLUA_ERR_OOM, "reduce_scatter #%" PRId64 ": out of memory", w->seq);
+        break;
+      }
+      for (int q = 0; q < size; q++) {  // the parts may differ in size (the same on every rank)
+        at[q] = total;
+        total += counts[q] = (size_t)dlua_tensor_numel(w->ins[q]);
+        if (counts[q] > most) most = counts[q];
+      }
+      size_t m = counts[rank];
+      if (total == 0) {
+        free(counts);
+        break;
+      }
       if (x->shm) {  // reads the inputs where they lie when they are one flat buffer, writes out in place
         const char *in = cs ? NULL : packed_base(w->ins, size);
-        char *dst = in_place(out) ? dlua_tensor_ptr(out) : NULL;
-        if (!in) in = stage = dlua_pg_stage_alloc(w, (size_t)size * m * es);
-        if (!dst) dst = stage2 = dlua_pg_stage_alloc(w, m * es);
+        char *dst = in_place(out) && m ? dlua_tensor_ptr(out) : NULL;
+        if (!in) in = stage = dlua_pg_stage_alloc(w, total * es + 1);
+        if (!dst) dst = stage2 = dlua_pg_stage_alloc(w, m * es + 1);
         if (!in || !dst) {
           dlua_pg_work_set(w, DLUA_ERR_OOM, "reduce_scatter #%" PRId64 ": out of memory staging %zu bytes", w->seq,
-                           (size_t)(size + 1) * m * es);
-          break;
+                           (total + m) * es);
+        } else if (!stage || stage_parts(w, stage, at, es, cs)) {
+          gr = from_shm(w,
+                        dlua_shm_reduce_scatter(x->shm, in, dst, counts, out->dtype, w->op, w->seq, timeout, err,
+                                                errlen),
+                        err);  // reduces and divides
+          if (gr == DLUA_PG_OK && w->status == DLUA_OK && stage2 && m && copy_from_flat(out, dst, cs) != DLUA_OK)
+            dlua_pg_work_from_last_error(w, "writing the result");
         }
-        if (stage && !stage_parts(w, stage, m, es, cs)) break;
-        gr = from_shm(w, dlua_shm_reduce_scatter(x->shm, in, dst, m, out->dtype, w->op, w->seq, timeout, err, errlen),
-                      err);  // reduces and divides
-        if (gr == DLUA_PG_OK && w->status == DLUA_OK && stage2 && copy_from_flat(out, dst, cs) != DLUA_OK)
-          dlua_pg_work_from_last_error(w, "writing the result");
+        free(counts);
         break;
       }
-      char *acc = stage = dlua_pg_stage_alloc(w, (size_t)size * m * es);
-      char *tmp = stage2 = dlua_pg_stage_alloc(w, m * es);
+      char *acc = stage = dlua_pg_stage_alloc(w, total * es);
+      char *tmp = stage2 = dlua_pg_stage_alloc(w, most * es);
       if (!acc || !tmp) {
         dlua_pg_work_set(w, DLUA_ERR_OOM, "reduce_scatter #%" PRId64 ": out of memory staging %zu bytes", w->seq,
-                         (size_t)(size + 1) * m * es);
-        break;
+                         (total + most) * es);
+      } else if (stage_parts(w, acc, at, es, cs)) {
+        if (size > 1)
+          gr = ring_reduce_scatter(x, acc, tmp, counts, at, es, dlua_pg_reduce_fn_for(w->op, out->dtype), tag,
+                                   timeout, err, errlen);
+        char *mine = acc + at[rank] * es;
+        if (gr == DLUA_PG_OK && m) {
+          if (w->op == DLUA_PG_REDUCE_AVG) dlua_pg_divide_by(mine, m, out->dtype, size);
+          if (copy_from_flat(out, mine, cs) != DLUA_OK) dlua_pg_work_from_last_error(w, "writing the result");
+        }
       }
-      if (!stage_parts(w, acc, m, es, cs)) break;
-      if (size > 1)
-        gr = ring_reduce_scatter(x, acc, tmp, m, es, dlua_pg_reduce_fn_for(w->op, out->dtype), tag, timeout, err,
-                                 errlen);
-      if (gr != DLUA_PG_OK) break;
-      char *mine = acc + (size_t)rank * m * es;
-      if (w->op == DLUA_PG_REDUCE_AVG) dlua_pg_divide_by(mine, m, out->dtype, size);
-      if (copy_from_flat(out, mine, cs) != DLUA_OK) dlua_pg_work_from_last_error(w, "writing the result");
+      free(counts);
       break;
     }
     case K_ALL_TO_ALL: {

@@ -42,6 +42,7 @@ static struct {
   ncclResult_t (*Broadcast)(const void *, void *, size_t, ncclDataType_t, int, ncclComm_t, cudaStream_t);
   ncclResult_t (*AllGather)(const void *, void *, size_t, ncclDataType_t, ncclComm_t, cudaStream_t);
   ncclResult_t (*ReduceScatter)(const void *, void *, size_t, ncclDataType_t, ncclRedOp_t, ncclComm_t, cudaStream_t);
+  ncclResult_t (*Reduce)(const void *, void *, size_t, ncclDataType_t, ncclRedOp_t, int, ncclComm_t, cudaStream_t);
   ncclResult_t (*Send)(const void *, size_t, ncclDataType_t, int, ncclComm_t, cudaStream_t);
   ncclResult_t (*Recv)(void *, size_t, ncclDataType_t, int, ncclComm_t, cudaStream_t);
   ncclResult_t (*GroupStart)(void);
@@ -116,6 +117,7 @@ static void nc_load(void) {
   NC_SYM(Broadcast, "ncclBroadcast", 1);
   NC_SYM(AllGather, "ncclAllGather", 1);
   NC_SYM(ReduceScatter, "ncclReduceScatter", 1);
+  NC_SYM(Reduce, "ncclReduce", 1);
   NC_SYM(Send, "ncclSend", 1);
   NC_SYM(Recv, "ncclRecv", 1);
   NC_SYM(GroupStart, "ncclGroupStart", 1);
@@ -392,6 +394,20 @@ static dlua_pg_result_t nc_run(void *c, dlua_work_t *w, int64_t timeout_ms, char
     }
     case K_REDUCE_SCATTER: {
       size_t m = (size_t)dlua_tensor_numel(w->t), es = dlua_dtype_size(w->t->dtype);
+      int equal = 1;
+      for (int q = 0; q < size; q++) equal &= (size_t)dlua_tensor_numel(w->ins[q]) == m;
+      if (!equal) {  // parts of different sizes (ZeRO's shards of a bucket): one reduce to each part's rank
+        ncclDataType_t dt = nccl_type(w->t->dtype);
+        ncclRedOp_t op = nccl_op(w->op, w->t->dtype);
+        nc.GroupStart();
+        for (int q = 0; q < size && r == ncclSuccess; q++) {
+          size_t c = (size_t)dlua_tensor_numel(w->ins[q]);
+          if (c) r = nc.Reduce(dlua_tensor_ptr(w->ins[q]), q == rank ? dlua_tensor_ptr(w->t) : NULL, c, dt, op, q, cm, s);
+        }
+        ncclResult_t e = nc.GroupEnd();
+        if (r == ncclSuccess) r = e;
+        break;
+      }
       char *in = packed(w->ins, size);
       if (!in) {  // pack the inputs into scratch memory, in rank order
         if ((gr = need_scratch(x, (size_t)size * m * es, err, errlen)) != DLUA_PG_OK) return gr;

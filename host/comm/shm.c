@@ -532,8 +532,9 @@ static int mismatch(const dlua_shm_t *s, int set, int64_t seq, char *err, size_t
   int bad = 0;
   for (int q = 0; q < s->size; q++) {
     const shm_desc_t *c = &ctl(s, q)->d[set];
+    int own_count = me->kind == SHM_ALL_GATHER || me->kind == SHM_REDUCE_SCATTER;  // per rank, may differ
     bad |= c->op_seq != me->op_seq || c->kind != me->kind || c->total != me->total || c->dtype != me->dtype ||
-           c->arg != me->arg || (me->kind != SHM_ALL_GATHER && c->count != me->count) || c->shared_at != me->shared_at;
+           c->arg != me->arg || (!own_count && c->count != me->count) || c->shared_at != me->shared_at;
   }
   if (!bad) return 0;
   size_t l = (size_t)snprintf(err, errlen, "collective mismatch at #%" PRId64 ":", seq);
@@ -687,34 +688,44 @@ dlua_shm_result_t dlua_shm_all_reduce(dlua_shm_t *s, void *buf, size_t count, dl
   return DLUA_SHM_OK;
 }
 
-dlua_shm_result_t dlua_shm_reduce_scatter(dlua_shm_t *s, const void *in, void *out, size_t m, dlua_dtype_t dt,
-                                          dlua_reduce_t op, int64_t seq, int64_t timeout_ms, char *err, size_t errlen) {
+dlua_shm_result_t dlua_shm_reduce_scatter(dlua_shm_t *s, const void *in, void *out, const size_t *counts,
+                                          dlua_dtype_t dt, dlua_reduce_t op, int64_t seq, int64_t timeout_ms, char *err,
+                                          size_t errlen) {
   const int n = s->size, r = s->rank;
   const size_t es = dlua_dtype_size(dt), per_chunk = SHM_SLOT_BYTES / es / (size_t)n;
   dlua_pg_reduce_fn fn = dlua_pg_reduce_fn_for(op, dt);
   const int64_t deadline = deadline_of(timeout_ms);
   const char *data = in;
-  describe(s, SHM_REDUCE_SCATTER, seq, m, m, dt, (int)op);
+  size_t most = 0, total = 0, at[n];  // at[q]: where destination q's part starts in `in`
+  for (int q = 0; q < n; q++) {
+    at[q] = total;
+    total += counts[q];
+    if (counts[q] > most) most = counts[q];
+  }
+  describe(s, SHM_REDUCE_SCATTER, seq, counts[r], total, dt, (int)op);
   size_t off = 0;
   do {
-    size_t c = m - off < per_chunk ? m - off : per_chunk;
     uint32_t g = ++s->chunk;
     int set = (int)(g & 1);
-    // In: this chunk of every destination's part, own included (so the sum below reads slots only).
+#define PART(q) (off < counts[q] ? (counts[q] - off < per_chunk ? counts[q] - off : per_chunk) : 0)
+    // In: this chunk of every destination's part, own included (so the sum below reads slots only); part q
+    // at q * per_chunk in the slot
     char *mine = slot(s, set, r);
-    for (int q = 0; q < n; q++) memcpy(mine + (size_t)q * c * es, data + ((size_t)q * m + off) * es, c * es);
+    for (int q = 0; q < n; q++) memcpy(mine + (size_t)q * per_chunk * es, data + (at[q] + off) * es, PART(q) * es);
     dlua_shm_result_t res = data_in(s, g, off == 0, seq, deadline, timeout_ms, err, errlen);
     if (res != DLUA_SHM_OK) return res;
     // Reduce this rank's part over the ranks, in rank order, into out.
+    size_t c = PART(r);
+#undef PART
     if (c) {
       char *dst = (char *)out + off * es;
       const char *from[n];
-      for (int q = 0; q < n; q++) from[q] = slot(s, set, q) + (size_t)r * c * es;
+      for (int q = 0; q < n; q++) from[q] = slot(s, set, q) + (size_t)r * per_chunk * es;
       sum_ranks(fn, dst, from, n, c);
       if (op == DLUA_PG_REDUCE_AVG) dlua_pg_divide_by(dst, c, dt, n);
     }
-    off += c;
-  } while (off < m);
+    off += per_chunk;
+  } while (off < most);
   return DLUA_SHM_OK;
 }
 

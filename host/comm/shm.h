@@ -31,10 +31,12 @@ dlua_pg_result_t dlua_shm_join(dlua_store_t *store, const char *prefix, int rank
 dlua_shm_result_t dlua_shm_all_reduce(dlua_shm_t *s, void *buf, size_t count, dlua_dtype_t dt, dlua_reduce_t op,
                                       int64_t seq, int64_t timeout_ms, char *err, size_t errlen);
 
-/* Reduce-scatter: in holds size * m elements, destination q's part at q * m; out (m elements) gets the
-   reduction over every rank of their part `rank` (AVG divided). */
-dlua_shm_result_t dlua_shm_reduce_scatter(dlua_shm_t *s, const void *in, void *out, size_t m, dlua_dtype_t dt,
-                                          dlua_reduce_t op, int64_t seq, int64_t timeout_ms, char *err, size_t errlen);
+/* Reduce-scatter: in holds destination q's part (counts[q] elements) after those of the ranks before q; out
+   (counts[rank] elements) gets the reduction over every rank of their part `rank` (AVG divided). The parts
+   may differ in size, the same on every rank. */
+dlua_shm_result_t dlua_shm_reduce_scatter(dlua_shm_t *s, const void *in, void *out, const size_t *counts,
+                                          dlua_dtype_t dt, dlua_reduce_t op, int64_t seq, int64_t timeout_ms, char *err,
+                                          size_t errlen);
 /* All-gather: rank q's counts[q] elements of `in` land in out at the sum of counts before q. */
 dlua_shm_result_t dlua_shm_all_gather(dlua_shm_t *s, const void *in, void *out, const size_t *counts, dlua_dtype_t dt,
                                       int64_t seq, int64_t timeout_ms, char *err, size_t errlen);

@@ -46,6 +46,14 @@ int64_t dlua_memory_peak(int device) {
 
 int64_t dlua_memory_allocated_total(void) { return __atomic_load_n(&total_live, __ATOMIC_RELAXED); }
 
+/* The peak restarts from what is alive now (torch.cuda.reset_peak_memory_stats): a peak over one
+   training step is then the step's own. */
+void dlua_memory_reset_peak(int device) {
+  int s = slot_of(device);
+  if (s < 0) return;
+  __atomic_store_n(&peak_bytes[s], __atomic_load_n(&live_bytes[s], __ATOMIC_RELAXED), __ATOMIC_RELAXED);
+}
+
 /* ---- the CPU block cache ------------------------------------------------------------------
    A training step frees and re-allocates the same activation sizes every step. Large blocks
    from glibc come from fresh mmap()s, so each step paid page faults and the kernel's zeroing

@@ -130,9 +130,10 @@ dlua_status_t dlua_tensor_arange(dlua_tensor_t **out, double start, double end, 
 dlua_status_t dlua_tensor_linspace(dlua_tensor_t **out, double start, double end, int64_t steps, dlua_dtype_t dtype);
 dlua_status_t dlua_tensor_eye(dlua_tensor_t **out, int64_t n, int64_t m, dlua_dtype_t dtype);
 
-/* Bytes of tensor storage alive on a device (-1: CPU), and the peak since start. */
+/* Bytes of tensor storage alive on a device (-1: CPU), and the peak since start (or the last reset). */
 int64_t dlua_memory_allocated(int device);
 int64_t dlua_memory_peak(int device);
+void dlua_memory_reset_peak(int device);   /* the peak becomes what is alive now */
 int64_t dlua_memory_allocated_total(void); /* all devices: drives the Lua GC's pacing */
 /* Bytes the allocator keeps for reuse (freed blocks), and giving them back to the system. */
 int64_t dlua_memory_cached(int device);

@@ -71,7 +71,7 @@ local function fnv1a(s)
   return h
 end
 
-local function verify_same_model(dist, group, entries, rank)
+local function verify_same_model(dist, group, entries, rank, who)
   local lines = layout_text(entries)
   local text = table.concat(lines, '\n')
   local mine = dlua.tensor({ fnv1a(text), #lines }, { dtype = 'int64' })
@@ -96,8 +96,9 @@ local function verify_same_model(dist, group, entries, rank)
       break
     end
   end
-  fail(3, 'DDP: the ranks built different models (ranks %s differ from rank 0); %s', table.concat(differs, ', '), what)
+  fail(3, '%s: the ranks built different models (ranks %s differ from rank 0); %s', who or 'DDP', table.concat(differs, ', '), what)
 end
+M.verify_same_model = verify_same_model  -- ZeRO checks the same way
 
 ---------------------------------------------------------------------------------------------
 -- Construction

@@ -335,6 +335,42 @@ function dist.new_group(ranks, opts)
   return g
 end
 
+-- A group that only its members create (dist.new_group needs every rank of the world, in the same
+-- order): `key`, the same on every member and unique in the job, names it in the store. A pipeline
+-- makes one per pair of neighbouring stages and direction this way, while the other pipelines make
+-- their own.
+function dist.new_group_of(ranks, key, opts)
+  need_init('new_group_of', 2)
+  if type(ranks) ~= 'table' or #ranks == 0 then fail(2, 'new_group_of: expected a list of ranks') end
+  if type(key) ~= 'string' or key == '' then fail(2, 'new_group_of: expected a key naming the group') end
+  local list, seen = {}, {}
+  for i, r in ipairs(ranks) do
+    if type(r) ~= 'number' or r ~= math.floor(r) or r < 0 or r >= S.world then
+      fail(2, 'new_group_of: ranks[%d] = %s is not a rank of this job (0..%d)', i, tostring(r), S.world - 1)
+    end
+    if seen[r] then fail(2, 'new_group_of: rank %d is listed twice', r) end
+    seen[r] = true
+    list[#list + 1] = r
+  end
+  table.sort(list)
+  local g = setmetatable({ ranks = list, key = key }, Group)
+  for i, r in ipairs(list) do
+    if r == S.rank then g.group_rank = i - 1 end
+  end
+  if g.group_rank == nil then fail(2, 'new_group_of: rank %d is not in ranks %s (only members call it)', S.rank, table.concat(list, ',')) end
+  local timeout = (opts and opts.timeout) or S.timeout
+  if S.world_group then g.pg = binding.gloo(S.host, S.port, S.token, 'pgk/' .. key, g.group_rank, #list, timeout) end
+  if S.world_nccl then
+    g.nccl = binding.nccl(S.host, S.port, S.token, 'ncclk/' .. key, g.group_rank, #list, S.device, timeout)
+  end
+  if S.debug then
+    if g.pg then g.pg:set_debug(true) end
+    if g.nccl then g.nccl:set_debug(true) end
+  end
+  S.groups[#S.groups + 1] = g
+  return g
+end
+
 function Group:is_member() return self.group_rank ~= nil end
 function Group:rank() return self.group_rank end  -- nil outside the group
 function Group:size() return #self.ranks end
@@ -504,5 +540,17 @@ end
 
 -- Data-parallel training (lua/dlua/ddp.lua, docs/ddp.md).
 function dist.DDP(model, opts) return require('dlua.ddp').new(dist, model, opts) end
+-- Sharded data parallelism, ZeRO stages 1-3 (lua/dlua/zero.lua, docs/zero.md).
+function dist.ZeRO(model, opts) return require('dlua.zero').new(dist, model, opts) end
+
+-- Pipeline parallelism (lua/dlua/pipeline.lua, docs/pipeline.md): dist.Pipeline(stages, opts),
+-- dist.Pipeline.split(model, n), dist.Pipeline.groups(p).
+dist.Pipeline = setmetatable({}, {
+  __call = function(_, stages, opts)
+    local p = require('dlua.pipeline').new(dist, stages, opts)
+    return p  -- not a tail call: errors point at the caller's line
+  end,
+  __index = function(_, k) return require('dlua.pipeline')[k] end,
+})
 
 return dist

@@ -9,7 +9,8 @@ local optim = {}
 -- the rest go to the default group (the options themselves). Returns {dtype = {ranges}} with
 -- ranges {offset, length, group, entries}.
 local function plan(model, opts, defaults)
-  local arena = model:flatten()
+  -- a ZeRO model hands out this rank's shard: ranges count from the shard's start (docs/zero.md)
+  local arena = model.optim_arena and model:optim_arena() or model:flatten()
   local groups = {}
   for i, g in ipairs(opts.groups or {}) do
     if type(g.filter) ~= 'function' then error(('optim: group %d needs a filter(name, param) function'):format(i), 4) end
@@ -18,7 +19,7 @@ local function plan(model, opts, defaults)
   local default = {}
   for k, v in pairs(defaults) do default[k] = opts[k] == nil and v or opts[k] end
   local named = {}
-  for _, e in ipairs(model:named_parameters()) do named[e.name] = e.param end
+  for _, e in ipairs(arena.named or model:named_parameters()) do named[e.name] = e.param end
   local by_dtype = {}
   for _, en in ipairs(arena.entries) do
     local g = default
@@ -44,6 +45,21 @@ end
 
 local Optimizer = {}
 Optimizer.__index = Optimizer
+
+-- An optimizer built on a module before a ZeRO model took its arenas over would step stale ranges.
+local function check_arena(self)
+  local a = self.arena
+  if a.zero and not self._zero_names then
+    error(self.name .. '.step: this optimizer was built before dist.ZeRO wrapped its model, whose arenas ZeRO has '
+      .. 'since sharded; build the optimizer over the ZeRO model', 3)
+  end
+end
+
+-- A ZeRO model gathers the stepped shards back to every rank (stages 1, 2) after a step.
+local function after_step(self)
+  local sync = self.model._grad_sync
+  if sync and sync.after_step then sync:after_step(self) end
+end
 
 -- The pieces of an optimizer range to step, as (offset, length). Under DDP (the model has a
 -- gradient synchroniser) the range is cut at bucket boundaries and each piece is stepped as
@@ -73,12 +89,19 @@ local function new_optimizer(cls, name, model, opts, defaults)
     error(name .. ': expected a dlua.nn module as the first argument', 3)
   end
   opts = opts or {}
+  if rawget(model, '_zero') then model = rawget(model, '_zero') end  -- a module under ZeRO: its ZeRO model
   local self = setmetatable({ name = name, model = model, steps = 0 }, cls)
   self.arena, self.ranges, self.defaults, self.groups = plan(model, opts, defaults)
   self.lr = self.defaults.lr
   if type(self.lr) ~= 'number' or self.lr < 0 then error(name .. ': lr must be a non-negative number', 3) end
   self.state = {}
   for dt, p in pairs(self.arena.params) do self.state[dt] = {} ; self.state[dt].numel = p:numel() end
+  if self.arena.zero then
+    if not cls._state_names then
+      error(name .. ': not available over ZeRO (its trust ratios need whole parameters, which shards split); use SGD, Adam or AdamW', 3)
+    end
+    self.arena.zero:attach(self)
+  end
   return self
 end
 
@@ -100,10 +123,13 @@ function Optimizer:state_dict()
     bufs[dt] = {}
     for k, v in pairs(s) do if k ~= 'numel' then bufs[dt][k] = v end end
   end
-  return { steps = self.steps, lr = self.lr, buffers = bufs }
+  local sd = { steps = self.steps, lr = self.lr, buffers = bufs }
+  if self.arena.zero then sd = self.arena.zero:full_optim_state(self, sd) end  -- whole buffers, gathered
+  return sd
 end
 
 function Optimizer:load_state_dict(sd)
+  if self.arena.zero then sd = self.arena.zero:shard_optim_state(self, sd) end  -- this rank's range of them
   self.steps, self.lr = sd.steps, sd.lr
   for dt, b in pairs(sd.buffers or {}) do
     for k, v in pairs(b) do self:buffer(dt, k):copy_(v) end
@@ -135,6 +161,7 @@ end
 
 -- step{grad_scale = 1}: grad_scale multiplies every gradient first (1/loss scale under AMP).
 function SGD:step(opts)
+  check_arena(self)
   local scale = opts and opts.grad_scale or 1
   local first = self.steps == 0
   for dt, ranges in pairs(self.ranges) do
@@ -149,6 +176,14 @@ function SGD:step(opts)
     end
   end
   self.steps = self.steps + 1
+  after_step(self)
+end
+
+-- The buffers a ZeRO model allocates for this optimizer up front, alike on every rank.
+function SGD:_state_names()
+  local any = self.defaults.momentum ~= 0
+  for _, g in ipairs(self.groups) do any = any or g.momentum ~= 0 end
+  return any and { 'momentum' } or {}
 end
 
 ---------------------------------------------------------------------------------------------
@@ -171,6 +206,7 @@ function optim.AdamW(model, opts) return new_optimizer(AdamW, 'AdamW', model, op
 function optim.Adam(model, opts) return new_optimizer(Adam, 'Adam', model, opts, adam_defaults(0)) end
 
 function AdamW:step(opts)
+  check_arena(self)
   local scale = opts and opts.grad_scale or 1
   local kernel = K[self._kernel]
   self.steps = self.steps + 1
@@ -186,6 +222,13 @@ function AdamW:step(opts)
       end
     end
   end
+  after_step(self)
+end
+
+function AdamW:_state_names()
+  local ams = self.defaults.amsgrad
+  for _, g in ipairs(self.groups) do ams = ams or g.amsgrad end
+  return ams and { 'exp_avg', 'exp_avg_sq', 'max_exp_avg_sq' } or { 'exp_avg', 'exp_avg_sq' }
 end
 
 ---------------------------------------------------------------------------------------------
@@ -215,6 +258,7 @@ function optim.LARS(model, opts)
 end
 
 function LARS:step(opts)
+  check_arena(self)
   local scale = opts and opts.grad_scale or 1
   local d = self.defaults
   for dt, list in pairs(self.param_ranges) do
@@ -266,6 +310,7 @@ function optim.LAMB(model, opts)
 end
 
 function LAMB:step(opts)
+  check_arena(self)
   local scale = opts and opts.grad_scale or 1
   self.steps = self.steps + 1
   for dt, groups in pairs(self.param_ranges) do

@@ -463,10 +463,31 @@ static int body_reduce_scatter(dlua_pg_t *pg, int rank, int size) {
         dlua_tensor_free(out);
       }
     }
-  dlua_tensor_t *ins[8], *out = vec(DLUA_DTYPE_F32, 4, 0);
-  for (int q = 0; q < size; q++) ins[q] = vec(DLUA_DTYPE_F32, q == 1 ? 5 : 4, 0);
-  EXPECT_ERR(dlua_pg_reduce_scatter(pg, out, ins, DLUA_PG_REDUCE_SUM, NULL, NULL), DLUA_ERR_ARG,
-             "reduce_scatter: ins[1] has 5 elements, out has 4");
+  // parts of different sizes, some empty (ZeRO's shards of a bucket), small and over many shared-memory
+  // chunks: part q of every rank reduces into rank q's out
+  static const int64_t small[] = {7, 0, 13, 1}, large[] = {200003, 0, 3, 150001};
+  for (int k = 0; k < 2; k++) {
+    dlua_tensor_t *ins[8], *out;
+    for (int q = 0; q < size; q++) {
+      ins[q] = vec(DLUA_DTYPE_F64, (k ? large : small)[q % 4] + (q >= 4), 0);
+      fill(ins[q], rank, 10 + q);
+    }
+    out = vec(DLUA_DTYPE_F64, dlua_tensor_numel(ins[rank]), 0);
+    EXPECT_OK(dlua_pg_reduce_scatter(pg, out, ins, DLUA_PG_REDUCE_AVG, "rs.lua:9", NULL));
+    for (int64_t i = 0; i < dlua_tensor_numel(out); i++) {
+      double want = reduce_expect(DLUA_DTYPE_F64, DLUA_PG_REDUCE_SUM, size, i, 10 + rank, 0) / size;
+      EXPECT(fabs(get(out, i) - want) <= 1e-12 * (1 + fabs(want)), "reduce_scatter unequal parts %d [%" PRId64 "]: got %g, want %g",
+             k, i, get(out, i), want);
+    }
+    for (int q = 0; q < size; q++) dlua_tensor_free(ins[q]);
+    dlua_tensor_free(out);
+  }
+  // out must be this rank's part (checked on every rank before anything is sent)
+  dlua_tensor_t *ins[8], *out = vec(DLUA_DTYPE_F32, 5, 0);
+  for (int q = 0; q < size; q++) ins[q] = vec(DLUA_DTYPE_F32, 4, 0);
+  char want[96];
+  snprintf(want, sizeof want, "reduce_scatter: out has 5 elements, this rank's part ins[%d] has 4", rank);
+  EXPECT_ERR(dlua_pg_reduce_scatter(pg, out, ins, DLUA_PG_REDUCE_SUM, NULL, NULL), DLUA_ERR_ARG, want);
   for (int q = 0; q < size; q++) dlua_tensor_free(ins[q]);
   dlua_tensor_free(out);
   return 0;

@@ -64,6 +64,7 @@ function Sequential:__len() return #self._children end
 -- Residual(block [, shortcut]): y = block(x) + shortcut(x) (identity when no shortcut).
 local Residual = Module:extend('Residual')
 nn.Residual = Residual
+Residual.is_block = true -- a residual block for model:checkpoint('blocks')
 
 function Residual:__init(block, shortcut)
   self:add_module('block', block)
@@ -492,5 +493,6 @@ function CrossEntropyLoss:backward(_, labels, grad_out)
 end
 
 nn.utils = require 'dlua.nn.utils'  -- clip_grad_norm_, grad_norm_partial
+nn.Checkpoint = require 'dlua.nn.checkpoint' -- and Module:checkpoint(policy)
 
 return nn
