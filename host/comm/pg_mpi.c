@@ -1,4 +1,4 @@
-/* The MPI backend of process groups: one communicator per group, MPI's blocking collectives on an executor thread the group's timeout bounds. */
+/* The MPI backend of process groups: one communicator per group; collectives polled (small) or run blocking on an executor thread (large), bounded by the group's timeout. */
 #define _GNU_SOURCE
 #include <inttypes.h>
 #include <limits.h>
@@ -17,28 +17,36 @@
 #include "core/error.h"
 #include "core/tensor.h"
 
-/* Why an executor thread: MPI's blocking collectives (Open MPI's coll/tuned algorithms) are up to twice as
-   fast as its non-blocking ones (libnbc) on one host, but cannot be bounded or cancelled. So the comm thread
-   hands each one to the group's executor and waits with the group's deadline, and watches the store for a
-   peer that exited meanwhile. A collective that does not end in time leaves the executor in MPI forever: the
-   group is broken, and its state, the executor and every buffer it may still touch stay allocated (the
-   process is about to fail; MPI has no way to abort one communicator). PyTorch's ProcessGroupMPI runs the
-   same blocking calls on one thread, without a bound. */
+/* Two ways to run a collective within the group's deadline, while watching the store for a peer that exited:
+   - polled: its non-blocking form (MPI_Iallreduce...: Open MPI's libnbc) started on the comm thread and
+     tested there, spinning briefly, then sleeping between tests. Nothing else is woken, and a wait for a late
+     peer costs no CPU. Small collectives take this way (below blocking_from bytes; all-to-all never).
+   - blocking: MPI's blocking call (coll/tuned's algorithms: ring, recursive halving, which let every rank
+     reduce at once; libnbc's all-reduce for 2-3 ranks funnels through one) on the group's executor thread,
+     which the comm thread waits for. It cannot be bounded or cancelled, so the thread hand-offs (costly on
+     a busy machine) are paid only where the bytes dwarf them.
+   A collective that does not end in time stays inside MPI for good: the group is broken, and its state, the
+   executor and every buffer MPI may still touch stay allocated (the process is about to fail; MPI cannot
+   abort one communicator). PyTorch's ProcessGroupMPI runs blocking calls on one thread, without a bound. */
 
 enum {
   PG_MAX_CUDA = 16,          /* CUDA devices a group stages tensors of (a stream each) */
   PEER_CHECK_MS = 500,       /* how often a long wait looks in the store for peers that exited */
+  SPIN_US = 50,              /* how long a thread spins for the other before it sleeps */
   CHUNK = 1 << 30            /* elements per MPI call: counts are ints */
 };
 
 struct mpi_ctx;
 typedef struct mpi_job {
-  int (*fn)(struct mpi_ctx *x, struct mpi_job *j);
+  int (*fn)(struct mpi_ctx *x, struct mpi_job *j);                    /* MPI's blocking call, on the executor */
+  int (*ifn)(struct mpi_ctx *x, struct mpi_job *j, MPI_Request *rq);  /* its non-blocking form, polled here */
   const void *sbuf;
   void *rbuf;
   int count, root;
   MPI_Datatype dt;
   MPI_Op op;
+  int64_t spin_us;         /* polled: how long to test without sleeping (exec sets it from bytes) */
+  size_t bytes;            /* what this rank moves, for spin_us */
 } mpi_job_t;
 
 typedef struct mpi_ctx {
@@ -53,6 +61,7 @@ typedef struct mpi_ctx {
   int local;               /* members on this host */
   char why[400];           /* dist.transport()'s reason */
   int cuda_aware;
+  size_t blocking_from;    /* collectives moving this many bytes or more run blocking on the executor */
   /* the executor */
   pthread_t th;
   int has_th;
@@ -89,17 +98,39 @@ static size_t tbytes(const dlua_tensor_t *t) { return (size_t)dlua_tensor_numel(
 
 /* ---- the executor -------------------------------------------------------------------------------------- */
 
+static int64_t now_us(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+}
+
+/* Spins up to `us` microseconds for *flag to become set: a wake-up through the scheduler costs far more than
+   a small collective on a busy machine. (No sched_yield: under load it hands whole time slices away.) */
+static int spin_for(const int *flag, int us) {
+  int64_t end = now_us() + us;
+  for (int i = 0;; i++) {
+    if (__atomic_load_n(flag, __ATOMIC_ACQUIRE)) return 1;
+    if ((i & 63) == 63 && now_us() >= end) return 0;
+    __builtin_ia32_pause();
+  }
+}
+
 static void *executor_main(void *arg) {
   mpi_ctx_t *x = arg;
   pthread_mutex_lock(&x->mu);
   for (;;) {
+    if (!x->pending && !x->quit) {  // the next collective often comes at once (a loop, DDP's buckets)
+      pthread_mutex_unlock(&x->mu);
+      spin_for(&x->pending, SPIN_US);
+      pthread_mutex_lock(&x->mu);
+    }
     while (!x->pending && !x->quit) pthread_cond_wait(&x->cv_job, &x->mu);
     if (!x->pending) break;
     mpi_job_t j = x->job;
     pthread_mutex_unlock(&x->mu);
     int rc = j.fn(x, &j);
     pthread_mutex_lock(&x->mu);
-    x->pending = 0;
+    __atomic_store_n(&x->pending, 0, __ATOMIC_RELAXED);
     x->rc = rc;
     __atomic_store_n(&x->done, 1, __ATOMIC_RELEASE);
     pthread_cond_signal(&x->cv_done);
@@ -162,16 +193,70 @@ static void timed_wait(pthread_cond_t *cv, pthread_mutex_t *mu, int64_t until_ms
   pthread_cond_timedwait(cv, mu, &ts);
 }
 
-/* Runs x->job on the executor within the deadline. The caller filled x->job. */
+static dlua_pg_result_t mpi_failed(int rc, const char *what, char *err, size_t errlen) {
+  char e[MPI_MAX_ERROR_STRING + 40];
+  dlua_mpi_error_text(rc, e, sizeof e);
+  dlua_mpi_note_failure(0);
+  int cls = rc;
+  MPI_Error_class(rc, &cls);
+  if (cls == MPI_ERR_TRUNCATE)
+    return fail(err, errlen, DLUA_PG_FAILED,
+                "%s: %s: the ranks disagree on the size (DLUA_DIST_DEBUG=1 names each rank's call)", what, e);
+  return fail(err, errlen, DLUA_PG_FAILED, "%s: %s", what, e);
+}
+
+/* Starts x->job's non-blocking form and tests it until it ends or the deadline passes: spinning for the
+   first SPIN_US (small collectives), then sleeping between tests, longer as the wait grows (MPI moves
+   bytes only while some thread is inside it, so a sleep delays the transfer by at most its length). */
+static dlua_pg_result_t exec_polled(mpi_ctx_t *x, int64_t deadline, const char *what, char *err, size_t errlen) {
+  MPI_Request rq;
+  // The bytes take their memory-copy time anyway (about 1 GB/s per pass here): sleeping before that has
+  // passed only delays the transfer, which moves while this thread tests.
+  x->job.spin_us = SPIN_US + (int64_t)(x->job.bytes / 1000);
+  int rc = x->job.ifn(x, &x->job, &rq);
+  if (rc != MPI_SUCCESS) return mpi_failed(rc, what, err, errlen);
+  int64_t start = now_us(), next_check = start + PEER_CHECK_MS * 1000;
+  int done = 0, io_errors = 0;
+  for (int i = 0;; i++) {
+    rc = MPI_Test(&rq, &done, MPI_STATUS_IGNORE);
+    if (done || rc != MPI_SUCCESS) break;
+    int64_t t = now_us(), waited = t - start;
+    if (waited < x->job.spin_us) {
+      for (int k = 0; k < 32; k++) __builtin_ia32_pause();
+      continue;
+    }
+    if (t / 1000 >= deadline) {
+      x->stuck = 1;  // the request stays: MPI may still write into the buffers
+      dlua_mpi_note_failure(0);
+      return fail(err, errlen, DLUA_PG_TIMEOUT, "%s: not complete after %" PRId64 " ms", what, waited / 1000);
+    }
+    if (t >= next_check) {
+      char who[400] = "";
+      if (peer_exited(x, -1, &io_errors, who, sizeof who)) {
+        x->stuck = 1;
+        dlua_mpi_note_failure(1);
+        return fail(err, errlen, DLUA_PG_PEER_LOST, "%s: %s", what, who);
+      }
+      next_check = now_us() + PEER_CHECK_MS * 1000;
+    }
+    struct timespec ts = {0, waited < 2000 ? 5000L : waited < 20000 ? 50000L : 500000L};
+    nanosleep(&ts, NULL);
+  }
+  return rc == MPI_SUCCESS ? DLUA_PG_OK : mpi_failed(rc, what, err, errlen);
+}
+
+/* Runs x->job within the deadline: polled on this thread, or on the executor. The caller filled x->job, whose
+   bytes must be the same on every rank (so is DLUA_MPI_BLOCKING_FROM): MPI matches no blocking collective
+   with a non-blocking one, so ranks that chose differently would wait for each other until the timeout. */
 static dlua_pg_result_t exec(mpi_ctx_t *x, int64_t deadline, const char *what, char *err, size_t errlen) {
   if (x->stuck) return fail(err, errlen, DLUA_PG_FAILED, "%s: an earlier MPI call of this group never ended", what);
+  if (x->job.ifn && x->job.bytes < x->blocking_from) return exec_polled(x, deadline, what, err, errlen);
   pthread_mutex_lock(&x->mu);
   __atomic_store_n(&x->done, 0, __ATOMIC_RELAXED);
-  x->pending = 1;
+  __atomic_store_n(&x->pending, 1, __ATOMIC_RELEASE);
   pthread_cond_signal(&x->cv_job);
   pthread_mutex_unlock(&x->mu);
-  // Small collectives end within microseconds: look a few times before sleeping.
-  for (int i = 0; i < 64 && !__atomic_load_n(&x->done, __ATOMIC_ACQUIRE); i++) sched_yield();
+  spin_for(&x->done, SPIN_US);  // small collectives end within microseconds
   int64_t start = now_ms(), next_check = start + PEER_CHECK_MS;
   int io_errors = 0;
   pthread_mutex_lock(&x->mu);
@@ -201,16 +286,7 @@ static dlua_pg_result_t exec(mpi_ctx_t *x, int64_t deadline, const char *what, c
   }
   int rc = x->rc;
   pthread_mutex_unlock(&x->mu);
-  if (rc == MPI_SUCCESS) return DLUA_PG_OK;
-  char e[MPI_MAX_ERROR_STRING + 40];
-  dlua_mpi_error_text(rc, e, sizeof e);
-  dlua_mpi_note_failure(0);
-  int cls = rc;
-  MPI_Error_class(rc, &cls);
-  if (cls == MPI_ERR_TRUNCATE)
-    return fail(err, errlen, DLUA_PG_FAILED,
-                "%s: %s: the ranks disagree on the size (DLUA_DIST_DEBUG=1 names each rank's call)", what, e);
-  return fail(err, errlen, DLUA_PG_FAILED, "%s: %s", what, e);
+  return rc == MPI_SUCCESS ? DLUA_PG_OK : mpi_failed(rc, what, err, errlen);
 }
 
 static int j_allreduce(mpi_ctx_t *x, mpi_job_t *j) {
@@ -223,13 +299,36 @@ static int j_allgatherv(mpi_ctx_t *x, mpi_job_t *j) {
 static int j_allgather_bytes(mpi_ctx_t *x, mpi_job_t *j) {
   return MPI_Allgather(j->sbuf, j->count, MPI_BYTE, j->rbuf, j->count, MPI_BYTE, x->comm);
 }
-static int j_reduce_scatter(mpi_ctx_t *x, mpi_job_t *j) {
+static int j_reduce_scatter_block(mpi_ctx_t *x, mpi_job_t *j) {
   return MPI_Reduce_scatter_block(j->sbuf, j->rbuf, j->count, j->dt, j->op, x->comm);
+}
+static int j_reduce_scatter(mpi_ctx_t *x, mpi_job_t *j) {  // x->c[0]: each part's count
+  return MPI_Reduce_scatter(j->sbuf, j->rbuf, x->c[0], j->dt, j->op, x->comm);
 }
 static int j_alltoallv(mpi_ctx_t *x, mpi_job_t *j) {
   return MPI_Alltoallv(j->sbuf, x->c[0], x->c[1], j->dt, j->rbuf, x->c[2], x->c[3], j->dt, x->comm);
 }
 static int j_barrier(mpi_ctx_t *x, mpi_job_t *j) { return MPI_Barrier(x->comm); }
+
+static int i_allreduce(mpi_ctx_t *x, mpi_job_t *j, MPI_Request *rq) {
+  return MPI_Iallreduce(MPI_IN_PLACE, j->rbuf, j->count, j->dt, j->op, x->comm, rq);
+}
+static int i_bcast(mpi_ctx_t *x, mpi_job_t *j, MPI_Request *rq) {
+  return MPI_Ibcast(j->rbuf, j->count, j->dt, j->root, x->comm, rq);
+}
+static int i_allgatherv(mpi_ctx_t *x, mpi_job_t *j, MPI_Request *rq) {
+  return MPI_Iallgatherv(j->sbuf, j->count, j->dt, j->rbuf, x->c[0], x->c[1], j->dt, x->comm, rq);
+}
+static int i_allgather_bytes(mpi_ctx_t *x, mpi_job_t *j, MPI_Request *rq) {
+  return MPI_Iallgather(j->sbuf, j->count, MPI_BYTE, j->rbuf, j->count, MPI_BYTE, x->comm, rq);
+}
+static int i_reduce_scatter_block(mpi_ctx_t *x, mpi_job_t *j, MPI_Request *rq) {
+  return MPI_Ireduce_scatter_block(j->sbuf, j->rbuf, j->count, j->dt, j->op, x->comm, rq);
+}
+static int i_reduce_scatter(mpi_ctx_t *x, mpi_job_t *j, MPI_Request *rq) {
+  return MPI_Ireduce_scatter(j->sbuf, j->rbuf, x->c[0], j->dt, j->op, x->comm, rq);
+}
+static int i_barrier(mpi_ctx_t *x, mpi_job_t *j, MPI_Request *rq) { return MPI_Ibarrier(x->comm, rq); }
 
 /* The group's communicator: the members (x->wranks, in group-rank order) out of MPI_COMM_WORLD, made by
    the members alone (the others never call: dist.new_group creates nothing on them). */
@@ -393,8 +492,10 @@ static dlua_pg_result_t one(mpi_ctx_t *x, dlua_work_t *w, dlua_tensor_t *t, int 
   dlua_pg_result_t r = DLUA_PG_OK;
   for (size_t off = 0; off < n && r == DLUA_PG_OK; off += CHUNK) {
     size_t c = n - off < CHUNK ? n - off : CHUNK;
-    x->job = (mpi_job_t){.fn = kind == K_ALL_REDUCE ? j_allreduce : j_bcast, .rbuf = buf + off * es, .count = (int)c,
-                         .root = w->peer, .dt = dlua_mpi_datatype(t->dtype), .op = dlua_mpi_op(w->op, t->dtype)};
+    x->job = (mpi_job_t){.fn = kind == K_ALL_REDUCE ? j_allreduce : j_bcast,
+                         .ifn = kind == K_ALL_REDUCE ? i_allreduce : i_bcast, .rbuf = buf + off * es, .count = (int)c,
+                         .root = w->peer, .dt = dlua_mpi_datatype(t->dtype), .op = dlua_mpi_op(w->op, t->dtype),
+                         .bytes = c * es};
     r = exec(x, deadline, dlua_pg_kind_name(kind), err, errlen);
   }
   if (r == DLUA_PG_OK && kind == K_ALL_REDUCE && w->op == DLUA_PG_REDUCE_AVG) dlua_pg_divide_by(buf, n, t->dtype, x->size);
@@ -446,7 +547,8 @@ static dlua_pg_result_t all_gather(mpi_ctx_t *x, dlua_work_t *w, dlua_cuda_strea
     memcpy(s, in, mine * es);
     in = s;
   }
-  x->job = (mpi_job_t){.fn = j_allgatherv, .sbuf = in, .rbuf = out, .count = (int)mine,
+  x->job = (mpi_job_t){.fn = j_allgatherv, .ifn = i_allgatherv, .sbuf = in, .rbuf = out, .count = (int)mine,
+                       .bytes = total * es,
                        .dt = dlua_mpi_datatype(w->t->dtype)};
   dlua_pg_result_t r = exec(x, deadline, "all_gather", err, errlen);
   if (r == DLUA_PG_OK && staged_out)
@@ -457,21 +559,36 @@ static dlua_pg_result_t all_gather(mpi_ctx_t *x, dlua_work_t *w, dlua_cuda_strea
   return r;
 }
 
+/* Rank r's out = op over ranks of their ins[r]. The parts may differ in size (the same sizes on every rank:
+   ZeRO's shards of a bucket); then MPI_Reduce_scatter with the parts' counts, else its _block form. */
 static dlua_pg_result_t reduce_scatter(mpi_ctx_t *x, dlua_work_t *w, dlua_cuda_stream_t *cs, int64_t deadline,
                                        char *err, size_t errlen) {
   dlua_tensor_t *out = w->t;
-  size_t m = (size_t)dlua_tensor_numel(out), es = dlua_dtype_size(out->dtype), all = (size_t)x->size * m;
-  if (m == 0) return DLUA_PG_OK;
-  if (!count_ok(w, m)) return DLUA_PG_OK;
+  size_t m = (size_t)dlua_tensor_numel(out), es = dlua_dtype_size(out->dtype), all = 0;
+  int equal = 1;
+  for (int q = 0; q < x->size; q++) {
+    size_t c = (size_t)dlua_tensor_numel(w->ins[q]);
+    if (!count_ok(w, c)) return DLUA_PG_OK;
+    x->c[0][q] = (int)c;
+    x->c[1][q] = (int)(all < INT_MAX ? all : INT_MAX);
+    equal &= c == m;
+    all += c;
+  }
+  if (all == 0) return DLUA_PG_OK;  // every rank sees the same sizes; an empty part of its own still takes part
+  if (all > INT_MAX) {              // Open MPI offsets the parts with ints
+    dlua_pg_work_set(w, DLUA_ERR_ARG, "reduce_scatter #%" PRId64 ": %zu elements in all; MPI offsets are ints (at most %d)",
+                     w->seq, all, INT_MAX);
+    return DLUA_PG_OK;
+  }
   stages_t st = {{0}};
   const char *in = packed_base(x, w->ins, x->size, 1);
-  char *dst = direct(x, out, 1) ? dlua_tensor_ptr(out) : NULL;
+  char *dst = m && direct(x, out, 1) ? dlua_tensor_ptr(out) : NULL;
   if (dst && in && overlaps(dst, m * es, in, all * es)) dst = NULL;  // MPI wants them apart
   if (!in) {
     char *s = stage(&st, w, all * es);
     if (!s) return OOM(w, all * es);
     for (int q = 0; q < x->size; q++)
-      if (copy_to_flat(w->ins[q], s + (size_t)q * m * es, cs) != DLUA_OK) {
+      if (copy_to_flat(w->ins[q], s + (size_t)x->c[1][q] * es, cs) != DLUA_OK) {
         dlua_pg_work_from_last_error(w, "staging");
         stages_free(x, &st, w);
         return DLUA_PG_OK;
@@ -482,8 +599,10 @@ static dlua_pg_result_t reduce_scatter(mpi_ctx_t *x, dlua_work_t *w, dlua_cuda_s
     stages_free(x, &st, w);
     return OOM(w, m * es);
   }
-  x->job = (mpi_job_t){.fn = j_reduce_scatter, .sbuf = in, .rbuf = dst, .count = (int)m,
-                       .dt = dlua_mpi_datatype(out->dtype), .op = dlua_mpi_op(w->op, out->dtype)};
+  x->job = (mpi_job_t){.fn = equal ? j_reduce_scatter_block : j_reduce_scatter,
+                       .ifn = equal ? i_reduce_scatter_block : i_reduce_scatter, .sbuf = in, .rbuf = dst,
+                       .count = (int)m, .bytes = all * es, .dt = dlua_mpi_datatype(out->dtype),
+                       .op = dlua_mpi_op(w->op, out->dtype)};
   dlua_pg_result_t r = exec(x, deadline, "reduce_scatter", err, errlen);
   if (r == DLUA_PG_OK) {
     if (w->op == DLUA_PG_REDUCE_AVG) dlua_pg_divide_by(dst, m, out->dtype, x->size);
@@ -526,6 +645,8 @@ static dlua_pg_result_t all_to_all(mpi_ctx_t *x, dlua_work_t *w, dlua_cuda_strea
     stages_free(x, &st, w);
     return OOM(w, tout * es);
   }
+  // Always blocking: every rank must take the same way (MPI never matches a blocking collective with a
+  // non-blocking one), and each rank knows only its own byte counts here.
   x->job = (mpi_job_t){.fn = j_alltoallv, .sbuf = in, .rbuf = out, .dt = dlua_mpi_datatype(w->ins[0]->dtype)};
   dlua_pg_result_t r = exec(x, deadline, "all_to_all", err, errlen);
   if (r == DLUA_PG_OK && staged_out)
@@ -565,7 +686,7 @@ static dlua_pg_result_t mp_run(void *c, dlua_work_t *w, int64_t timeout, char *e
     case K_REDUCE_SCATTER: r = reduce_scatter(x, w, cs, deadline, err, errlen); break;
     case K_ALL_TO_ALL: r = all_to_all(x, w, cs, deadline, err, errlen); break;
     case K_BARRIER:
-      x->job = (mpi_job_t){.fn = j_barrier};
+      x->job = (mpi_job_t){.fn = j_barrier, .ifn = i_barrier};
       r = exec(x, deadline, "barrier", err, errlen);
       break;
     default: return fail(err, errlen, DLUA_PG_FAILED, "%s is not run by the comm thread", dlua_pg_kind_name(w->kind));
@@ -665,7 +786,7 @@ static dlua_pg_result_t mp_wait_posted(void *c, dlua_work_t *w, int64_t timeout,
       next_check = t + PEER_CHECK_MS;
     }
     if (spins < 200) {
-      sched_yield();
+      for (int i = 0; i < 256; i++) __builtin_ia32_pause();
     } else {
       struct timespec ts = {0, spins < 2000 ? 50000L : 1000000L};
       nanosleep(&ts, NULL);
@@ -701,7 +822,7 @@ static dlua_pg_result_t mp_allgather_host(void *c, int64_t seq, const void *in, 
                                           int64_t timeout, char *err, size_t errlen) {
   mpi_ctx_t *x = c;
   if (bytes > INT_MAX) return fail(err, errlen, DLUA_PG_FAILED, "debug check: %zu bytes", bytes);
-  x->job = (mpi_job_t){.fn = j_allgather_bytes, .sbuf = in, .rbuf = out, .count = (int)bytes};
+  x->job = (mpi_job_t){.fn = j_allgather_bytes, .ifn = i_allgather_bytes, .sbuf = in, .rbuf = out, .count = (int)bytes};
   return exec(x, now_ms() + timeout, "debug check", err, errlen);
 }
 
@@ -781,6 +902,8 @@ static dlua_pg_result_t mp_join(void *c, const dlua_pg_info_t *g, dlua_status_t 
   if (me != g->rank)
     return fail(err, errlen, DLUA_PG_FAILED, "MPI gave this member rank %d in the group, dlua expected %d", me, g->rank);
   x->cuda_aware = p->cuda_aware;
+  const char *b = getenv("DLUA_MPI_BLOCKING_FROM");  // bytes; measured on 2 ranks of a loaded 2-core machine
+  x->blocking_from = b && *b ? (size_t)strtoull(b, NULL, 10) : (size_t)4 << 20;
   snprintf(x->why, sizeof x->why, "%s; %s%s", p->version,
            x->local == g->size ? "every rank on this host (MPI's shared-memory transport)" : "ranks on several hosts",
            x->cuda_aware ? "; CUDA-aware: device memory passed directly" : "");

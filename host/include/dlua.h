@@ -308,7 +308,8 @@ dlua_status_t dlua_mpi_world(int *rank, int *size);
 /* Rank root's n bytes to every rank of MPI_COMM_WORLD (dist.init: the store's address), bounded by timeout_ms. */
 dlua_status_t dlua_mpi_world_broadcast(void *buf, int64_t n, int root, int64_t timeout_ms);
 /* Joins an MPI group (one communicator made of the members, who meet through the store as for gloo). Each
-   collective is MPI's blocking one, run by the group's executor thread and bounded by timeout_ms; send/recv
+   collective is MPI's non-blocking one polled by the comm thread (under 4 MiB; DLUA_MPI_BLOCKING_FROM bytes) or
+   its blocking one run by the group's executor thread, bounded by timeout_ms either way; send/recv
    are MPI_Isend/MPI_Irecv posted at once. CUDA tensors go through pinned host memory (directly, except for
    reductions, when the library is CUDA-aware). */
 dlua_status_t dlua_pg_mpi_new(const char *store_host, int store_port, const char *token, const char *name, int rank, int size, int64_t timeout_ms, dlua_pg_t **pg);

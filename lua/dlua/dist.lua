@@ -38,8 +38,11 @@ function dist._slurm_first_host(list)
 end
 
 -- An MPI process manager started this process (mpirun, srun --mpi=pmix|pmi2), not just variables that say
--- so: MPI_Init then joins the real job rather than a world of one.
-local function mpi_process_manager() return os.getenv('PMIX_RANK') ~= nil or os.getenv('PMI_RANK') ~= nil end
+-- so, and this build has MPI: MPI_Init then joins the real job rather than a world of one, and rank 0 can
+-- tell the others where the store is. (Without MPI built, such a job needs MASTER_ADDR across nodes.)
+local function mpi_process_manager()
+  return (os.getenv('PMIX_RANK') ~= nil or os.getenv('PMI_RANK') ~= nil) and binding.mpi_unavailable() == nil
+end
 
 function dist._environment()
   local e = {}

@@ -126,6 +126,45 @@ for _, dtype in ipairs(dtypes) do
   end
 end
 
+-- unequal reduce_scatter (ZeRO's shards of a bucket): part q has sizes[q % 4 + 1] elements on every rank,
+-- an empty one included (its rank still takes part); sum over every dtype, avg and max of floats
+do
+  local sizes = { 0, 1009, 3, 17 }
+  local function part(q) return sizes[q % 4 + 1] end
+  local function check(dtype, op, scale, packed)
+    local n = part(rank) * scale
+    local ins = {}
+    for q = 0, world - 1 do ins[q + 1] = values(part(q) * scale, dtype, rank + q) end
+    if packed then  -- views of one flat buffer, back to back in rank order (a ZeRO bucket)
+      local flat = dlua.cat(ins, 1)
+      local off = 1
+      for q = 0, world - 1 do
+        ins[q + 1] = flat:narrow(1, off, part(q) * scale)
+        off = off + part(q) * scale
+      end
+    end
+    local out = dlua.empty({ n }, { dtype = dtype })
+    dist.reduce_scatter(out, ins, op)
+    -- rank r's out: op over ranks q of their ins[r + 1], which is values(n, dtype, q + r)
+    local acc
+    for q = 0, world - 1 do
+      local v = values(n, 'float64', q + rank)
+      if acc == nil then acc = v elseif op == 'max' then acc = dlua.where(acc:gt(v), acc, v) else acc = acc + v end
+    end
+    if op == 'avg' then acc = acc / world end
+    same(out, acc:to(dtype), string.format('reduce_scatter unequal %s %s (parts of %d, %d, ...)', op, dtype,
+                                           part(0) * scale, part(1) * scale))
+  end
+  for _, dtype in ipairs(dtypes) do
+    if dtype ~= 'bool' then check(dtype, 'sum', 1) end
+  end
+  check('float32', 'avg', 1)
+  check('float64', 'max', 1)
+  check('float32', 'sum', 1, true)
+  -- over 4 MiB in all (MPI: the blocking call; gloo: many ring chunks)
+  if not quick then check('float32', 'avg', 1100, true) end
+end
+
 -- unequal all_gather: rank r contributes r + 2 elements
 local mine = values(rank + 2, 'float32', rank)
 local got = dist.all_gather(nil, mine)
