@@ -1,293 +1,22 @@
-/* The MPI backend of process groups: one communicator per group; collectives polled (small) or run blocking on an executor thread (large), bounded by the group's timeout. */
+/* The MPI backend of process groups: one communicator per group, staging, the collectives, send/recv and the backend's table (each MPI call runs within the group's timeout through pg_mpi_exec.c). */
 #define _GNU_SOURCE
 #include <inttypes.h>
 #include <limits.h>
 #include <pthread.h>
-#include <sched.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
 #include "comm/pg_mpi.h"
+#include "comm/pg_mpi_exec.h"
 #include "comm/pg_reduce.h"
 #include "comm/store.h"
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/tensor.h"
 
-/* Two ways to run a collective within the group's deadline, while watching the store for a peer that exited:
-   - polled: its non-blocking form (MPI_Iallreduce...: Open MPI's libnbc) started on the comm thread and
-     tested there, spinning briefly, then sleeping between tests. Nothing else is woken, and a wait for a late
-     peer costs no CPU. Small collectives take this way (below blocking_from bytes; all-to-all never).
-   - blocking: MPI's blocking call (coll/tuned's algorithms: ring, recursive halving, which let every rank
-     reduce at once; libnbc's all-reduce for 2-3 ranks funnels through one) on the group's executor thread,
-     which the comm thread waits for. It cannot be bounded or cancelled, so the thread hand-offs (costly on
-     a busy machine) are paid only where the bytes dwarf them.
-   A collective that does not end in time stays inside MPI for good: the group is broken, and its state, the
-   executor and every buffer MPI may still touch stay allocated (the process is about to fail; MPI cannot
-   abort one communicator). PyTorch's ProcessGroupMPI runs blocking calls on one thread, without a bound. */
-
-enum {
-  PG_MAX_CUDA = 16,          /* CUDA devices a group stages tensors of (a stream each) */
-  PEER_CHECK_MS = 500,       /* how often a long wait looks in the store for peers that exited */
-  SPIN_US = 50,              /* how long a thread spins for the other before it sleeps */
-  CHUNK = 1 << 30            /* elements per MPI call: counts are ints */
-};
-
-struct mpi_ctx;
-typedef struct mpi_job {
-  int (*fn)(struct mpi_ctx *x, struct mpi_job *j);                    /* MPI's blocking call, on the executor */
-  int (*ifn)(struct mpi_ctx *x, struct mpi_job *j, MPI_Request *rq);  /* its non-blocking form, polled here */
-  const void *sbuf;
-  void *rbuf;
-  int count, root;
-  MPI_Datatype dt;
-  MPI_Op op;
-  int64_t spin_us;         /* polled: how long to test without sleeping (exec sets it from bytes) */
-  size_t bytes;            /* what this rank moves, for spin_us */
-} mpi_job_t;
-
-typedef struct mpi_ctx {
-  char name[PG_NAME];
-  int rank, size;
-  MPI_Comm comm;           /* MPI_COMM_NULL until joined */
-  dlua_store_t *store;     /* the group's connection (borrowed): peers' exit notes */
-  char store_host[256];
-  int store_port;
-  int *wranks;             /* (size): the members' ranks in MPI_COMM_WORLD */
-  int *c[4];               /* (size) each: counts and displacements for the v-collectives */
-  int local;               /* members on this host */
-  char why[400];           /* dist.transport()'s reason */
-  int cuda_aware;
-  size_t blocking_from;    /* collectives moving this many bytes or more run blocking on the executor */
-  /* the executor */
-  pthread_t th;
-  int has_th;
-  pthread_mutex_t mu;
-  pthread_cond_t cv_job, cv_done;
-  mpi_job_t job;           /* under mu */
-  int pending, quit;       /* under mu */
-  int done, rc;            /* done: atomic; rc: the job's MPI return code */
-  int stuck;               /* a job never ended: ctx, executor and buffers stay */
-  int leak;                /* a send/recv never ended: ctx and its buffers stay */
-  dlua_tensor_t **kept;    /* tensors a stuck job may still write (never freed) */
-  int nkept;
-  pthread_mutex_t stage_mu;/* the comm and p2p threads both stage */
-  dlua_cuda_stream_t *stage_streams[PG_MAX_CUDA];
-} mpi_ctx_t;
-
-static int64_t now_ms(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
-static dlua_pg_result_t fail(char *err, size_t n, dlua_pg_result_t r, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-static dlua_pg_result_t fail(char *err, size_t n, dlua_pg_result_t r, const char *fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(err, n, fmt, ap);
-  va_end(ap);
-  return r;
-}
-
 static size_t tbytes(const dlua_tensor_t *t) { return (size_t)dlua_tensor_numel(t) * dlua_dtype_size(t->dtype); }
-
-/* ---- the executor -------------------------------------------------------------------------------------- */
-
-static int64_t now_us(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
-}
-
-/* Spins up to `us` microseconds for *flag to become set: a wake-up through the scheduler costs far more than
-   a small collective on a busy machine. (No sched_yield: under load it hands whole time slices away.) */
-static int spin_for(const int *flag, int us) {
-  int64_t end = now_us() + us;
-  for (int i = 0;; i++) {
-    if (__atomic_load_n(flag, __ATOMIC_ACQUIRE)) return 1;
-    if ((i & 63) == 63 && now_us() >= end) return 0;
-    __builtin_ia32_pause();
-  }
-}
-
-static void *executor_main(void *arg) {
-  mpi_ctx_t *x = arg;
-  pthread_mutex_lock(&x->mu);
-  for (;;) {
-    if (!x->pending && !x->quit) {  // the next collective often comes at once (a loop, DDP's buckets)
-      pthread_mutex_unlock(&x->mu);
-      spin_for(&x->pending, SPIN_US);
-      pthread_mutex_lock(&x->mu);
-    }
-    while (!x->pending && !x->quit) pthread_cond_wait(&x->cv_job, &x->mu);
-    if (!x->pending) break;
-    mpi_job_t j = x->job;
-    pthread_mutex_unlock(&x->mu);
-    int rc = j.fn(x, &j);
-    pthread_mutex_lock(&x->mu);
-    __atomic_store_n(&x->pending, 0, __ATOMIC_RELAXED);
-    x->rc = rc;
-    __atomic_store_n(&x->done, 1, __ATOMIC_RELEASE);
-    pthread_cond_signal(&x->cv_done);
-  }
-  pthread_mutex_unlock(&x->mu);
-  return NULL;
-}
-
-/* A peer that closed its group normally ("exited after N" in the group's store keys, pg_diag.c's convention)
-   will never join this collective: its failure may not be this rank's, but MPI would wait for it forever. So
-   would a store that stopped answering twice in a row: outside dlua's launcher rank 0 serves it, and it is
-   gone. `only` >= 0 asks about that peer alone; *io_errors counts the store's failures in a row. */
-static int peer_exited(mpi_ctx_t *x, int only, int *io_errors, char *who, size_t n) {
-  if (!x->store) return 0;
-  int m = 0, found = 0;
-  char **keys = calloc((size_t)x->size, sizeof(char *));
-  int *peers = calloc((size_t)x->size, sizeof(int)), *exists = calloc((size_t)x->size, sizeof(int));
-  for (int q = 0; keys && peers && exists && q < x->size; q++) {
-    if (q == x->rank || (only >= 0 && q != only)) continue;
-    if (!(keys[m] = malloc(PG_NAME + 32))) break;
-    snprintf(keys[m], PG_NAME + 32, "%s/at/%d", x->name, q);
-    peers[m++] = q;
-  }
-  if (m > 0 && dlua_store_check(x->store, (const char *const *)keys, m, exists) != DLUA_OK) {
-    int io = dlua_last_status() == DLUA_ERR_IO;
-    dlua_clear_error();
-    if (io && ++*io_errors >= 2) {
-      snprintf(who, n, "the job's store at %s:%d stopped answering (rank 0, which serves it, ended?)", x->store_host,
-               x->store_port);
-      found = 1;
-    }
-    m = 0;
-  } else {
-    *io_errors = 0;
-  }
-  for (int i = 0; i < m && !found; i++) {
-    void *v = NULL;
-    size_t len = 0;
-    if (!exists[i]) continue;
-    if (dlua_store_get(x->store, keys[i], 0, &v, &len) != DLUA_OK) {
-      dlua_clear_error();
-      continue;
-    }
-    if (!strncmp(v, "exited after ", 13)) {
-      snprintf(who, n, "rank %d %s", peers[i], (char *)v);
-      found = 1;
-    }
-    dlua_store_free_value(v);
-  }
-  if (keys)
-    for (int i = 0; i < x->size; i++) free(keys[i]);
-  free(keys);
-  free(peers);
-  free(exists);
-  return found;
-}
-
-static void timed_wait(pthread_cond_t *cv, pthread_mutex_t *mu, int64_t until_ms) {
-  struct timespec ts = {until_ms / 1000, (long)(until_ms % 1000) * 1000000L};
-  pthread_cond_timedwait(cv, mu, &ts);
-}
-
-static dlua_pg_result_t mpi_failed(int rc, const char *what, char *err, size_t errlen) {
-  char e[MPI_MAX_ERROR_STRING + 40];
-  dlua_mpi_error_text(rc, e, sizeof e);
-  dlua_mpi_note_failure(0);
-  int cls = rc;
-  MPI_Error_class(rc, &cls);
-  if (cls == MPI_ERR_TRUNCATE)
-    return fail(err, errlen, DLUA_PG_FAILED,
-                "%s: %s: the ranks disagree on the size (DLUA_DIST_DEBUG=1 names each rank's call)", what, e);
-  return fail(err, errlen, DLUA_PG_FAILED, "%s: %s", what, e);
-}
-
-/* Starts x->job's non-blocking form and tests it until it ends or the deadline passes: spinning for the
-   first SPIN_US (small collectives), then sleeping between tests, longer as the wait grows (MPI moves
-   bytes only while some thread is inside it, so a sleep delays the transfer by at most its length). */
-static dlua_pg_result_t exec_polled(mpi_ctx_t *x, int64_t deadline, const char *what, char *err, size_t errlen) {
-  MPI_Request rq;
-  // The bytes take their memory-copy time anyway (about 1 GB/s per pass here): sleeping before that has
-  // passed only delays the transfer, which moves while this thread tests.
-  x->job.spin_us = SPIN_US + (int64_t)(x->job.bytes / 1000);
-  int rc = x->job.ifn(x, &x->job, &rq);
-  if (rc != MPI_SUCCESS) return mpi_failed(rc, what, err, errlen);
-  int64_t start = now_us(), next_check = start + PEER_CHECK_MS * 1000;
-  int done = 0, io_errors = 0;
-  for (int i = 0;; i++) {
-    rc = MPI_Test(&rq, &done, MPI_STATUS_IGNORE);
-    if (done || rc != MPI_SUCCESS) break;
-    int64_t t = now_us(), waited = t - start;
-    if (waited < x->job.spin_us) {
-      for (int k = 0; k < 32; k++) __builtin_ia32_pause();
-      continue;
-    }
-    if (t / 1000 >= deadline) {
-      x->stuck = 1;  // the request stays: MPI may still write into the buffers
-      dlua_mpi_note_failure(0);
-      return fail(err, errlen, DLUA_PG_TIMEOUT, "%s: not complete after %" PRId64 " ms", what, waited / 1000);
-    }
-    if (t >= next_check) {
-      char who[400] = "";
-      if (peer_exited(x, -1, &io_errors, who, sizeof who)) {
-        x->stuck = 1;
-        dlua_mpi_note_failure(1);
-        return fail(err, errlen, DLUA_PG_PEER_LOST, "%s: %s", what, who);
-      }
-      next_check = now_us() + PEER_CHECK_MS * 1000;
-    }
-    struct timespec ts = {0, waited < 2000 ? 5000L : waited < 20000 ? 50000L : 500000L};
-    nanosleep(&ts, NULL);
-  }
-  return rc == MPI_SUCCESS ? DLUA_PG_OK : mpi_failed(rc, what, err, errlen);
-}
-
-/* Runs x->job within the deadline: polled on this thread, or on the executor. The caller filled x->job, whose
-   bytes must be the same on every rank (so is DLUA_MPI_BLOCKING_FROM): MPI matches no blocking collective
-   with a non-blocking one, so ranks that chose differently would wait for each other until the timeout. */
-static dlua_pg_result_t exec(mpi_ctx_t *x, int64_t deadline, const char *what, char *err, size_t errlen) {
-  if (x->stuck) return fail(err, errlen, DLUA_PG_FAILED, "%s: an earlier MPI call of this group never ended", what);
-  if (x->job.ifn && x->job.bytes < x->blocking_from) return exec_polled(x, deadline, what, err, errlen);
-  pthread_mutex_lock(&x->mu);
-  __atomic_store_n(&x->done, 0, __ATOMIC_RELAXED);
-  __atomic_store_n(&x->pending, 1, __ATOMIC_RELEASE);
-  pthread_cond_signal(&x->cv_job);
-  pthread_mutex_unlock(&x->mu);
-  spin_for(&x->done, SPIN_US);  // small collectives end within microseconds
-  int64_t start = now_ms(), next_check = start + PEER_CHECK_MS;
-  int io_errors = 0;
-  pthread_mutex_lock(&x->mu);
-  while (!__atomic_load_n(&x->done, __ATOMIC_ACQUIRE)) {
-    int64_t t = now_ms(), until = deadline < next_check ? deadline : next_check;
-    if (t < until) {
-      timed_wait(&x->cv_done, &x->mu, until);
-      continue;
-    }
-    if (t >= deadline) {
-      x->stuck = 1;
-      pthread_mutex_unlock(&x->mu);
-      dlua_mpi_note_failure(0);
-      return fail(err, errlen, DLUA_PG_TIMEOUT, "%s: not complete after %" PRId64 " ms", what, t - start);
-    }
-    pthread_mutex_unlock(&x->mu);
-    char who[400] = "";
-    int lost = peer_exited(x, -1, &io_errors, who, sizeof who);
-    pthread_mutex_lock(&x->mu);
-    if (lost && !__atomic_load_n(&x->done, __ATOMIC_ACQUIRE)) {
-      x->stuck = 1;
-      pthread_mutex_unlock(&x->mu);
-      dlua_mpi_note_failure(1);
-      return fail(err, errlen, DLUA_PG_PEER_LOST, "%s: %s", what, who);
-    }
-    next_check = now_ms() + PEER_CHECK_MS;
-  }
-  int rc = x->rc;
-  pthread_mutex_unlock(&x->mu);
-  return rc == MPI_SUCCESS ? DLUA_PG_OK : mpi_failed(rc, what, err, errlen);
-}
 
 static int j_allreduce(mpi_ctx_t *x, mpi_job_t *j) {
   return MPI_Allreduce(MPI_IN_PLACE, j->rbuf, j->count, j->dt, j->op, x->comm);
@@ -496,7 +225,7 @@ static dlua_pg_result_t one(mpi_ctx_t *x, dlua_work_t *w, dlua_tensor_t *t, int 
                          .ifn = kind == K_ALL_REDUCE ? i_allreduce : i_bcast, .rbuf = buf + off * es, .count = (int)c,
                          .root = w->peer, .dt = dlua_mpi_datatype(t->dtype), .op = dlua_mpi_op(w->op, t->dtype),
                          .bytes = c * es};
-    r = exec(x, deadline, dlua_pg_kind_name(kind), err, errlen);
+    r = dlua_mpi_exec(x, deadline, dlua_pg_kind_name(kind), err, errlen);
   }
   if (r == DLUA_PG_OK && kind == K_ALL_REDUCE && w->op == DLUA_PG_REDUCE_AVG) dlua_pg_divide_by(buf, n, t->dtype, x->size);
   int writes = kind == K_ALL_REDUCE || x->rank != w->peer;
@@ -550,7 +279,7 @@ static dlua_pg_result_t all_gather(mpi_ctx_t *x, dlua_work_t *w, dlua_cuda_strea
   x->job = (mpi_job_t){.fn = j_allgatherv, .ifn = i_allgatherv, .sbuf = in, .rbuf = out, .count = (int)mine,
                        .bytes = total * es,
                        .dt = dlua_mpi_datatype(w->t->dtype)};
-  dlua_pg_result_t r = exec(x, deadline, "all_gather", err, errlen);
+  dlua_pg_result_t r = dlua_mpi_exec(x, deadline, "all_gather", err, errlen);
   if (r == DLUA_PG_OK && staged_out)
     for (int q = 0; q < x->size && w->status == DLUA_OK; q++)
       if (copy_from_flat(w->outs[q], out + (size_t)x->c[1][q] * es, cs) != DLUA_OK)
@@ -603,7 +332,7 @@ static dlua_pg_result_t reduce_scatter(mpi_ctx_t *x, dlua_work_t *w, dlua_cuda_s
                        .ifn = equal ? i_reduce_scatter_block : i_reduce_scatter, .sbuf = in, .rbuf = dst,
                        .count = (int)m, .bytes = all * es, .dt = dlua_mpi_datatype(out->dtype),
                        .op = dlua_mpi_op(w->op, out->dtype)};
-  dlua_pg_result_t r = exec(x, deadline, "reduce_scatter", err, errlen);
+  dlua_pg_result_t r = dlua_mpi_exec(x, deadline, "reduce_scatter", err, errlen);
   if (r == DLUA_PG_OK) {
     if (w->op == DLUA_PG_REDUCE_AVG) dlua_pg_divide_by(dst, m, out->dtype, x->size);
     if (dst != dlua_tensor_ptr(out) && copy_from_flat(out, dst, cs) != DLUA_OK)
@@ -648,7 +377,7 @@ static dlua_pg_result_t all_to_all(mpi_ctx_t *x, dlua_work_t *w, dlua_cuda_strea
   // Always blocking: every rank must take the same way (MPI never matches a blocking collective with a
   // non-blocking one), and each rank knows only its own byte counts here.
   x->job = (mpi_job_t){.fn = j_alltoallv, .sbuf = in, .rbuf = out, .dt = dlua_mpi_datatype(w->ins[0]->dtype)};
-  dlua_pg_result_t r = exec(x, deadline, "all_to_all", err, errlen);
+  dlua_pg_result_t r = dlua_mpi_exec(x, deadline, "all_to_all", err, errlen);
   if (r == DLUA_PG_OK && staged_out)
     for (int q = 0; q < x->size && w->status == DLUA_OK; q++)
       if (copy_from_flat(w->outs[q], out + (size_t)x->c[3][q] * es, cs) != DLUA_OK)
@@ -661,7 +390,7 @@ static dlua_pg_result_t all_to_all(mpi_ctx_t *x, dlua_work_t *w, dlua_cuda_strea
 
 static dlua_pg_result_t mp_run(void *c, dlua_work_t *w, int64_t timeout, char *err, size_t errlen) {
   mpi_ctx_t *x = c;
-  int64_t deadline = now_ms() + timeout;
+  int64_t deadline = dlua_mpi_now_ms() + timeout;
   dlua_cuda_stream_t *cs = NULL;  // staged CUDA tensors: copies wait for the caller's stream, then run on this one
   if (w->cuda_dev >= 0) {
     int ok = 1;
@@ -687,9 +416,9 @@ static dlua_pg_result_t mp_run(void *c, dlua_work_t *w, int64_t timeout, char *e
     case K_ALL_TO_ALL: r = all_to_all(x, w, cs, deadline, err, errlen); break;
     case K_BARRIER:
       x->job = (mpi_job_t){.fn = j_barrier, .ifn = i_barrier};
-      r = exec(x, deadline, "barrier", err, errlen);
+      r = dlua_mpi_exec(x, deadline, "barrier", err, errlen);
       break;
-    default: return fail(err, errlen, DLUA_PG_FAILED, "%s is not run by the comm thread", dlua_pg_kind_name(w->kind));
+    default: return dlua_mpi_fail(err, errlen, DLUA_PG_FAILED, "%s is not run by the comm thread", dlua_pg_kind_name(w->kind));
   }
   if (x->stuck) {
     pthread_mutex_lock(&x->stage_mu);
@@ -754,7 +483,7 @@ static dlua_status_t mp_post(void *c, dlua_work_t *w, dlua_pg_result_t *result, 
     char e[MPI_MAX_ERROR_STRING + 40];
     dlua_mpi_error_text(rc, e, sizeof e);
     dlua_mpi_note_failure(0);
-    *result = fail(err, errlen, DLUA_PG_FAILED, "%s: %s", w->kind == K_SEND ? "MPI_Isend" : "MPI_Irecv", e);
+    *result = dlua_mpi_fail(err, errlen, DLUA_PG_FAILED, "%s: %s", w->kind == K_SEND ? "MPI_Isend" : "MPI_Irecv", e);
     return DLUA_OK;
   }
   w->xfer = xf;
@@ -765,22 +494,22 @@ static dlua_pg_result_t mp_wait_posted(void *c, dlua_work_t *w, int64_t timeout,
   mpi_ctx_t *x = c;
   mpi_xfer_t *xf = w->xfer;
   const char *what = w->kind == K_SEND ? "send" : "recv";
-  int64_t start = now_ms(), deadline = start + timeout, next_check = start + PEER_CHECK_MS;
+  int64_t start = dlua_mpi_now_ms(), deadline = start + timeout, next_check = start + PEER_CHECK_MS;
   int done = 0, rc = MPI_SUCCESS, io_errors = 0;
   dlua_pg_result_t r = DLUA_PG_OK;
   // MPI progresses a transfer only while some thread is inside MPI: test often, then back off.
   for (long spins = 0;; spins++) {
     rc = MPI_Test(&xf->rq, &done, MPI_STATUS_IGNORE);
     if (done || rc != MPI_SUCCESS) break;
-    int64_t t = now_ms();
+    int64_t t = dlua_mpi_now_ms();
     char who[400] = "";
     if (t >= deadline) {
-      r = fail(err, errlen, DLUA_PG_TIMEOUT, "%s: not complete after %" PRId64 " ms", what, t - start);
+      r = dlua_mpi_fail(err, errlen, DLUA_PG_TIMEOUT, "%s: not complete after %" PRId64 " ms", what, t - start);
       break;
     }
     if (t >= next_check) {
-      if (peer_exited(x, w->peer, &io_errors, who, sizeof who)) {
-        r = fail(err, errlen, DLUA_PG_PEER_LOST, "%s: %s", what, who);
+      if (dlua_mpi_peer_exited(x, w->peer, &io_errors, who, sizeof who)) {
+        r = dlua_mpi_fail(err, errlen, DLUA_PG_PEER_LOST, "%s: %s", what, who);
         break;
       }
       next_check = t + PEER_CHECK_MS;
@@ -795,7 +524,7 @@ static dlua_pg_result_t mp_wait_posted(void *c, dlua_work_t *w, int64_t timeout,
   if (rc != MPI_SUCCESS) {
     char e[MPI_MAX_ERROR_STRING + 40];
     dlua_mpi_error_text(rc, e, sizeof e);
-    r = fail(err, errlen, DLUA_PG_FAILED, "%s: %s", what, e);
+    r = dlua_mpi_fail(err, errlen, DLUA_PG_FAILED, "%s: %s", what, e);
   }
   if (r == DLUA_PG_OK && w->kind == K_RECV && w->stage) {
     dlua_cuda_stream_t *cs = w->cuda_dev >= 0 ? stage_stream(x, w->cuda_dev) : NULL;
@@ -821,9 +550,9 @@ static dlua_pg_result_t mp_wait_posted(void *c, dlua_work_t *w, int64_t timeout,
 static dlua_pg_result_t mp_allgather_host(void *c, int64_t seq, const void *in, void *out, size_t bytes,
                                           int64_t timeout, char *err, size_t errlen) {
   mpi_ctx_t *x = c;
-  if (bytes > INT_MAX) return fail(err, errlen, DLUA_PG_FAILED, "debug check: %zu bytes", bytes);
+  if (bytes > INT_MAX) return dlua_mpi_fail(err, errlen, DLUA_PG_FAILED, "debug check: %zu bytes", bytes);
   x->job = (mpi_job_t){.fn = j_allgather_bytes, .ifn = i_allgather_bytes, .sbuf = in, .rbuf = out, .count = (int)bytes};
-  return exec(x, now_ms() + timeout, "debug check", err, errlen);
+  return dlua_mpi_exec(x, dlua_mpi_now_ms() + timeout, "debug check", err, errlen);
 }
 
 static const char *mp_transport(void *c, const char **why) {
@@ -837,7 +566,7 @@ static const char *mp_transport(void *c, const char **why) {
 static dlua_pg_result_t mp_join(void *c, const dlua_pg_info_t *g, dlua_status_t *store_status, char *err,
                                 size_t errlen) {
   mpi_ctx_t *x = c;
-  int64_t deadline = now_ms() + g->timeout_ms;
+  int64_t deadline = dlua_mpi_now_ms() + g->timeout_ms;
   snprintf(x->name, sizeof x->name, "%s", g->name);
   x->rank = g->rank;
   x->size = g->size;
@@ -847,7 +576,7 @@ static dlua_pg_result_t mp_join(void *c, const dlua_pg_info_t *g, dlua_status_t 
   x->wranks = calloc((size_t)g->size, sizeof(int));
   for (int i = 0; i < 4; i++) x->c[i] = calloc((size_t)g->size, sizeof(int));
   if (!x->wranks || !x->c[0] || !x->c[1] || !x->c[2] || !x->c[3])
-    return fail(err, errlen, DLUA_PG_FAILED, "out of memory");
+    return dlua_mpi_fail(err, errlen, DLUA_PG_FAILED, "out of memory");
   const dlua_mpi_process_t *p = dlua_mpi_process();
   char key[PG_NAME + 48], val[32];
   snprintf(key, sizeof key, "%s/mpi/rank/%d", g->name, g->rank);
@@ -864,7 +593,7 @@ static dlua_pg_result_t mp_join(void *c, const dlua_pg_info_t *g, dlua_status_t 
     if (keys)
       for (int q = 0; q < g->size; q++) free(keys[q]);
     free(keys);
-    return fail(err, errlen, DLUA_PG_FAILED, "out of memory");
+    return dlua_mpi_fail(err, errlen, DLUA_PG_FAILED, "out of memory");
   }
   if (st == DLUA_OK) st = dlua_store_wait(g->store, (const char *const *)keys, g->size, g->timeout_ms);
   for (int q = 0; st == DLUA_OK && q < g->size; q++) {
@@ -879,28 +608,28 @@ static dlua_pg_result_t mp_join(void *c, const dlua_pg_info_t *g, dlua_status_t 
   free(keys);
   if (st != DLUA_OK) {
     *store_status = st;
-    return fail(err, errlen, st == DLUA_ERR_TIMEOUT ? DLUA_PG_TIMEOUT : DLUA_PG_FAILED, "%s", dlua_last_error());
+    return dlua_mpi_fail(err, errlen, st == DLUA_ERR_TIMEOUT ? DLUA_PG_TIMEOUT : DLUA_PG_FAILED, "%s", dlua_last_error());
   }
   for (int q = 0; q < g->size; q++)
     for (int o = 0; o < q; o++)
       if (x->wranks[q] == x->wranks[o] || x->wranks[q] < 0 || x->wranks[q] >= p->size)
-        return fail(err, errlen, DLUA_PG_FAILED,
+        return dlua_mpi_fail(err, errlen, DLUA_PG_FAILED,
                     "ranks %d and %d of the group are both MPI rank %d of %d (were the ranks started by different "
                     "mpirun commands?)",
                     o, q, x->wranks[q], p->size);
   // A started thread inherits the comm thread's mask: every signal blocked.
-  if (pthread_create(&x->th, NULL, executor_main, x) != 0)
-    return fail(err, errlen, DLUA_PG_FAILED, "cannot start the MPI executor thread");
+  if (pthread_create(&x->th, NULL, dlua_mpi_executor_main, x) != 0)
+    return dlua_mpi_fail(err, errlen, DLUA_PG_FAILED, "cannot start the MPI executor thread");
   x->has_th = 1;
   uint32_t h = 2166136261u;  // the tag keeps apart groups that are created at once
   for (const char *s = g->name; *s; s++) h = (h ^ (uint8_t)*s) * 16777619u;
   x->job = (mpi_job_t){.fn = j_create, .root = (int)(h % 32768)};
-  dlua_pg_result_t r = exec(x, deadline, "MPI_Comm_create_group", err, errlen);
+  dlua_pg_result_t r = dlua_mpi_exec(x, deadline, "MPI_Comm_create_group", err, errlen);
   if (r != DLUA_PG_OK) return r;
   int me = -1;
   MPI_Comm_rank(x->comm, &me);
   if (me != g->rank)
-    return fail(err, errlen, DLUA_PG_FAILED, "MPI gave this member rank %d in the group, dlua expected %d", me, g->rank);
+    return dlua_mpi_fail(err, errlen, DLUA_PG_FAILED, "MPI gave this member rank %d in the group, dlua expected %d", me, g->rank);
   x->cuda_aware = p->cuda_aware;
   const char *b = getenv("DLUA_MPI_BLOCKING_FROM");  // bytes; measured on 2 ranks of a loaded 2-core machine
   x->blocking_from = b && *b ? (size_t)strtoull(b, NULL, 10) : (size_t)4 << 20;
