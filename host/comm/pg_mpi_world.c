@@ -150,6 +150,11 @@ static void init_once(void) {
   sigset_t all, old;
   sigfillset(&all);
   pthread_sigmask(SIG_SETMASK, &all, &old);
+  // A rank waiting inside MPI yields its core between polls unless the user says otherwise: the cores run
+  // this rank's compute (OpenMP threads, a backward pass overlapping DDP's all-reduce) and often other ranks
+  // too, and Open MPI's default busy poll, when the node is not oversubscribed, takes a core from them. On
+  // the loaded 2-core build machine MPI_Allreduce of 16-64 MB was faster so in most runs (docs/comm.md).
+  if (!already) setenv("OMPI_MCA_mpi_yield_when_idle", "1", 0);
   int rc = already ? MPI_Query_thread(&provided) : MPI_Init_thread(NULL, NULL, MPI_THREAD_MULTIPLE, &provided);
   pthread_sigmask(SIG_SETMASK, &old, NULL);
   if (rc != MPI_SUCCESS) {
