@@ -45,6 +45,36 @@ function M.nccl(host, port, token, name, rank, size, device, timeout_s)
   return self
 end
 
+-- nil when this build has MPI, else why not.
+function M.mpi_unavailable()
+  local why = C.dlua_pg_mpi_unavailable()
+  return why ~= nil and ffi.string(why) or nil
+end
+
+-- This process' rank and size in MPI_COMM_WORLD (initialises MPI, once).
+function M.mpi_world()
+  local r, n = ffi.new('int[1]'), ffi.new('int[1]')
+  check(C.dlua_mpi_world(r, n), 'dist.init')
+  return tonumber(r[0]), tonumber(n[0])
+end
+
+-- Rank root's string s (nbytes at most) on every rank of MPI_COMM_WORLD.
+function M.mpi_broadcast(s, root, nbytes, timeout_s)
+  local buf = ffi.new('char[?]', nbytes + 1)
+  if s then ffi.copy(buf, s, math.min(#s, nbytes)) end
+  check(C.dlua_mpi_world_broadcast(buf, nbytes, root, math.floor(timeout_s * 1000 + 0.5)), 'dist.init')
+  return ffi.string(buf)
+end
+
+-- Joins an MPI group (the members meet through the store, then make one communicator).
+function M.mpi(host, port, token, name, rank, size, timeout_s)
+  local out = ffi.new('dlua_pg_t *[1]')
+  check(C.dlua_pg_mpi_new(host, port, token, name, rank, size, math.floor(timeout_s * 1000 + 0.5), out), 'dist.init')
+  local self = setmetatable({ name = name }, Group)
+  self.h = ffi.gc(out[0], C.dlua_pg_free)
+  return self
+end
+
 function Group:backend() return ffi.string(C.dlua_pg_backend(self.h)) end
 -- A zeroed 1-D CPU tensor whose memory every rank of the group maps (all-reduces of its ranges read the
 -- peers' copies in place), or nil and why when the ranks do not share a host. Collective.

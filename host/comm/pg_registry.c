@@ -8,7 +8,8 @@
 #include "core/error.h"
 
 /* NCCL needs the CUDA toolkit's headers to build, and a GPU to run; the emulator's build compiles
-   pg_nccl.c (so CI checks it compiles) but has no NCCL to load. MPI comes next (issue 26). */
+   pg_nccl.c (so CI checks it compiles) but has no NCCL to load. MPI needs its C library at build time
+   (CMake's FindMPI: Debian libopenmpi-dev); it is linked, so a build that has it always has it. */
 #if defined(DLUA_HAVE_CUDA) && !defined(DLUA_CUDA_EMU)
 #include "comm/pg_nccl.h"
 #define NCCL_ENTRY {"nccl", dlua_pg_nccl_open, dlua_pg_nccl_library_error, NULL}
@@ -18,9 +19,17 @@
 #define NCCL_ENTRY {"nccl", NULL, NULL, "built without CUDA"}
 #endif
 
+#ifdef DLUA_HAVE_MPI
+#include "comm/pg_mpi.h"
+#define MPI_ENTRY {"mpi", dlua_pg_mpi_open, NULL, NULL}
+#else
+#define MPI_ENTRY {"mpi", NULL, NULL, "built without MPI (install libopenmpi-dev and rebuild)"}
+#endif
+
 static const dlua_pg_backend_entry_t backends[] = {
     {"gloo", dlua_pg_gloo_open, NULL, NULL},
     NCCL_ENTRY,
+    MPI_ENTRY,
 };
 
 const dlua_pg_backend_entry_t *dlua_pg_backend_find(const char *name) {
@@ -71,3 +80,23 @@ dlua_status_t dlua_pg_nccl_new(const char *store_host, int store_port, const cha
                     n == 1 ? "" : "s");
   return group_new("nccl", store_host, store_port, token, name, rank, size, device, timeout_ms, out);
 }
+
+const char *dlua_pg_mpi_unavailable(void) { return dlua_pg_backend_unavailable(dlua_pg_backend_find("mpi")); }
+
+dlua_status_t dlua_pg_mpi_new(const char *store_host, int store_port, const char *token, const char *name, int rank,
+                              int size, int64_t timeout_ms, dlua_pg_t **out) {
+  return group_new("mpi", store_host, store_port, token, name, rank, size, -1, timeout_ms, out);
+}
+
+#ifndef DLUA_HAVE_MPI
+/* The world calls of dlua.h exist in every build (ffi.C finds them); without MPI they say why not. */
+dlua_status_t dlua_mpi_world(int *rank, int *size) {
+  if (rank) *rank = 0;
+  if (size) *size = 1;
+  return DLUA_ERR(DLUA_ERR_ARG, "mpi: %s", dlua_pg_mpi_unavailable());
+}
+
+dlua_status_t dlua_mpi_world_broadcast(void *buf, int64_t n, int root, int64_t timeout_ms) {
+  return DLUA_ERR(DLUA_ERR_ARG, "mpi: %s", dlua_pg_mpi_unavailable());
+}
+#endif

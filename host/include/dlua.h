@@ -299,9 +299,23 @@ const char *dlua_pg_nccl_unavailable(void);
    after the caller's current stream, and complete when the GPU has finished them. Without CUDA, a
    device or libnccl.so.2: DLUA_ERR_ARG naming why ("no CUDA device available (...)"). */
 dlua_status_t dlua_pg_nccl_new(const char *store_host, int store_port, const char *token, const char *name, int rank, int size, int device, int64_t timeout_ms, dlua_pg_t **pg);
-const char *dlua_pg_backend(const dlua_pg_t *pg); /* "gloo" or "nccl" */
-/* How all-reduce travels: "shm" (gloo group, all ranks on this host), "tcp" (gloo) or "nccl"; *why (if
-   why is not NULL) says why shm is used or not. */
+/* NULL when this build has MPI (found at build time: libopenmpi-dev), else why not. */
+const char *dlua_pg_mpi_unavailable(void);
+/* Initialises MPI once for this process (MPI_THREAD_MULTIPLE; call it from the thread that will exit the
+   process: MPI_Finalize runs in an exit handler there, and only when the process ends well) and gives its
+   rank and size in MPI_COMM_WORLD. Without mpirun/srun, a world of one. */
+dlua_status_t dlua_mpi_world(int *rank, int *size);
+/* Rank root's n bytes to every rank of MPI_COMM_WORLD (dist.init: the store's address), bounded by timeout_ms. */
+dlua_status_t dlua_mpi_world_broadcast(void *buf, int64_t n, int root, int64_t timeout_ms);
+/* Joins an MPI group (one communicator made of the members, who meet through the store as for gloo). Each
+   collective is MPI's non-blocking one polled by the comm thread (under 4 MiB; DLUA_MPI_BLOCKING_FROM bytes) or
+   its blocking one run by the group's executor thread, bounded by timeout_ms either way; send/recv
+   are MPI_Isend/MPI_Irecv posted at once. CUDA tensors go through pinned host memory (directly, except for
+   reductions, when the library is CUDA-aware). */
+dlua_status_t dlua_pg_mpi_new(const char *store_host, int store_port, const char *token, const char *name, int rank, int size, int64_t timeout_ms, dlua_pg_t **pg);
+const char *dlua_pg_backend(const dlua_pg_t *pg); /* "gloo", "nccl" or "mpi" */
+/* How all-reduce travels: "shm" (gloo group, all ranks on this host), "tcp" (gloo), "nccl" or "mpi"; *why (if
+   why is not NULL) says why shm is used or not (mpi: the library and whether every rank is on this host). */
 const char *dlua_pg_transport(const dlua_pg_t *pg, const char **why);
 /* A zeroed 1-D CPU tensor of numel elements whose memory every rank of the group maps, so an all-reduce of
    a range of it reads the peers' copies in place (DDP's gradient arena; docs/comm.md). Collective: every

@@ -37,6 +37,13 @@ function dist._slurm_first_host(list)
   return head
 end
 
+-- An MPI process manager started this process (mpirun, srun --mpi=pmix|pmi2), not just variables that say
+-- so, and this build has MPI: MPI_Init then joins the real job rather than a world of one, and rank 0 can
+-- tell the others where the store is. (Without MPI built, such a job needs MASTER_ADDR across nodes.)
+local function mpi_process_manager()
+  return (os.getenv('PMIX_RANK') ~= nil or os.getenv('PMI_RANK') ~= nil) and binding.mpi_unavailable() == nil
+end
+
 function dist._environment()
   local e = {}
   if num('RANK') and num('WORLD_SIZE') then
@@ -51,12 +58,13 @@ function dist._environment()
     e.rank, e.world = num('OMPI_COMM_WORLD_RANK'), num('OMPI_COMM_WORLD_SIZE')
     e.local_rank = num('OMPI_COMM_WORLD_LOCAL_RANK') or 0
     e.local_world = num('OMPI_COMM_WORLD_LOCAL_SIZE') or e.world
+    e.mpi_launch = mpi_process_manager()
     e.host = os.getenv('MASTER_ADDR')
     if e.host == nil then
-      if e.local_world ~= e.world then
+      if e.local_world ~= e.world and not e.mpi_launch then
         fail(3, 'dist.init: an Open MPI job over several nodes needs MASTER_ADDR (the host of rank 0)')
       end
-      e.host = '127.0.0.1'
+      e.host = e.local_world == e.world and '127.0.0.1' or nil  -- nil: rank 0 says, over MPI
     end
     e.port = num('MASTER_PORT') or 29500
     e.job = os.getenv('OMPI_MCA_ess_base_jobid')
@@ -66,6 +74,7 @@ function dist._environment()
     e.local_rank = num('SLURM_LOCALID') or 0
     local per_node = (os.getenv('SLURM_NTASKS_PER_NODE') or os.getenv('SLURM_TASKS_PER_NODE') or ''):match('^(%d+)')
     e.local_world = tonumber(per_node or '') or e.world
+    e.mpi_launch = mpi_process_manager()
     e.host = os.getenv('MASTER_ADDR')
     if e.host == nil then
       local list = os.getenv('SLURM_JOB_NODELIST') or os.getenv('SLURM_NODELIST')
@@ -82,7 +91,7 @@ function dist._environment()
     fail(3, 'dist.init: rank %d is outside 0..%d (from the %s environment)', e.rank, e.world - 1, e.source)
   end
   e.token = os.getenv('DLUA_JOB_TOKEN')
-  if e.token == nil or e.token == '' then
+  if (e.token == nil or e.token == '') and e.host then
     -- ranks started by another launcher agree on a token without talking first
     e.token = format('dlua:%s:%d:%s', e.host, e.port, e.job or '')
   end
@@ -94,10 +103,60 @@ end
 
 local function is_loopback(host) return host == '127.0.0.1' or host == 'localhost' or host == '::1' end
 
--- dist.init{backend='auto'|'gloo'|'nccl', timeout=seconds}: joins the job this process
+-- 16 random bytes as hex: the job token rank 0 hands out over MPI.
+local function random_token()
+  local f = io.open('/dev/urandom', 'rb')
+  local b = f and f:read(16) or tostring(os.time()) .. tostring(os.clock())
+  if f then f:close() end
+  return (b:gsub('.', function(c) return format('%02x', c:byte()) end))
+end
+
+-- Launched by mpirun or srun: rank 0 serves the store on any free port (MASTER_PORT if set) and tells the
+-- others where, and the token, over MPI; so no MASTER_ADDR/MASTER_PORT is needed and jobs never collide.
+local function store_over_mpi(e, timeout)
+  local mrank, msize = binding.mpi_world()
+  if e.source == 'single process' then
+    e.rank, e.world, e.local_rank, e.local_world = mrank, msize, 0, msize
+  elseif mrank ~= e.rank or msize ~= e.world then
+    fail(3, 'dist.init: MPI says rank %d of %d, the %s variables rank %d of %d', mrank, msize, e.source, e.rank, e.world)
+  end
+  local single = e.local_world == e.world
+  local server, msg
+  if e.rank == 0 then
+    local host = os.getenv('MASTER_ADDR') or (single and '127.0.0.1') or os.getenv('PMIX_HOSTNAME')
+                 or os.getenv('SLURMD_NODENAME')
+    if host == nil then
+      local h = io.popen('hostname 2>/dev/null')
+      host = h and h:read('*l') or 'localhost'
+      if h then h:close() end
+    end
+    local token = os.getenv('DLUA_JOB_TOKEN')
+    if token == nil or token == '' then token = random_token() end
+    local ok, err = pcall(store_binding.serve, single and is_loopback(host) and '127.0.0.1' or '0.0.0.0',
+                          num('MASTER_PORT') or 0, token)
+    if ok then
+      server = err
+      msg = format('ok\t%s\t%d\t%s', host, server.port, token)
+    else
+      msg = 'error\t' .. tostring(err):sub(1, 400)  -- the others fail too, with rank 0's reason
+    end
+  end
+  local got = binding.mpi_broadcast(msg, 0, 2048, timeout)
+  local status, a, b, c = got:match('^(%a+)\t([^\t]*)\t?([^\t]*)\t?(.*)$')
+  if status ~= 'ok' then
+    if server then server:stop() end
+    fail(3, 'dist.init: rank 0 could not start the store: %s', a or got)
+  end
+  e.host, e.port, e.token = a, tonumber(b), c
+  return server
+end
+
+-- dist.init{backend='auto'|'gloo'|'nccl'|'mpi', timeout=seconds}: joins the job this process
 -- belongs to. timeout (default DLUA_DIST_TIMEOUT or 300 s) bounds every collective. gloo runs
 -- CPU tensors (and CUDA ones, staged through pinned memory); nccl runs CUDA tensors on the GPU
--- LOCAL_RANK % device_count; auto keeps both when every local rank has its own GPU, else gloo.
+-- LOCAL_RANK % device_count; mpi runs what gloo does, over MPI (ranks started by mpirun or srun);
+-- auto is mpi under mpirun/srun in a build with MPI, else gloo, and adds nccl when every local rank
+-- has its own GPU.
 function dist.init(opts)
   opts = opts or {}
   if type(opts) ~= 'table' then fail(2, 'dist.init: expected an options table, got %s', type(opts)) end
@@ -108,18 +167,34 @@ function dist.init(opts)
   end
   if S ~= nil then fail(2, 'dist.init: already initialised (rank %d of %d)', S.rank, S.world) end
   local backend = opts.backend or 'auto'
-  if backend ~= 'auto' and backend ~= 'gloo' and backend ~= 'nccl' then
-    fail(2, "dist.init: unknown backend '%s' (expected 'auto', 'gloo' or 'nccl')", tostring(backend))
-  end
-  -- NCCL needs the GPUs; auto uses them when there is one per local rank (else gloo stages CUDA tensors)
-  local ndev = backend ~= 'gloo' and dlua.cuda.device_count() or 0
-  if backend == 'nccl' and ndev == 0 then
-    fail(2, 'dist.init: backend nccl: no CUDA device available (%s); use gloo, or auto',
-         tostring(dlua.cuda.unavailable_reason()))
+  if backend ~= 'auto' and backend ~= 'gloo' and backend ~= 'nccl' and backend ~= 'mpi' then
+    fail(2, "dist.init: unknown backend '%s' (expected 'auto', 'gloo', 'nccl' or 'mpi')", tostring(backend))
   end
   local timeout = opts.timeout or num('DLUA_DIST_TIMEOUT') or 300
   if type(timeout) ~= 'number' or timeout <= 0 then fail(2, 'dist.init: timeout must be a positive number of seconds') end
   local e = dist._environment()
+  local mpi_why = binding.mpi_unavailable()
+  if backend == 'mpi' then
+    if mpi_why then fail(2, 'dist.init: backend mpi: %s', mpi_why) end
+    if os.getenv('DLUA_LAUNCHER') then
+      fail(2, 'dist.init: backend mpi needs ranks started by mpirun or srun; dlua --nproc starts its own (use gloo '
+           .. "there, or run 'mpirun -np %d dlua script.lua')", e.world)
+    end
+    if e.source ~= 'single process' and not e.mpi_launch then
+      fail(2, 'dist.init: backend mpi: the %s variables say rank %d of %d, but no MPI process manager started this '
+           .. 'process (PMIX_RANK and PMI_RANK are unset): launch it with mpirun, or srun --mpi=pmix', e.source,
+           e.rank, e.world)
+    end
+  end
+  local use_mpi = backend == 'mpi' or (backend == 'auto' and e.mpi_launch and not mpi_why)
+  -- NCCL needs the GPUs; auto uses them when there is one per local rank (else gloo/mpi stage CUDA tensors)
+  local ndev = (backend == 'auto' or backend == 'nccl') and dlua.cuda.device_count() or 0
+  if backend == 'nccl' and ndev == 0 then
+    fail(2, 'dist.init: backend nccl: no CUDA device available (%s); use gloo, or auto',
+         tostring(dlua.cuda.unavailable_reason()))
+  end
+  local server
+  if e.mpi_launch and not mpi_why and not os.getenv('DLUA_LAUNCHER') then server = store_over_mpi(e, timeout) end
   local use_nccl = ndev > 0 and (backend == 'nccl' or e.local_world <= ndev)
   -- auto without a loadable NCCL (as PyTorch's default): each rank still takes its GPU, gloo stages CUDA tensors
   local nccl_why = use_nccl and backend == 'auto' and binding.nccl_unavailable() or nil
@@ -128,25 +203,27 @@ function dist.init(opts)
     fail(2, "dist.init: backend nccl: %d ranks on this node share %d GPU%s; NCCL needs one per rank (backend='gloo' "
          .. 'stages CUDA tensors through host memory)', e.local_world, ndev, ndev == 1 and '' or 's')
   end
+  local cpu = backend ~= 'nccl' and (use_mpi and 'mpi' or 'gloo') or nil
   local s = { rank = e.rank, world = e.world, local_rank = e.local_rank, local_world = e.local_world,
-              source = e.source, timeout = timeout, groups = {}, next_group = 0,
-              backend = backend == 'nccl' and 'nccl' or use_nccl and 'gloo+nccl' or 'gloo' }
+              source = e.source, timeout = timeout, groups = {}, next_group = 0, cpu = cpu,
+              backend = cpu == nil and 'nccl' or use_nccl and cpu .. '+nccl' or cpu }
   -- dlua's launcher owns the store; otherwise rank 0 serves it, as torch's TCPStore does
-  if not os.getenv('DLUA_LAUNCHER') and e.rank == 0 then
+  s.server = server
+  if not server and not os.getenv('DLUA_LAUNCHER') and e.rank == 0 then
     local bind = is_loopback(e.host) and '127.0.0.1' or '0.0.0.0'
     s.server = store_binding.serve(bind, e.port, e.token)
     e.port = s.server.port
   end
   s.host, s.port, s.token = e.host, e.port, e.token
   s.store = store_binding.connect(e.host, e.port, e.token, timeout)
-  if backend ~= 'nccl' then s.world_group = binding.gloo(e.host, e.port, e.token, 'pg0', e.rank, e.world, timeout) end
+  if cpu then s.world_group = binding[cpu](e.host, e.port, e.token, 'pg0', e.rank, e.world, timeout) end
   if use_nccl or nccl_why then  -- this rank's GPU: LOCAL_RANK modulo the GPUs, made current
     s.device = e.local_rank % ndev
     dlua.cuda.set_device(s.device)
   end
   if use_nccl then s.world_nccl = binding.nccl(e.host, e.port, e.token, 'nccl0', e.rank, e.world, s.device, timeout) end
   if nccl_why and e.rank == 0 then
-    io.stderr:write(string.format('dist.init: NCCL unavailable (%s): CUDA tensors go through gloo\n', nccl_why))
+    io.stderr:write(string.format('dist.init: NCCL unavailable (%s): CUDA tensors go through %s\n', nccl_why, cpu))
   end
   s.next_group = 1
   local debug_on = opts.debug
@@ -161,6 +238,11 @@ function dist.init(opts)
 end
 
 function dist.is_initialized() return S ~= nil end
+-- Whether this build has the MPI backend, and if not why: torch.distributed.is_mpi_available.
+function dist.is_mpi_available()
+  local why = binding.mpi_unavailable()
+  return why == nil, why
+end
 -- Whether NCCL can be used (libnccl.so.2 loads, version 2.14 or newer), and if not why: torch.distributed.is_nccl_available.
 function dist.is_nccl_available()
   local why = binding.nccl_unavailable()
@@ -243,7 +325,7 @@ function dist.new_group(ranks, opts)
   end
   if g.group_rank ~= nil then
     local timeout = (opts and opts.timeout) or S.timeout
-    if S.world_group then g.pg = binding.gloo(S.host, S.port, S.token, 'pg' .. id, g.group_rank, #list, timeout) end
+    if S.world_group then g.pg = binding[S.cpu](S.host, S.port, S.token, 'pg' .. id, g.group_rank, #list, timeout) end
     if S.world_nccl then
       g.nccl = binding.nccl(S.host, S.port, S.token, 'nccl' .. id, g.group_rank, #list, S.device, timeout)
     end

@@ -1,14 +1,26 @@
 -- Every collective on every dtype, sync and async, checked on each rank against a locally computed result.
--- Run: dlua --nproc N tests/dist/collectives.lua [quick]
+-- Run: dlua --nproc N tests/dist/collectives.lua [quick] [gloo|mpi]
+--      mpirun -np N dlua tests/dist/collectives.lua [quick] [mpi]   (the same checks over MPI)
 local dlua = require 'dlua'
 local dist = dlua.dist
-dist.init{ timeout = 60 }
+local quick, backend = false, nil
+for _, a in ipairs(arg) do
+  if a == 'quick' then quick = true elseif a == 'gloo' or a == 'mpi' then backend = a end
+end
+dist.init{ timeout = 60, backend = backend }
 local rank, world = dist.rank(), dist.world_size()
-local quick = arg[1] == 'quick'
+-- under mpirun the default is MPI (dist.init picks it from the launch), under dlua --nproc gloo
+local want_backend = backend or (os.getenv('PMIX_RANK') and dist.is_mpi_available() and 'mpi') or 'gloo'
+if (backend or os.getenv('PMIX_RANK')) and dist.backend() ~= want_backend then
+  error(string.format('rank %d: backend %s, expected %s', rank, dist.backend(), want_backend))
+end
 
--- Every launcher rank is on this host: all-reduce goes through shared memory unless DLUA_SHM=0.
+-- Every rank is on this host: gloo all-reduces through shared memory unless DLUA_SHM=0; MPI says it shares one.
 local transport, why = dist.transport()
-local want_transport = os.getenv('DLUA_SHM') == '0' and 'tcp' or 'shm'
+local want_transport = want_backend == 'mpi' and 'mpi' or os.getenv('DLUA_SHM') == '0' and 'tcp' or 'shm'
+if want_backend == 'mpi' and not why:find('every rank on this host', 1, true) then
+  error(string.format('rank %d: mpi transport: %s', rank, why))
+end
 if transport ~= want_transport then
   error(string.format('rank %d: transport %s (%s), expected %s', rank, transport, why, want_transport))
 end
@@ -114,6 +126,45 @@ for _, dtype in ipairs(dtypes) do
   end
 end
 
+-- unequal reduce_scatter (ZeRO's shards of a bucket): part q has sizes[q % 4 + 1] elements on every rank,
+-- an empty one included (its rank still takes part); sum over every dtype, avg and max of floats
+do
+  local sizes = { 0, 1009, 3, 17 }
+  local function part(q) return sizes[q % 4 + 1] end
+  local function check(dtype, op, scale, packed)
+    local n = part(rank) * scale
+    local ins = {}
+    for q = 0, world - 1 do ins[q + 1] = values(part(q) * scale, dtype, rank + q) end
+    if packed then  -- views of one flat buffer, back to back in rank order (a ZeRO bucket)
+      local flat = dlua.cat(ins, 1)
+      local off = 1
+      for q = 0, world - 1 do
+        ins[q + 1] = flat:narrow(1, off, part(q) * scale)
+        off = off + part(q) * scale
+      end
+    end
+    local out = dlua.empty({ n }, { dtype = dtype })
+    dist.reduce_scatter(out, ins, op)
+    -- rank r's out: op over ranks q of their ins[r + 1], which is values(n, dtype, q + r)
+    local acc
+    for q = 0, world - 1 do
+      local v = values(n, 'float64', q + rank)
+      if acc == nil then acc = v elseif op == 'max' then acc = dlua.where(acc:gt(v), acc, v) else acc = acc + v end
+    end
+    if op == 'avg' then acc = acc / world end
+    same(out, acc:to(dtype), string.format('reduce_scatter unequal %s %s (parts of %d, %d, ...)', op, dtype,
+                                           part(0) * scale, part(1) * scale))
+  end
+  for _, dtype in ipairs(dtypes) do
+    if dtype ~= 'bool' then check(dtype, 'sum', 1) end
+  end
+  check('float32', 'avg', 1)
+  check('float64', 'max', 1)
+  check('float32', 'sum', 1, true)
+  -- over 4 MiB in all (MPI: the blocking call; gloo: many ring chunks)
+  if not quick then check('float32', 'avg', 1100, true) end
+end
+
 -- unequal all_gather: rank r contributes r + 2 elements
 local mine = values(rank + 2, 'float32', rank)
 local got = dist.all_gather(nil, mine)
@@ -192,5 +243,5 @@ ok, err = pcall(dist.broadcast, dlua.zeros({ 2 }), world)
 if ok or not tostring(err):find('src ' .. world .. ' is not a rank', 1, true) then fail('bad src: %s', tostring(err)) end
 
 dist.barrier()
-print(string.format('rank %d of %d: %d checks passed', rank, world, checks))
+print(string.format('rank %d of %d: %d checks passed (%s)', rank, world, checks, dist.backend()))
 dist.destroy()

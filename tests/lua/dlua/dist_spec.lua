@@ -24,7 +24,10 @@ describe('dlua.dist before init', function()
 
   it('init rejects bad options by name', function()
     has(err_of(dist.init, { backnd = 'gloo' }), "dist.init: unknown option 'backnd'")
-    has(err_of(dist.init, { backend = 'mpi' }), "unknown backend 'mpi'")
+    has(err_of(dist.init, { backend = 'ucc' }), "unknown backend 'ucc' (expected 'auto', 'gloo', 'nccl' or 'mpi')")
+    if not dist.is_mpi_available() then  -- with MPI built, backend mpi in a world of one is fine (tests/dist/test_mpi.sh)
+      has(err_of(dist.init, { backend = 'mpi' }), 'dist.init: backend mpi: built without MPI')
+    end
     if not dlua.cuda.is_available() then  -- with a GPU, nccl in a world of one is fine
       has(err_of(dist.init, { backend = 'nccl' }), 'dist.init: backend nccl: no CUDA device available (')
     end
