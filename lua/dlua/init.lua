@@ -14,9 +14,10 @@ dlua.root = require('dlua.host').root
 -- Tensors: dlua.tensor, dlua.zeros, dlua.float32, dlua.matmul... (see bindings/tensor.lua).
 for name, value in pairs(tensor) do dlua[name] = value end
 
--- Submodules loaded on first use (dlua.nn, dlua.optim, dlua.data, dlua.lr, dlua.cli, dlua.dist, dlua.ckpt): `require 'dlua'` stays
+-- Submodules loaded on first use (dlua.nn, dlua.optim, dlua.data, dlua.lr, dlua.cli, dlua.dist, dlua.ckpt, dlua.json, dlua.metrics): `require 'dlua'` stays
 -- cheap, and a submodule may itself require 'dlua'.
-local lazy = { data = true, lr = true, cli = true, nn = true, optim = true, dist = true, cuda = true, ckpt = true }
+local lazy = { data = true, lr = true, cli = true, nn = true, optim = true, dist = true, cuda = true, ckpt = true,
+  json = true, metrics = true }
 setmetatable(dlua, { __index = function(t, k)
   if not lazy[k] then return nil end
   local m = require('dlua.' .. k)
