@@ -7,7 +7,7 @@ set -euo pipefail
 packages=(
   build-essential cmake ninja-build pkg-config git
   libluajit-5.1-dev libedit-dev zlib1g-dev
-  libopenblas-dev libdnnl-dev libturbojpeg0-dev libjpeg62-turbo-dev libpng-dev libgloo-dev libcjson-dev
+  libopenblas-dev libdnnl-dev libturbojpeg0-dev libjpeg62-turbo-dev libpng-dev libgloo-dev libcjson-dev gnuplot-nox
   check lua-busted python3 dataset-fashion-mnist
 )
 if [ "${1:-}" = test ]; then packages+=(python3-torch python3-torchvision python3-venv); fi

@@ -19,7 +19,7 @@ for _, p in ipairs(M.phases) do phase_known[p] = true end
 
 -- The fields of a step line, first in this order (the rest sorted after them).
 local step_order = { 'kind', 'step', 'epoch', 'loss', 'lr', 'scale', 'skipped', 'images', 'img_s', 'time_s', 'data_s', 'forward_s',
-  'backward_s', 'comm_s', 'optimizer_s', 'other_s', 'mem_bytes', 'mem_peak_bytes', 'wall_s' }
+  'backward_s', 'comm_s', 'optimizer_s', 'other_s', 'mem_bytes', 'mem_peak_bytes', 'mem_peak_backward_bytes', 'wall_s' }
 
 local Writer = {}
 Writer.__index = Writer
@@ -107,6 +107,8 @@ function Writer:phase(name)
   end
   self.acc[name] = (self.acc[name] or 0) + dt
   self.mark, self.comm_mark = t, c
+  -- the step's peak through its (last) backward: activations at their fullest, before the optimizer's own temporaries
+  if name == 'backward' then self.peak_backward = dlua.memory_peak(self.device) end
 end
 
 -- Ends a step and writes its line. fields: step, loss, lr, images (this step's, over all ranks:
@@ -129,7 +131,8 @@ function Writer:step(fields)
     end
   end
   local ms = dlua.memory_stats(self.device)
-  rec.mem_bytes, rec.mem_peak_bytes = ms.allocated, ms.peak_allocated
+  rec.mem_bytes, rec.mem_peak_bytes, rec.mem_peak_backward_bytes = ms.allocated, ms.peak_allocated, self.peak_backward
+  self.peak_backward = nil
   self:_write(rec, step_order)
   self.steps, self.seconds = self.steps + 1, self.seconds + total
   if type(images) == 'number' then
@@ -137,6 +140,7 @@ function Writer:step(fields)
     if self.steps > 1 then self.warm_images, self.warm_seconds = self.warm_images + images, self.warm_seconds + total end
   end
   self.peak = math.max(self.peak, ms.peak_allocated)
+  if rec.mem_peak_backward_bytes then self.peak_bwd_max = math.max(self.peak_bwd_max or 0, rec.mem_peak_backward_bytes) end
   if type(fields.loss) == 'number' then
     self.first_loss = self.first_loss or fields.loss
     self.last_loss = fields.loss
@@ -163,7 +167,7 @@ end
 function Writer:close(fields)
   if not self.f then return end
   local rec = { kind = 'summary', steps = self.steps, images = self.images, seconds = self.seconds,
-    wall_s = now() - self.t0, mem_peak_bytes = self.peak, first_loss = self.first_loss, loss = self.last_loss,
+    wall_s = now() - self.t0, mem_peak_bytes = self.peak, mem_peak_backward_bytes = self.peak_bwd_max, first_loss = self.first_loss, loss = self.last_loss,
     skipped = self.skipped }
   if self.seconds > 0 then rec.img_s = self.images / self.seconds end
   if self.warm_seconds > 0 then rec.img_s_after_first = self.warm_images / self.warm_seconds end
