@@ -21,7 +21,7 @@ return function(ctx, E)
         local s = r.summary
         rows[#rows + 1] = { precision = name, status = 'ran', img_s = s.img_s_after_first or s.img_s,
           peak_mb = E.max_of(r, 'mem_peak_bytes') / 2 ^ 20, accuracy = s.test_accuracy, loss = s.loss, skipped = s.skipped }
-        runs[#runs + 1] = r
+        runs[#runs + 1] = { r = r, label = name }
       else
         rows[#rows + 1] = { precision = name, status = 'failed: ' .. tostring(why) }
       end
@@ -38,14 +38,14 @@ return function(ctx, E)
       { 'skipped', 'skipped steps', '%d' } } })
   local cats, ips, mem = {}, { label = 'img/s', y = {} }, { label = 'peak MB', y = {} }
   for i, r in ipairs(rows) do
-    cats[i] = r.precision
+    cats[i] = r.img_s and r.precision or (r.precision .. ' (not run)')
     ips.y[i], mem.y[i] = r.img_s, r.peak_mb
   end
   local loss = {}
-  for _, r in ipairs(runs) do
+  for _, run in ipairs(runs) do
     local x, y = {}, {}
-    for i, s in ipairs(r.steps) do x[i], y[i] = s.step, s.loss end
-    loss[#loss + 1] = { label = r.run.options.amp or 'float32', x = x, y = y }
+    for i, s in ipairs(run.r.steps) do x[i], y[i] = s.step, s.loss end
+    loss[#loss + 1] = { label = run.label, x = x, y = y }
   end
   ctx:figure({ title = ('mixed precision, %s batch %d'):format(model, batch), panels = {
     { title = 'throughput', ylabel = 'img/s', kind = 'bars', categories = cats, series = { ips } },

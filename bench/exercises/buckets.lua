@@ -14,7 +14,7 @@ return function(ctx, E)
   end
   ctx:log('- the sweep: %d plans, %s %dpx batch %d per rank', #plans, model, image, batch)
   local ok, out = ctx:run({ nproc = ranks, ranks_output = '0', args = { 'bench/exercises/ddp_worker.lua', '--sizes', '',
-    '--model', model, '--image', tostring(image), '--batch', tostring(batch), '--steps', ctx.tiny and '1' or '3',
+    '--model', model, '--image', tostring(image), '--batch', tostring(batch), '--steps', ctx.tiny and '1' or '5',
     '--plans', table.concat(plans, ',') } })
   if not ok then error('experiment buckets: the sweep failed (see above)', 0) end
   local rows, by_first, grad_mb, best = {}, {}, nil, nil
@@ -23,8 +23,8 @@ return function(ctx, E)
     for c in line:gsub('^%[0%] ', ''):gmatch('[^\t]+') do f[#f + 1] = c end
     if f[1] == 'gradients' then grad_mb = tonumber(f[2]) end
     if f[1] == 'ddp' then
-      local r = { plan = 'fixed', bucket_mb = tonumber(f[2]), first_mb = tonumber(f[3]), buckets = tonumber(f[4]),
-        step_ms = tonumber(f[5]) * 1e3 }
+      local r = { plan = f[6] == 'same' and 'fixed (as above)' or 'fixed', bucket_mb = tonumber(f[2]), first_mb = tonumber(f[3]),
+        buckets = tonumber(f[4]), step_ms = tonumber(f[5]) * 1e3 }
       rows[#rows + 1] = r
       by_first[r.first_mb] = by_first[r.first_mb] or { label = ('first bucket %g MB'):format(r.first_mb), x = {}, y = {} }
       local s = by_first[r.first_mb]
@@ -53,8 +53,9 @@ return function(ctx, E)
     notes[#notes + 1] = 'bucket_mb = auto: ' .. (why or 'the run ended before it chose') .. (rout and ('\n' .. rout:sub(-400)) or '')
   end
   if grad_mb then notes[#notes + 1] = ('%s has %.1f MB of float32 gradients.'):format(model, grad_mb) end
+  notes[#notes + 1] = '"as above": the plan cuts the arena as an earlier row\'s did, so it is that plan, timed once.'
   ctx:table({ title = ('DDP step time by bucket plan, %d ranks, %s %dpx batch %d per rank (fastest of %d steps)'):format(ranks,
-    model, image, batch, ctx.tiny and 1 or 3),
+    model, image, batch, ctx.tiny and 1 or 5),
     columns = { { 'plan', 'plan' }, { 'bucket_mb', 'bucket MB', '%g' }, { 'first_mb', 'first bucket MB', '%g' },
       { 'buckets', 'buckets', '%d' }, { 'step_ms', 'step ms', '%.1f' } },
     rows = rows, notes = notes })

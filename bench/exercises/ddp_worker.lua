@@ -1,7 +1,8 @@
 -- The ranks' side of `dlua experiment backends|buckets`: all-reduce bus bandwidth per size, and DDP step time per bucket plan.
 --   dlua --nproc 2 bench/exercises/ddp_worker.lua --backend gloo --sizes 1048576,16777216 --model resnet18 --plans 25:1,1:1
 -- Rank 0 prints tab-separated lines: `backend NAME TRANSPORT`, `allreduce BYTES SECONDS BUSBW_GBS`,
--- `ddp BUCKET_MB FIRST_MB BUCKETS SECONDS` (the fastest step, each step as long as its slowest rank), or
+-- `ddp BUCKET_MB FIRST_MB BUCKETS SECONDS [same]` (the fastest step, each step as long as its slowest rank; `same`:
+-- the plan cuts as an earlier one did, whose time it repeats), or
 -- `missing BACKEND WHY` when this build has no such backend.
 local dlua = require 'dlua'
 local nn = require 'dlua.nn'
@@ -68,10 +69,19 @@ if #opt.plans > 0 and opt.steps > 0 then
   local mb = 0
   for _, g in pairs(net:flatten().grads) do mb = mb + g:numel() * g:element_size() / 2 ^ 20 end
   say('gradients', ('%.2f'):format(mb))
+  local timed = {}  -- plans that cut alike are one plan: timed once
   for _, p in ipairs(opt.plans) do
     local bmb, fmb = tostring(p):match('^([%d.]+):([%d.]+)$')
     if not bmb then error(('--plans: expected BUCKET_MB:FIRST_MB, got %s'):format(p), 0) end
-    model:set_buckets(ddp.plan(model.arena.entries, tonumber(fmb) * 2 ^ 20, tonumber(bmb) * 2 ^ 20))
+    local plan = ddp.plan(model.arena.entries, tonumber(fmb) * 2 ^ 20, tonumber(bmb) * 2 ^ 20)
+    local cuts = {}
+    for i, b in ipairs(plan) do cuts[i] = b.dtype .. b.offset end
+    local sig = table.concat(cuts, ',')
+    if timed[sig] then
+      say('ddp', bmb, fmb, tostring(#plan), ('%.6g'):format(timed[sig]), 'same')
+      goto continue
+    end
+    model:set_buckets(plan)
     step()  -- the first step of a plan: its buffers
     local times = {}
     for i = 1, opt.steps do
@@ -85,7 +95,9 @@ if #opt.plans > 0 and opt.steps > 0 then
     dist.all_reduce(all, 'max')  -- the job's pace is its slowest rank's
     local best = math.huge
     for i = 1, opt.steps do best = math.min(best, all[i]) end
+    timed[sig] = best
     say('ddp', bmb, fmb, tostring(#model:bucket_plan()), ('%.6g'):format(best))
+    ::continue::
   end
 end
 dist.destroy()

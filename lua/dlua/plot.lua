@@ -72,7 +72,9 @@ local function panel_script(panel, pi, dir, files)
     add('set style histogram clustered gap 1')
     add('set style fill solid 0.8 border -1')
     add('set boxwidth 0.9')
-    add('set xtics rotate by -30')
+    add('set xtics rotate by -20')
+    add('set xrange [-0.6:%g]', #cats - 0.4)  -- every category in place, also those without a value
+    add('set rmargin 6')
     add('set yrange [0:*]')
     local parts = {}
     for si, s in ipairs(series) do
@@ -80,7 +82,7 @@ local function panel_script(panel, pi, dir, files)
         gp(s.label or ('series ' .. si)))
     end
     add('plot %s', table.concat(parts, ', '))
-    add('unset xtics; set xtics norotate; set xtics; set style data lines')
+    add('unset xtics; set xtics norotate; set xtics; set style data lines; set xrange [*:*]; unset rmargin')
     return L
   end
   local style = panel.kind or 'lines'
@@ -106,7 +108,7 @@ local function panel_script(panel, pi, dir, files)
   return L
 end
 
--- figure{out, title, width = 900, height (default 320 per panel), panels = {...}}: one PNG, the panels
+-- figure{out, title, width = 900, height (default 320 per panel, 440 at least), panels = {...}}: one PNG, the panels
 -- stacked. A panel: title, xlabel, ylabel, logx, logy, yrange = {lo, hi}, key (gnuplot's `set key`
 -- words), kind = 'lines' | 'linespoints' | 'points' | 'bars', series = {{label, x = {...}, y = {...}}}
 -- (bars: categories = {...} and each series' y per category). Numbers that are nil or NaN are left out.
@@ -117,7 +119,7 @@ function M.figure(spec)
   local term, why = M.gnuplot()
   if not term then fail(2, 'plot: %s', why) end
   local n = #spec.panels
-  local width, height = spec.width or 900, spec.height or 320 * n
+  local width, height = spec.width or 900, spec.height or math.max(440, 320 * n)
   local dir = tmpdir()
   local files = {}
   local ok, err = pcall(function()

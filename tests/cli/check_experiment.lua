@@ -50,7 +50,7 @@ elseif name == 'activation-checkpointing' then
 elseif name == 'buckets' then
   local fixed, auto = {}, nil
   for _, r in ipairs(rows) do
-    if r.plan == 'fixed' then fixed[#fixed + 1] = r elseif r.plan:find('auto', 1, true) then auto = r end
+    if r.plan:find('^fixed') then fixed[#fixed + 1] = r elseif r.plan:find('auto', 1, true) then auto = r end
   end
   if #fixed ~= 3 then fail('%d fixed plans, expected 3', #fixed) end
   for i, r in ipairs(fixed) do

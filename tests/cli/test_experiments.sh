@@ -24,10 +24,10 @@ if ! command -v gnuplot >/dev/null; then
   [ $failed = 0 ]; exit
 fi
 
-png_ok() { # file: decodes, at least 640x480, more than 8 colours, 0.5%..60% ink
+png_ok() { # file: decodes, at least 640x400, more than 8 colours, 0.5%..60% ink
   local o
   o=$("$DLUA" tests/cli/check_png.lua "$1" 2>&1) || { echo "$o"; return 1; }
-  awk '/^png/ { split($4, c, "="); split($5, k, "="); ok = ($2 >= 640 && $3 >= 480 && c[2] > 8 && k[2] > 0.005 && k[2] < 0.6) }
+  awk '/^png/ { split($4, c, "="); split($5, k, "="); ok = ($2 >= 640 && $3 >= 400 && c[2] > 8 && k[2] > 0.005 && k[2] < 0.6) }
        END { exit ok ? 0 : 1 }' <<<"$o" || { echo "$o"; return 1; }
 }
 

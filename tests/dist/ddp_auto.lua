@@ -1,5 +1,6 @@
 -- DDP bucket_mb = 'auto': it times each candidate plan in the first steps, every rank keeps the same plan (the fastest by
--- the slowest rank's step), and training ends bit for bit where the same steps with that plan fixed end; bad options named.
+-- the slowest rank's step), and training ends bit for bit where the same steps with that plan fixed end; comm_wait_s
+-- counts time blocked on a late peer; bad options named.
 -- Run: dlua --nproc N tests/dist/ddp_auto.lua
 local dlua = require 'dlua'
 local nn = require 'dlua.nn'
@@ -78,6 +79,29 @@ for _, acc in ipairs({ 1, 2 }) do
   if not p_auto:eq(p_fixed):all():item() then
     fail('accumulate %d: auto and bucket_mb = %g differ (max |diff| %g)', acc, choice.bucket_mb, (p_auto - p_fixed):abs():max():item())
   end
+  checks = checks + 1
+end
+
+-- ddp.comm_wait_s counts the time blocked on the buckets: rank 1 starts its backward 0.3 s late, so
+-- rank 0 waits that long for the all-reduce in its optimizer step (and rank 1 hardly at all)
+do
+  local m = net()
+  local ddp = dist.DDP(m)
+  local sgd = optim.SGD(ddp, { lr = 0.05 })
+  local crit = nn.CrossEntropyLoss()
+  local x, y = batch(1)
+  local out = ddp:forward(x)
+  crit:forward(out, y)
+  if rank == 1 then
+    local t = dlua.perf_counter() + 0.3
+    while dlua.perf_counter() < t do end
+  end
+  local before = ddp.comm_wait_s
+  ddp:backward(x, crit:backward(out, y))
+  sgd:step()
+  local waited = ddp.comm_wait_s - before
+  if rank == 0 and waited < 0.2 then fail('comm_wait_s grew by %.3f s, expected about 0.3 s', waited) end
+  if rank == 1 and waited > 0.2 then fail('comm_wait_s grew by %.3f s on the late rank', waited) end
   checks = checks + 1
 end
 
