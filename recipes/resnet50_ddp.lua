@@ -253,7 +253,8 @@ else
   if opt.zero > 0 then
     log('%s; %d gradient buckets over %s%s', model:memory_line(), #model:bucket_plan(), transport, opt.sync_bn and ', SyncBatchNorm' or '')
   else
-    log('DDP: %d buckets, all-reduce over %s%s', #model:bucket_plan(), transport, opt.sync_bn and ', SyncBatchNorm' or '')
+    log('DDP: %d buckets%s, all-reduce over %s%s', #model:bucket_plan(), opt.bucket_mb == 'auto' and ' (auto: plans timed in the first steps)' or '',
+      transport, opt.sync_bn and ', SyncBatchNorm' or '')
   end
 end
 if ckpt_policy ~= 'none' then log('%s', tostring(ckpt_plan)) end

@@ -19,8 +19,9 @@ function M.run(name, ...)
   local c = M.commands[name]
   if not c then
     local hint = require('dlua.cli').closest(name, names())
-    error(('cannot open %s (No such file or directory; nor is it a subcommand: %s%s)'):format(name,
-      table.concat(names(), ', '), hint and ("; did you mean '" .. hint .. "'?") or ''), 0)
+    io.stderr:write(('dlua: cannot open %s (No such file or directory; nor is it a subcommand: %s%s)\n'):format(name,
+      table.concat(names(), ', '), hint and ("; did you mean '" .. hint .. "'?") or ''))
+    os.exit(1)
   end
   local args = { [0] = 'dlua ' .. name, ... }
   _G.arg = args

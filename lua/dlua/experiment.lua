@@ -16,6 +16,17 @@ M.about = {
   buckets = "DDP step time over bucket sizes 1-256 MB and first-bucket sizes; bucket_mb = 'auto'",
 }
 
+-- Each experiment's own options (--name value), with what they set.
+M.options = {
+  accumulation = { model = 'resnet18', image = 'image side (32; tiny 16)', batch = 'images per rank per step (64; tiny 16)',
+    steps = 'optimizer steps per run (6; tiny 2)', ranks = 'ranks (2)' },
+  backends = { model = 'resnet18', image = 'image side (32; tiny 8)', batch = 'images per rank (16; tiny 2)', ranks = 'ranks (2)' },
+  amp = { model = 'resnet20', batch = 'images per step (128; tiny 32)', limit = 'training images (8192; tiny 64)' },
+  ['activation-checkpointing'] = { model = 'resnet56 (tiny resnet20)', batch = 'images per step (128; tiny 32)',
+    steps = 'steps per policy (8; tiny 2)' },
+  buckets = { model = 'resnet18', image = 'image side (32; tiny 8)', batch = 'images per rank (16; tiny 2)', ranks = 'ranks (2)' },
+}
+
 local function shell_quote(s) return "'" .. tostring(s):gsub("'", "'\\''") .. "'" end
 M.shell_quote = shell_quote
 
@@ -172,6 +183,12 @@ function M.max_of(r, key)
   return m
 end
 
+-- A usage error: the message on stderr, exit status 2 (as cli.parse does for a recipe's options).
+local function usage_error(fmt, ...)
+  io.stderr:write('dlua experiment: ', format(fmt, ...), '\n')
+  os.exit(2)
+end
+
 local usage = [[
 usage: dlua experiment NAME [--tiny] [--out DIR] [--verbose] [NAME's own options: --help after the name]
        dlua experiment --list
@@ -191,8 +208,7 @@ function M.main(args)
   end
   if not M.about[name] then
     local hint = require('dlua.cli').closest(name, M.names)
-    error(format("dlua experiment: no experiment '%s'%s (%s)", name, hint and format(" (did you mean '%s'?)", hint) or '',
-      table.concat(M.names, ', ')), 0)
+    usage_error("no experiment '%s'%s (%s)", name, hint and format(" (did you mean '%s'?)", hint) or '', table.concat(M.names, ', '))
   end
   local host = require 'dlua.host'
   local ctx = setmetatable({ name = name, tiny = false, out = 'experiments/' .. name, verbose = false, timeout = 1800,
@@ -205,15 +221,34 @@ function M.main(args)
     elseif a == '--verbose' then ctx.verbose = true
     elseif a == '--out' or a == '-o' then
       i = i + 1
-      ctx.out = args[i] or error('dlua experiment: --out needs a folder', 0)
+      ctx.out = args[i] or usage_error('--out needs a folder')
     elseif a:match('^%-%-[%w-]+=') then
       local k, v = a:match('^%-%-([%w-]+)=(.*)$')
       ctx.opts[k] = v
     elseif a:match('^%-%-[%w-]+$') and args[i + 1] ~= nil and not args[i + 1]:match('^%-%-') then
       ctx.opts[a:sub(3)] = args[i + 1]
       i = i + 1
-    else error(format("dlua experiment %s: unexpected argument '%s' (--tiny, --out DIR, --verbose)", name, a), 0) end
+    else usage_error("%s: unexpected argument '%s' (--tiny, --out DIR, --verbose, --help)", name, a) end
     i = i + 1
+  end
+  local known = M.options[name]
+  if ctx.opts.help then
+    print(format('usage: dlua experiment %s [--tiny] [--out DIR] [--verbose] [options]\n%s\n\noptions:', name, M.about[name]))
+    local keys = {}
+    for k in pairs(known) do keys[#keys + 1] = k end
+    table.sort(keys)
+    for _, k in ipairs(keys) do print(format('  --%-8s %s', k, known[k])) end
+    return
+  end
+  for k in pairs(ctx.opts) do
+    if not known[k] then
+      local names = {}
+      for n in pairs(known) do names[#names + 1] = n end
+      table.sort(names)
+      local hint = require('dlua.cli').closest(k, names)
+      usage_error("%s: unknown option '--%s'%s (--%s)", name, k, hint and format(" (did you mean '--%s'?)", hint) or '',
+        table.concat(names, ', --'))
+    end
   end
   if ctx.out:sub(1, 1) ~= '/' then  -- the runs start in the tree's root: keep the folder where the user is
     local p = io.popen('pwd')

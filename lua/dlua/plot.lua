@@ -224,7 +224,7 @@ function M.main(args)
     if a == '-h' or a == '--help' then io.stdout:write(usage); return
     elseif a == '-o' or a == '--out' then out = value(a)
     elseif a == '--x' then opts.x = value(a)
-    elseif a == '--smooth' then opts.smooth = tonumber(value(a))
+    elseif a == '--smooth' then opts.smooth = tonumber(value(a)) or 0
     elseif a == '--title' then opts.title = value(a)
     elseif a == '--log-loss' then opts.log_loss = true
     elseif a:sub(1, 1) == '-' then
@@ -237,8 +237,14 @@ function M.main(args)
     io.stderr:write('dlua plot: give at least one metrics file\n' .. usage)
     os.exit(2)
   end
-  if opts.x and opts.x ~= 'step' and opts.x ~= 'wall_s' then error("dlua plot: --x takes 'step' or 'wall_s'", 0) end
-  if opts.smooth ~= nil and (opts.smooth ~= opts.smooth or opts.smooth < 1) then error('dlua plot: --smooth takes a number >= 1', 0) end
+  if opts.x and opts.x ~= 'step' and opts.x ~= 'wall_s' then
+    io.stderr:write("dlua plot: --x takes 'step' or 'wall_s'\n")
+    os.exit(2)
+  end
+  if opts.smooth ~= nil and not (opts.smooth >= 1) then
+    io.stderr:write('dlua plot: --smooth takes a number >= 1\n')
+    os.exit(2)
+  end
   local metrics = require 'dlua.metrics'
   local runs = {}
   for k, f in ipairs(files) do

@@ -75,11 +75,15 @@ out=$(PATH=/nonexistent "$DLUA" plot "$a" -o "$work/x.png" 2>&1); rc=$?
 [ $rc = 1 ] && grep -q "gnuplot is not installed (apt-get install gnuplot-nox" <<<"$out"
 check "dlua plot without gnuplot says how to get it" $? "rc=$rc: $out"
 out=$("$DLUA" experimnet 2>&1); rc=$?
-[ $rc = 1 ] && grep -q "cannot open experimnet" <<<"$out" && grep -q "did you mean 'experiment'" <<<"$out"
+[ $rc = 1 ] && grep -q "^dlua: cannot open experimnet (No such file or directory; nor is it a subcommand" <<<"$out" &&
+  grep -q "did you mean 'experiment'" <<<"$out" && [ "$(wc -l <<<"$out")" = 1 ]
 check "an unknown subcommand: no such file, the closest subcommand" $? "rc=$rc: $out"
 out=$("$DLUA" experiment bucket --tiny 2>&1); rc=$?
-[ $rc = 1 ] && grep -q "no experiment 'bucket'" <<<"$out" && grep -q "did you mean 'buckets'" <<<"$out"
+[ $rc = 2 ] && grep -q "no experiment 'bucket'" <<<"$out" && grep -q "did you mean 'buckets'" <<<"$out"
 check "an unknown experiment is named, with the closest" $? "rc=$rc: $out"
+out=$("$DLUA" experiment buckets --tiny --modle resnet18 2>&1); rc=$?
+[ $rc = 2 ] && grep -q "unknown option '--modle' (did you mean '--model'?)" <<<"$out"
+check "an experiment's unknown option is named, with the closest" $? "rc=$rc: $out"
 
 echo "experiments: $passed passed, $failed failed"
 [ $failed = 0 ]
