@@ -21,6 +21,7 @@ static void print_usage(FILE *f) {
   fputs(
       "usage: dlua [options] [script.lua [args...]]\n"
       "       dlua attach PID|JOBDIR [--rank R] [--dump]   (a running job: docs/launch.md)\n"
+      "       dlua plot|experiment [args...]   (subcommands; `dlua plot --help`)\n"
       "Runs a dlua training script or recipe; with no script, a REPL on a terminal, or the\n"
       "program read from standard input otherwise.\n"
       "\n"
@@ -318,6 +319,13 @@ static int run_exec_options(lua_State *L, int argc, char **argv, int upto) {
   return 0;
 }
 
+/* `dlua plot ...`, `dlua experiment ...`: a script name that is a bare word (no '/' or '.') and no
+   file here names a subcommand; lua/dlua/cmd.lua runs it (or says there is no such file or
+   subcommand). */
+static int is_subcommand(const char *a) {
+  return a[0] != '\0' && strchr(a, '/') == NULL && strchr(a, '.') == NULL && access(a, F_OK) != 0;
+}
+
 static int run_script(lua_State *L, int argc, char **argv, const options_t *o) {
   const char *path = NULL;
   int first_arg;
@@ -328,9 +336,23 @@ static int run_script(lua_State *L, int argc, char **argv, const options_t *o) {
     first_arg = o->script + 1;
   }
   int narg = argc - first_arg;
-  luaL_checkstack(L, narg + 3, "too many arguments to the script");
-  for (int i = first_arg; i < argc; i++) lua_pushstring(L, argv[i]);
-  int status = dlua_state_dofile_args(L, path, narg);
+  luaL_checkstack(L, narg + 5, "too many arguments to the script");
+  int status;
+  if (path != NULL && is_subcommand(path)) {
+    lua_getglobal(L, "require");
+    lua_pushliteral(L, "dlua.cmd");
+    status = dlua_state_docall(L, 1, 1);
+    if (status == 0) {
+      lua_getfield(L, -1, "run");
+      lua_remove(L, -2);
+      lua_pushstring(L, path);
+      for (int i = first_arg; i < argc; i++) lua_pushstring(L, argv[i]);
+      status = dlua_state_docall(L, narg + 1, 0);
+    }
+  } else {
+    for (int i = first_arg; i < argc; i++) lua_pushstring(L, argv[i]);
+    status = dlua_state_dofile_args(L, path, narg);
+  }
   if (status) dlua_state_report(L, status);
   return status;
 }

@@ -8,6 +8,7 @@ local data = require 'dlua.data'
 local cli = require 'dlua.cli'
 local ckpt = require 'dlua.ckpt'
 local monitor = require 'dlua.monitor'
+local metrics = require 'dlua.metrics'
 local resnet = require 'models.resnet'
 
 local opt = cli.parse(arg, {
@@ -15,7 +16,7 @@ local opt = cli.parse(arg, {
   label_smoothing = 0.0, model = 'resnet20', threads = 0, seed = 1, data = '',
   limit = 0, eval_limit = 0, eval_batch = 1000, channels_last = true, zero_init_residual = true, clip_grad = 0,
   print_every = 100, zero = 0, offload = false, save = '', save_every = 0, save_async = false, keep = 0, resume = '', stop_after = 0,
-  checkpoint_activations = 'none', nan_check = '',
+  checkpoint_activations = 'none', nan_check = '', metrics = '',
 }, {
   description = 'Trains a ResNet on Fashion-MNIST (Debian package dataset-fashion-mnist).',
   help = {
@@ -46,6 +47,7 @@ local opt = cli.parse(arg, {
     checkpoint_activations = "none, blocks or stages: recompute those in backward instead of keeping their activations",
     nan_check = "loss: a non-finite loss stops the run, naming the step and the first module whose output went non-finite; "
       .. "modules: every module's output checked in every forward (slow); off (default: DLUA_NAN_CHECK, else loss)",
+    metrics = 'write one JSON line per step (loss, lr, img/s, time by phase, memory), per epoch and a summary to FILE (rank 0)',
   },
 })
 
@@ -221,24 +223,31 @@ mon:restarted(resumed_info, progress.step)
 
 local step = progress.step
 local stopped = false
+local mw = metrics.Writer(opt.metrics, { rank = rank, model = model, run = { recipe = 'fashion_mnist', options = opt, world = world } })
 local t_start = dlua.perf_counter()
 for epoch = resumed_epoch or 1, opt.epochs do
   sampler:set_epoch(epoch)
   if epoch ~= resumed_epoch then meter.loss_sum, meter.images = 0, 0 end
   local t0 = dlua.perf_counter()
   local fresh = 0  -- images this run trained on in this epoch (for img/s)
+  mw:start_epoch(epoch)
   for i, x, y in data.batches(epoch_set(epoch), { batch = opt.batch, skip = sampler:skip(epoch),
     seed = opt.seed * 1000 + rank, epoch = epoch, drop_last = true, augment = { crop_pad = 2, flip = true }, mean = mean, std = std }) do
     sgd:set_lr(mon:lr(step))
     sgd:zero_grad()
     local input = to_input(x)
+    mw:phase('data')
     local out = model:forward(input)
     local loss = mon:check_loss(criterion:forward(out, y):item(), input)
+    mw:phase('forward')
     model:backward(input, criterion:backward(out, y))
+    mw:phase('backward')
     if opt.clip_grad > 0 then  -- after DDP's all-reduce; under ZeRO over every rank's shard
       clip:add(opt.zero > 0 and model:clip_grad_norm_(opt.clip_grad) or nn.utils.clip_grad_norm_(model, opt.clip_grad))
     end
     sgd:step()
+    mw:phase('optimizer')
+    mw:step({ step = step + 1, loss = loss, lr = schedule(step), images = y:numel() * world })
     step = step + 1
     meter.loss_sum, meter.images, fresh = meter.loss_sum + loss * y:numel(), meter.images + y:numel(), fresh + y:numel()
     sampler:advance(y:numel())
@@ -263,7 +272,9 @@ for epoch = resumed_epoch or 1, opt.epochs do
     dist.all_reduce(t, 'sum')
     ips, loss_avg = t[1], t[2] / t[3]
   end
-  print(('epoch %d  train loss %.4f  test accuracy %.4f  img/s %.0f'):format(epoch, loss_avg, evaluate(), ips))
+  local accuracy = evaluate()
+  print(('epoch %d  train loss %.4f  test accuracy %.4f  img/s %.0f'):format(epoch, loss_avg, accuracy, ips))
+  mw:epoch({ train_loss = loss_avg, test_accuracy = accuracy, img_s = ips })
   clip:report()
 end
 -- The end, or --stop-after: the last state saved (unless the last step just was), then a checksum of the
@@ -271,5 +282,7 @@ end
 if opt.save ~= '' and not (opt.save_every > 0 and step % opt.save_every == 0 and step > 0) then save_checkpoint() end
 ckpt.wait()
 if stopped then print(('stopped after step %d'):format(step)) else print(('done in %.0f s'):format(dlua.perf_counter() - t_start)) end
-print('parameters crc32 ' .. ckpt.crc32(model))  -- ZeRO-3: its gathered state dict
+local crc = ckpt.crc32(model)  -- ZeRO-3: its gathered state dict
+print('parameters crc32 ' .. crc)
+mw:close({ parameters_crc32 = crc })
 if dist.is_initialized() then dist.destroy() end

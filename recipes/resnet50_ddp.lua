@@ -10,14 +10,15 @@ local data = require 'dlua.data'
 local cli = require 'dlua.cli'
 local ckpt = require 'dlua.ckpt'
 local monitor = require 'dlua.monitor'
+local metrics = require 'dlua.metrics'
 local resnet = require 'models.resnet'
 
 local opt = cli.parse(arg, {
   data = '', epochs = 1, batch = 32, lr = 0.1, warmup = 5, accumulate = 1, image_size = 32, workers = 2,
   seed = 1, limit = 0, eval_limit = 0, model = 'resnet50', momentum = 0.9, weight_decay = 1e-4,
-  bucket_mb = 25, threads = 0, channels_last = true, print_every = 10, sync_bn = false, device = 'auto',
+  bucket_mb = '25', threads = 0, channels_last = true, print_every = 10, sync_bn = false, device = 'auto',
   clip_grad = 0, zero = 0, offload = false, save = '', save_every = 0, save_async = false, keep = 0, resume = '', stop_after = 0,
-  pipeline = 0, chunks = 8, schedule = '1f1b', split = 'time', checkpoint_activations = 'none', nan_check = '',
+  pipeline = 0, chunks = 8, schedule = '1f1b', split = 'time', checkpoint_activations = 'none', nan_check = '', metrics = '',
 }, {
   description = 'Trains a ResNet (default ResNet-50) data-parallel with dlua.dist.DDP.',
   help = {
@@ -32,7 +33,7 @@ local opt = cli.parse(arg, {
     limit = 'train on the first N images only (0: all)',
     eval_limit = 'evaluate on the first N images only (0: all)',
     model = 'resnet18, resnet34, resnet50, resnet101, resnet152',
-    bucket_mb = 'DDP gradient bucket size in MB',
+    bucket_mb = "DDP gradient bucket size in MB, or 'auto': a few sizes timed in the first steps, the fastest kept",
     threads = 'CPU threads per rank (0: the launcher\'s share of the cores)',
     channels_last = 'keep activations in NHWC memory',
     print_every = 'steps between progress lines',
@@ -55,8 +56,12 @@ local opt = cli.parse(arg, {
     checkpoint_activations = "none, blocks or stages: recompute those in backward instead of keeping their activations",
     nan_check = "loss: a non-finite loss stops the run, naming the step and the first module whose output went non-finite; "
       .. "modules: every module's output checked in every forward (slow); off (default: DLUA_NAN_CHECK, else loss)",
+    metrics = 'write one JSON line per step (loss, lr, img/s, time by phase, memory), per epoch and a summary to FILE (rank 0)',
   },
 })
+if opt.bucket_mb ~= 'auto' then
+  opt.bucket_mb = tonumber(opt.bucket_mb) or error(("--bucket-mb %s: expected a number of MB or 'auto'"):format(opt.bucket_mb), 0)
+end
 io.stdout:setvbuf('line')
 if opt.threads > 0 then dlua.set_num_threads(opt.threads) end
 
@@ -211,6 +216,7 @@ if piped then
     data_group = layout.data, loss = criterion, data_parallel = zero1,
     ddp = layout.data and not zero1 and { bucket_mb = opt.bucket_mb } or nil })
 elseif opt.zero > 0 then
+  if opt.bucket_mb == 'auto' then error('--bucket-mb auto: DDP only (give --zero a number of MB)', 0) end
   model = dist.ZeRO(net, { stage = opt.zero, offload = opt.offload, accumulate = opt.accumulate, bucket_mb = opt.bucket_mb })
 else
   model = dist.DDP(net, { accumulate = opt.accumulate, bucket_mb = opt.bucket_mb })
@@ -250,7 +256,8 @@ else
   if opt.zero > 0 then
     log('%s; %d gradient buckets over %s%s', model:memory_line(), #model:bucket_plan(), transport, opt.sync_bn and ', SyncBatchNorm' or '')
   else
-    log('DDP: %d buckets, all-reduce over %s%s', #model:bucket_plan(), transport, opt.sync_bn and ', SyncBatchNorm' or '')
+    log('DDP: %d buckets%s, all-reduce over %s%s', #model:bucket_plan(), opt.bucket_mb == 'auto' and ' (auto: plans timed in the first steps)' or '',
+      transport, opt.sync_bn and ', SyncBatchNorm' or '')
   end
 end
 if ckpt_policy ~= 'none' then log('%s', tostring(ckpt_plan)) end
@@ -319,6 +326,9 @@ mon:restarted(resumed_info, progress.step)
 
 local step, acc = progress.step, 0
 local stopped = false
+local mw = metrics.Writer(opt.metrics, { rank = rank, model = model, device = device,
+  run = { recipe = 'resnet50_ddp', options = opt, world = world } })
+local step_loss, step_seen = 0, 0  -- --metrics: the loss sum and images when the step began (rank 0's own)
 local grad_norm  -- --clip-grad: the last step's gradient norm before clipping
 local t_start = dlua.perf_counter()
 for epoch = resumed_epoch or 1, opt.epochs do
@@ -329,17 +339,23 @@ for epoch = resumed_epoch or 1, opt.epochs do
   end
   local t0, fresh = dlua.perf_counter(), 0  -- fresh: images this run trained on in this epoch (for img/s)
   sgd:zero_grad()
+  mw:start_epoch(epoch)
+  step_loss, step_seen = mw.enabled and loss_sum:item() or 0, meter.seen
   for i, x, y in train_batches(epoch) do
     if i > steps_per_epoch * opt.accumulate then break end
     x, y = x:to(device), y:to(device)
+    mw:phase('data')
     if piped then
       -- the micro-batches through the stages: x is read on the first stage, y on the last; the batch's loss comes back everywhere
       loss_sum:add_(model:step(x, y):to(device) * y:numel())
+      mw:phase('other')  -- the pipeline's forward and backward are one call
     else
       local out = model:forward(x)
       local loss = criterion:forward(out, y)
       mon:check_loss(loss, x)  -- one device sync per micro-batch on a GPU
+      mw:phase('forward')
       model:backward(x, criterion:backward(out, y))
+      mw:phase('backward')
       loss_sum:add_(loss:double() * y:numel())
     end
     meter.seen, fresh = meter.seen + y:numel(), fresh + y:numel()
@@ -358,6 +374,13 @@ for epoch = resumed_epoch or 1, opt.epochs do
       sgd:set_lr(mon:lr(step))
       sgd:step()
       sgd:zero_grad()
+      mw:phase('optimizer')
+      if mw.enabled then  -- reading the loss back syncs a GPU once per step: only with --metrics
+        local l = loss_sum:item()
+        mw:step({ step = step + 1, loss = (l - step_loss) / (meter.seen - step_seen), lr = schedule(step),
+          images = (meter.seen - step_seen) * replicas })
+        step_loss, step_seen = l, meter.seen
+      end
       step = step + 1
       progress.step = step
       local s = i / opt.accumulate
@@ -383,6 +406,7 @@ for epoch = resumed_epoch or 1, opt.epochs do
   local n_eval
   acc, n_eval = evaluate()
   log('epoch %d  train loss %.4f  test accuracy %.4f (%d images)  img/s %.1f', epoch, ips[2] / ips[3], acc, n_eval, ips[1])
+  mw:epoch({ train_loss = ips[2] / ips[3], test_accuracy = acc, img_s = ips[1] })
 end
 -- The end, or --stop-after: the last state saved (unless the last step just was), then a checksum of the
 -- parameters and buffers, so runs can be compared bit for bit.
@@ -399,4 +423,5 @@ if piped then  -- each stage's own (its replicas hold the same)
 else
   log('parameters crc32 %s', ckpt.crc32(model))  -- ZeRO-3: its gathered state dict (every rank computes it)
 end
+mw:close({ test_accuracy = acc, bucket_choice = not piped and opt.zero == 0 and model:bucket_choice() or nil })
 dist.destroy()

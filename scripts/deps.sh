@@ -7,7 +7,7 @@ set -euo pipefail
 packages=(
   build-essential cmake ninja-build pkg-config git
   libluajit-5.1-dev libedit-dev zlib1g-dev
-  libopenblas-dev libdnnl-dev libturbojpeg0-dev libjpeg62-turbo-dev libpng-dev libgloo-dev libcjson-dev
+  libopenblas-dev libdnnl-dev libturbojpeg0-dev libjpeg62-turbo-dev libpng-dev libgloo-dev libcjson-dev gnuplot-nox
   libopenmpi-dev openmpi-bin
   check lua-busted python3 dataset-fashion-mnist
 )

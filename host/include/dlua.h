@@ -925,3 +925,37 @@ int dlua_control_available(void);
 int dlua_control_boundary(int64_t step);
 const char *dlua_control_command(int *every_rank, int64_t *at_step);
 void dlua_control_done(int ok, const char *text);
+
+/* ==== JSON ===================================================================================== */
+
+/* JSON through cJSON (Debian libcjson-dev) for metrics lines and the files `dlua plot` reads: Lua
+   builds a tree node by node and prints it on one line, or parses text and walks the tree. Numbers
+   are doubles, printed with the fewest digits (15-17) that read back exactly; NaN and infinities
+   print as null. Without cJSON at build time dlua_json_available()
+   is 0 and dlua_json_new/dlua_json_parse fail saying so. */
+typedef struct dlua_json dlua_json_t;
+typedef enum {
+  DLUA_JSON_NULL = 0, DLUA_JSON_FALSE = 1, DLUA_JSON_TRUE = 2, DLUA_JSON_NUMBER = 3,
+  DLUA_JSON_STRING = 4, DLUA_JSON_ARRAY = 5, DLUA_JSON_OBJECT = 6
+} dlua_json_kind_t;
+int dlua_json_available(void);
+/* A new node of `kind`: number (NUMBER) or text (STRING, len bytes, no NUL inside) give its value. */
+dlua_status_t dlua_json_new(dlua_json_t **out, int kind, double number, const char *text, size_t len);
+/* Adds child to an object under key (len bytes), or to an array (key NULL). The parent owns the
+   child from here, also when this fails (it is then freed). */
+dlua_status_t dlua_json_add(dlua_json_t *parent, const char *key, size_t len, dlua_json_t *child);
+/* The tree as one line of JSON without spaces; free *out with dlua_json_free_text. */
+dlua_status_t dlua_json_print(const dlua_json_t *node, char **out);
+void dlua_json_free_text(char *text);
+/* A root node and everything under it; NULL is ignored. */
+void dlua_json_free(dlua_json_t *node);
+/* Parses len bytes (one value, whitespace around it allowed); errors give the byte position. */
+dlua_status_t dlua_json_parse(const char *text, size_t len, dlua_json_t **out);
+int dlua_json_kind(const dlua_json_t *node);
+double dlua_json_number(const dlua_json_t *node);
+const char *dlua_json_string(const dlua_json_t *node);
+/* An object member's key; NULL for array elements. */
+const char *dlua_json_key(const dlua_json_t *node);
+/* The first child of an array or object (NULL when empty), then the next one (NULL after the last). */
+const dlua_json_t *dlua_json_first(const dlua_json_t *node);
+const dlua_json_t *dlua_json_next(const dlua_json_t *node);

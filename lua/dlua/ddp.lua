@@ -104,13 +104,13 @@ M.verify_same_model = verify_same_model  -- ZeRO checks the same way
 ---------------------------------------------------------------------------------------------
 -- Construction
 
--- dist.DDP(model, {bucket_mb = 25, first_bucket_mb = 1, accumulate = 1, group = g,
--- hook = fn, hook_state = s, broadcast = true})
+-- dist.DDP(model, {bucket_mb = 25 (or 'auto'), first_bucket_mb = 1, accumulate = 1, group = g,
+-- hook = fn, hook_state = s, broadcast = true, auto = {candidates =, steps =, warmup =}})
 function M.new(dist, model, opts)
   opts = opts or {}
   if type(model) ~= 'table' or model.flatten == nil then fail(3, 'DDP: expected a dlua.nn module, got %s', type(model)) end
   local allowed = { bucket_mb = true, first_bucket_mb = true, accumulate = true, group = true, hook = true,
-                    hook_state = true, broadcast = true }
+                    hook_state = true, broadcast = true, auto = true }
   for k in pairs(opts) do
     if not allowed[k] then fail(3, "DDP: unknown option '%s'", tostring(k)) end
   end
@@ -120,12 +120,14 @@ function M.new(dist, model, opts)
     fail(3, 'DDP: accumulate must be a whole number >= 1, got %s', tostring(accumulate))
   end
   local bucket_mb, first_mb = opts.bucket_mb or 25, opts.first_bucket_mb or 1
-  if type(bucket_mb) ~= 'number' or bucket_mb <= 0 then fail(3, 'DDP: bucket_mb must be a positive number') end
+  local auto = bucket_mb == 'auto'
+  if not auto and (type(bucket_mb) ~= 'number' or bucket_mb <= 0) then fail(3, "DDP: bucket_mb must be a positive number or 'auto'") end
+  if opts.auto ~= nil and not auto then fail(3, "DDP: the auto option needs bucket_mb = 'auto'") end
   if type(first_mb) ~= 'number' or first_mb <= 0 then fail(3, 'DDP: first_bucket_mb must be a positive number') end
 
   local self = { module = model, dist = dist, group = opts.group, accumulate = accumulate, _micro = 0,
                  hook = opts.hook or M.allreduce_hook, hook_state = opts.hook_state,
-                 bucket_mb = bucket_mb, first_bucket_mb = first_mb, steps_synced = 0 }
+                 bucket_mb = bucket_mb, first_bucket_mb = first_mb, steps_synced = 0, comm_wait_s = 0 }
   self.rank = dist.rank()
   self.world = opts.group and opts.group:size() or dist.world_size()
   -- Same model everywhere? Checked first: the arena's allocation below is itself collective.
@@ -160,7 +162,13 @@ function M.new(dist, model, opts)
   end
 
   setmetatable(self, DDP)
-  self:set_buckets(M.plan(arena.entries, first_mb * 2 ^ 20, bucket_mb * 2 ^ 20))
+  if auto then  -- candidate plans timed in the first steps (lua/dlua/ddp_auto.lua)
+    self._auto = require('dlua.ddp_auto').new(self, function(mb) return M.plan(arena.entries, first_mb * 2 ^ 20, mb * 2 ^ 20) end,
+      opts.auto, 4)
+    self:set_buckets(self._auto:initial_plan())
+  else
+    self:set_buckets(M.plan(arena.entries, first_mb * 2 ^ 20, bucket_mb * 2 ^ 20))
+  end
   self:_install()
   model._grad_sync = self
   self._grad_sync = self
@@ -216,6 +224,10 @@ function DDP:set_buckets(plan)
   self.buckets, self._owner = buckets, owner
   self:_reset_step()
 end
+
+-- bucket_mb = 'auto': the plan kept and each candidate's time ({bucket_mb, buckets, seconds,
+-- candidates = {...}}), or nil while the first steps are still measuring.
+function DDP:bucket_choice() return self.auto_report end
 
 -- The plan as a plain table (index, dtype, offset, numel, names): read it, change it, give
 -- it back to set_buckets.
@@ -310,7 +322,10 @@ function DDP:backward(x, grad, ...)
   if self._pending then self:wait() end
   self._micro = self._micro + 1
   local syncing = self:_syncing()
-  if syncing then self:_reset_step() end
+  if syncing then
+    if self._auto then self._auto:tick() end  -- may switch the plan: nothing is in flight here
+    self:_reset_step()
+  end
   self._in_backward = true
   local ok, r = pcall(self.module.backward, self.module, x, grad, ...)
   self._in_backward = false
@@ -323,6 +338,15 @@ function DDP:backward(x, grad, ...)
   return r
 end
 
+-- Seconds spent blocked on bucket communication since construction (ddp.comm_wait_s): the
+-- part of the all-reduce that backward did not hide (dlua.metrics reads it).
+local now = dlua.perf_counter
+local function timed_wait(self, w)
+  local t0 = now()
+  w:wait()
+  self.comm_wait_s = self.comm_wait_s + (now() - t0)
+end
+
 -- Waits for every bucket's communication.
 function DDP:wait()
   if not self._pending then return end
@@ -331,7 +355,7 @@ function DDP:wait()
     if b.work then
       local w = b.work
       b.work = nil
-      w:wait()
+      timed_wait(self, w)
     end
   end
   self._pending = false
@@ -345,7 +369,7 @@ function DDP:wait_range(dtype, offset, numel)
     if b.dtype == dtype and b.offset < offset + numel and offset < b.offset + b.numel and b.work then
       local w = b.work
       b.work = nil
-      w:wait()
+      timed_wait(self, w)
     end
   end
 end
