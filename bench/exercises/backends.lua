@@ -17,7 +17,7 @@ return function(ctx, E)
   local backends = {
     { label = 'gloo TCP', backend = 'gloo', env = { DLUA_SHM = '0' } },
     { label = 'shared memory', backend = 'gloo', env = {} },
-    { label = 'MPI', backend = 'mpi', env = {} },
+    { label = 'MPI', backend = 'mpi', env = {}, mpirun = true },
   }
   if dlua.cuda.is_available() and dlua.cuda.device_count() >= ranks then
     backends[#backends + 1] = { label = 'NCCL', backend = 'nccl', env = {} }
@@ -25,9 +25,14 @@ return function(ctx, E)
   local rows, notes, bw_series = {}, {}, {}
   for _, b in ipairs(backends) do
     ctx:log('- %s', b.label)
-    local ok, out = ctx:run({ nproc = ranks, ranks_output = '0', env = b.env, args = { 'bench/exercises/ddp_worker.lua',
+    if b.mpirun and os.execute('command -v mpirun >/dev/null 2>&1') ~= 0 and os.execute('command -v mpirun >/dev/null 2>&1') ~= true then
+      b.mpirun = nil  -- no mpirun: the launcher's run says why MPI cannot start
+    end
+    local ok, out = ctx:run({ nproc = ranks, ranks_output = '0', env = b.env, mpirun = b.mpirun, args = { 'bench/exercises/ddp_worker.lua',
       '--backend', b.backend, '--sizes', table.concat(size_list, ','), '--repeats', tostring(repeats), '--model', model,
-      '--image', tostring(image), '--batch', tostring(batch), '--steps', tostring(steps), '--plans', '25:1' } })
+      '--image', tostring(image), '--batch', tostring(batch), '--steps', tostring(steps), '--plans', '25:1',
+      -- mpirun does not share the cores out among its ranks as dlua --nproc does
+      '--threads', tostring(b.mpirun and math.max(1, math.floor(dlua.get_num_threads() / ranks)) or 0) } })
     local row = { backend = b.label }
     local bw = {}
     if ok then

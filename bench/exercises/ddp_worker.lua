@@ -18,7 +18,7 @@ if opt.threads > 0 then dlua.set_num_threads(opt.threads) end
 -- A backend this build lacks (mpi before #26 lands, nccl without GPUs) is a line, not a failure.
 local ok, err = pcall(dist.init, { backend = opt.backend })
 if not ok then
-  local rank = tonumber(os.getenv('RANK') or '0')
+  local rank = tonumber(os.getenv('RANK') or os.getenv('OMPI_COMM_WORLD_RANK') or '0')
   if rank == 0 then print(('missing\t%s\t%s'):format(opt.backend, tostring(err):gsub('^[^:]*:%d+: ', ''):gsub('[\t\n]', ' '))) end
   os.exit(0)
 end

@@ -46,9 +46,16 @@ function Ctx:run(spec)
   local cmd = {}
   for k, v in pairs(spec.env or {}) do cmd[#cmd + 1] = k .. '=' .. shell_quote(v) end
   cmd[#cmd + 1] = 'timeout ' .. (spec.timeout or self.timeout)
-  cmd[#cmd + 1] = shell_quote(self.exe)
-  if (spec.nproc or 1) > 1 then cmd[#cmd + 1] = '--nproc ' .. spec.nproc end
-  if spec.ranks_output then cmd[#cmd + 1] = '--ranks-output ' .. spec.ranks_output end
+  if spec.mpirun then
+    -- the MPI backend needs ranks started by mpirun (root here needs its two consent variables)
+    cmd[#cmd + 1] = 'env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun -np ' .. (spec.nproc or 1)
+      .. ' --oversubscribe --bind-to none'
+    cmd[#cmd + 1] = shell_quote(self.exe)
+  else
+    cmd[#cmd + 1] = shell_quote(self.exe)
+    if (spec.nproc or 1) > 1 then cmd[#cmd + 1] = '--nproc ' .. spec.nproc end
+    if spec.ranks_output then cmd[#cmd + 1] = '--ranks-output ' .. spec.ranks_output end
+  end
   for _, a in ipairs(spec.args) do cmd[#cmd + 1] = shell_quote(a) end
   local line = table.concat(cmd, ' ')
   if self.verbose then self:log('  $ %s', line) end
@@ -104,7 +111,8 @@ function Ctx:table(t)
   end
   local function line(vals, sep)
     local parts = {}
-    for ci, v in ipairs(vals) do parts[ci] = format('%-' .. widths[ci] .. 's', v) end
+    -- padded by hand: Lua's %-Ns takes widths up to 99 only, and a cell may hold a long reason
+    for ci, v in ipairs(vals) do parts[ci] = v .. string.rep(' ', widths[ci] - #v) end
     return table.concat(parts, sep)
   end
   local titles = {}
