@@ -236,11 +236,18 @@ static int env_int(const char *name, int dflt) {
   return v && *v ? atoi(v) : dflt;
 }
 
+/* The first of the launchers' variables that is set: dlua --nproc and torchrun set RANK, mpirun and
+   srun their own (a rank they started has no RANK, and every rank would write flight-rank0.json). */
+static int env_first(const char *a, const char *b, const char *c, int dflt) {
+  return env_int(a, env_int(b, env_int(c, dflt)));
+}
+
 dlua_status_t dlua_flight_write(const char *dir, const char *reason, int64_t dump_id, const dlua_flight_where_t *where) {
   if (!dir || !*dir) dir = dlua_flight_default_dir();
   if (mkdir(dir, 0700) != 0 && errno != EEXIST)
     return DLUA_ERR(DLUA_ERR_IO, "flight recorder: cannot create %s: %s", dir, strerror(errno));
-  int rank = env_int("RANK", 0), world = env_int("WORLD_SIZE", 1);
+  int rank = env_first("RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", 0);
+  int world = env_first("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS", 1);
   char path[4096], tmp[4096];
   snprintf(path, sizeof path, "%s/flight-rank%d.json", dir, rank);
   snprintf(tmp, sizeof tmp, "%s/.flight-rank%d.json.%d", dir, rank, (int)getpid());
@@ -249,7 +256,7 @@ dlua_status_t dlua_flight_write(const char *dir, const char *reason, int64_t dum
   char host[256] = "";
   gethostname(host, sizeof host - 1);
   fprintf(f, "{\"format\": \"dlua.flight/1\", \"rank\": %d, \"world_size\": %d, \"local_rank\": %d, \"pid\": %d, \"host\": ",
-          rank, world, env_int("LOCAL_RANK", 0), (int)getpid());
+          rank, world, env_first("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", 0), (int)getpid());
   put_str(f, host);
   fputs(", \"reason\": ", f);
   put_str(f, reason ? reason : "request");
