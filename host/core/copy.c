@@ -75,6 +75,111 @@ typedef void (*cvt_fn)(char *dst, int64_t ds, const char *src, int64_t ss, int64
 
 FOR_SRC(CVT_FN)
 
+/* ---- f32 <-> f16/bf16 with SIMD (gradient compression casts whole buckets) ----------------- */
+
+/* The same bits as the scalar conversions above (checked over every half value and the f32
+   edge cases in tests/host/test_copy.c): F16C rounds to nearest even and quiets NaNs the same
+   way; bf16 is integer arithmetic on 16 lanes. x86-64's baseline has neither, so the vector
+   paths are chosen at run time. */
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define DLUA_X86_SIMD 1
+static int cpu_f16c(void) {
+  static int v = -1;
+  if (v < 0) v = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  return v;
+}
+static int cpu_avx512bw(void) {
+  static int v = -1;
+  if (v < 0) v = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  return v;
+}
+__attribute__((target("avx2,f16c"))) static int64_t f32_to_f16_f16c(uint16_t *d, const float *s, int64_t n, float scale) {
+  const __m256 sc = _mm256_set1_ps(scale);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 v = _mm256_loadu_ps(s + i);
+    if (scale != 1.0f) v = _mm256_mul_ps(v, sc);
+    _mm_storeu_si128((__m128i *)(d + i), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  return i;
+}
+__attribute__((target("avx2,f16c"))) static int64_t f16_to_f32_f16c(float *d, const uint16_t *s, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(d + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + i))));
+  return i;
+}
+__attribute__((target("avx512f,avx512bw"))) static int64_t f32_to_bf16_512(uint16_t *d, const float *s, int64_t n,
+                                                                          float scale) {
+  const __m512 sc = _mm512_set1_ps(scale);
+  const __m512i abs = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
+  const __m512i bias = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1), quiet = _mm512_set1_epi32(0x40);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m512 f = _mm512_loadu_ps(s + i);
+    if (scale != 1.0f) f = _mm512_mul_ps(f, sc);
+    __m512i x = _mm512_castps_si512(f);
+    __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(x, abs), inf);
+    __m512i hi = _mm512_srli_epi32(x, 16);
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(x, _mm512_add_epi32(bias, _mm512_and_si512(hi, one))), 16);
+    r = _mm512_mask_or_epi32(r, nan, hi, quiet);
+    _mm256_storeu_si256((__m256i *)(d + i), _mm512_cvtepi32_epi16(r));
+  }
+  return i;
+}
+__attribute__((target("avx512f,avx512bw"))) static int64_t bf16_to_f32_512(float *d, const uint16_t *s, int64_t n) {
+  const __m512i abs = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
+  const __m512i quiet = _mm512_set1_epi32(0x400000);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m512i x = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(s + i))), 16);
+    __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(x, abs), inf);
+    _mm512_storeu_ps(d + i, _mm512_castsi512_ps(_mm512_mask_or_epi32(x, nan, x, quiet)));
+  }
+  return i;
+}
+#endif
+
+void dlua_convert_f32_to_half(uint16_t *d, const float *s, int64_t n, float scale, int bf16) {
+  int64_t i = 0;
+#ifdef DLUA_X86_SIMD
+  if (bf16 && cpu_avx512bw()) i = f32_to_bf16_512(d, s, n, scale);
+  if (!bf16 && cpu_f16c()) i = f32_to_f16_f16c(d, s, n, scale);
+#endif
+  if (bf16) {
+    for (; i < n; i++) d[i] = dlua_f32_to_bf16_inl(scale != 1.0f ? s[i] * scale : s[i]);
+  } else {
+    for (; i < n; i++) d[i] = dlua_f32_to_f16_inl(scale != 1.0f ? s[i] * scale : s[i]);
+  }
+}
+
+void dlua_convert_half_to_f32(float *d, const uint16_t *s, int64_t n, int bf16) {
+  int64_t i = 0;
+#ifdef DLUA_X86_SIMD
+  if (bf16 && cpu_avx512bw()) i = bf16_to_f32_512(d, s, n);
+  if (!bf16 && cpu_f16c()) i = f16_to_f32_f16c(d, s, n);
+#endif
+  if (bf16) {
+    for (; i < n; i++) d[i] = dlua_bf16_to_f32_inl(s[i]);
+  } else {
+    for (; i < n; i++) d[i] = dlua_f16_to_f32_inl(s[i]);
+  }
+}
+
+/* Contiguous runs take the vector paths; strided ones the scalar loops of CVT_FN. */
+#define FAST_CVT(NAME, SLOW, DT, ST, CALL)                                           \
+  static void NAME(char *d, int64_t ds, const char *s, int64_t ss, int64_t n) {      \
+    if (ds == (int64_t)sizeof(DT) && ss == (int64_t)sizeof(ST)) {                    \
+      CALL;                                                                          \
+    } else {                                                                         \
+      SLOW(d, ds, s, ss, n);                                                         \
+    }                                                                                \
+  }
+FAST_CVT(fast_f32_f16, cvt_f32_f16, uint16_t, float, dlua_convert_f32_to_half((uint16_t *)d, (const float *)s, n, 1.0f, 0))
+FAST_CVT(fast_f32_bf16, cvt_f32_bf16, uint16_t, float, dlua_convert_f32_to_half((uint16_t *)d, (const float *)s, n, 1.0f, 1))
+FAST_CVT(fast_f16_f32, cvt_f16_f32, float, uint16_t, dlua_convert_half_to_f32((float *)d, (const uint16_t *)s, n, 0))
+FAST_CVT(fast_bf16_f32, cvt_bf16_f32, float, uint16_t, dlua_convert_half_to_f32((float *)d, (const uint16_t *)s, n, 1))
+
 #define CVT_ENTRY(SN, ST, DN, DT) cvt_##SN##_##DN,
 static const cvt_fn cvt_table[DLUA_DTYPE_COUNT * DLUA_DTYPE_COUNT] = {FOR_SRC(CVT_ENTRY)};
 
@@ -104,6 +209,10 @@ static cvt_fn converter(dlua_dtype_t src, dlua_dtype_t dst) {
       default: return raw_copy8;
     }
   }
+  if (src == DLUA_DTYPE_F32 && dst == DLUA_DTYPE_F16) return fast_f32_f16;
+  if (src == DLUA_DTYPE_F32 && dst == DLUA_DTYPE_BF16) return fast_f32_bf16;
+  if (src == DLUA_DTYPE_F16 && dst == DLUA_DTYPE_F32) return fast_f16_f32;
+  if (src == DLUA_DTYPE_BF16 && dst == DLUA_DTYPE_F32) return fast_bf16_f32;
   return cvt_table[src * DLUA_DTYPE_COUNT + dst];
 }
 

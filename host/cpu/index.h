@@ -1,4 +1,4 @@
-/* Internal helpers shared by the CPU indexing, sorting and GEMM kernels (index.c, sort.c, linalg.c). */
+/* Internal helpers shared by the CPU indexing, sorting, GEMM and compression kernels (index.c, sort.c, linalg.c, compress.c). */
 #ifndef DLUA_CPU_INDEX_H
 #define DLUA_CPU_INDEX_H
 #include "core/tensor.h"
@@ -50,5 +50,8 @@ dlua_status_t dlua_index_contiguous_on(const char *op, const char *what, const d
    CUDA device (the search runs there; the answer is waited for). */
 dlua_status_t dlua_cpu_check_indices(const char *op, const dlua_tensor_t *index, int64_t size, int64_t base,
                                      const char *what);
+
+/* Positions (increasing) of the k largest |x| of n contiguous f32: the radix select of topk (sort.c). */
+dlua_status_t dlua_cpu_topk_abs_f32(const float *x, int64_t n, int64_t k, int64_t *pos);
 
 #endif

@@ -461,6 +461,32 @@ dlua_status_t dlua_tensor_topk(dlua_tensor_t **values, dlua_tensor_t **indices, 
   return close_outputs(values, indices, &pv, &pi, s);
 }
 
+/* Gradient compression (host/cpu/compress.c): the positions, in increasing order, of the k largest |x| of n
+   contiguous f32 (NaN counts as the largest; ties go to the lowest positions). */
+dlua_status_t dlua_cpu_topk_abs_f32(const float *x, int64_t n, int64_t k, int64_t *pos) {
+  if (k >= n) {
+    for (int64_t i = 0; i < n; i++) pos[i] = i;
+    return DLUA_OK;
+  }
+  if (k <= 0) return DLUA_OK;
+  key_kind_t kk = key_kind(DLUA_DTYPE_F32, 1);
+  int threads = omp_get_max_threads();
+  int64_t want = n <= 2 * TOPK_CHUNK ? 1 : (n + TOPK_CHUNK - 1) / TOPK_CHUNK;
+  int nchunks = (int)(want < threads ? want : threads);
+  if (nchunks > TOPK_MAX_CHUNKS) nchunks = TOPK_MAX_CHUNKS;
+  size_t nb = (size_t)1 << (n > 4096 ? 16 : 8);
+  size_t bytes = (size_t)nchunks * (nb * sizeof(uint32_t) + 2 * sizeof(int64_t));
+  char *mem = malloc(bytes);
+  if (!mem) return oom("topk compression", bytes);
+  topk_scratch_t sc;
+  sc.hist = (uint32_t *)mem;
+  sc.above = (int64_t *)(mem + (size_t)nchunks * nb * sizeof(uint32_t));
+  sc.equal = sc.above + nchunks;
+  topk_row(&kk, (const char *)x, 4, n, k, 0, nchunks, &sc, pos);
+  free(mem);
+  return DLUA_OK;
+}
+
 // a: (..., n, ...) at dim  ->  values: a's dtype, indices: int64; both a's shape
 dlua_status_t dlua_tensor_sort(dlua_tensor_t **values, dlua_tensor_t **indices, const dlua_tensor_t *a, int dim,
                                int descending, int64_t index_base) {

@@ -239,6 +239,23 @@ dlua_status_t dlua_tensor_addmm(dlua_tensor_t **out, const dlua_tensor_t *c, con
 /* Row-major single-precision GEMM on raw pointers: C = alpha * op(A) op(B) + beta * C. */
 dlua_status_t dlua_sgemm(int trans_a, int trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float *a, int64_t lda, const float *b, int64_t ldb, float beta, float *c, int64_t ldc);
 
+/* ==== gradient compression (DDP communication hooks, docs/ddp.md) ============================ */
+
+/* CPU tensors, contiguous. dst (n) f16 or bf16 = src (n) f32 * scale, rounded to nearest even; and back. */
+dlua_status_t dlua_compress_to_half(dlua_tensor_t *dst, const dlua_tensor_t *src, double scale);
+dlua_status_t dlua_compress_from_half(dlua_tensor_t *dst, const dlua_tensor_t *src);
+/* Top-k of one bucket: grad (n) f32; acc (n) f32 or NULL (error feedback: acc += grad); mom (n) f32 or NULL
+   (DGC momentum correction: mom = momentum * mom + grad, acc += mom). The k largest |acc| (|grad| without acc)
+   go into packed (2k) int32: k float bit patterns, then their k 0-based indices, increasing; their acc and mom
+   entries become 0, so acc keeps exactly what was not sent. */
+dlua_status_t dlua_compress_topk(dlua_tensor_t *packed, const dlua_tensor_t *grad, dlua_tensor_t *acc, dlua_tensor_t *mom, double momentum, int64_t k);
+/* grad (n) f32 = (sum over the rows of gathered (rows, 2k) int32 of their values at their indices, in row
+   order) / divisor. */
+dlua_status_t dlua_compress_topk_unpack(dlua_tensor_t *grad, const dlua_tensor_t *gathered, int64_t rows, double divisor);
+/* PowerSGD: p (n, r) f32 gets orthonormal columns (modified Gram-Schmidt in double); a column whose remaining
+   norm is <= eps or <= 1e-10 of its own (in the span of the earlier ones) becomes 0. */
+dlua_status_t dlua_compress_orthogonalize(dlua_tensor_t *p, double eps);
+
 /* ==== rendezvous store ======================================================================= */
 
 /* A TCP key-value store where the ranks of a job meet (docs/comm.md). The server runs on a
