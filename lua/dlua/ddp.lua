@@ -15,7 +15,21 @@ local dtype_bytes = { float32 = 4, float64 = 8, float16 = 2, bfloat16 = 2, int32
 
 -- The default communication hook: average the bucket over the group, asynchronously.
 function M.allreduce_hook(state, bucket)
+  local c = bucket.counters
+  if c then c.bytes = c.bytes + bucket.numel * bucket.tensor:element_size() end
   return bucket.dist.all_reduce(bucket.tensor, 'avg', { async = true, group = bucket.group })
+end
+
+-- hook = fn, or a hook object of dlua.dist.compress (it is its own state): the function and state to run.
+function M.resolve_hook(hook, state, who)
+  if type(hook) == 'table' and type(hook.comm_hook) == 'function' then
+    if state ~= nil and state ~= hook then fail(4, '%s: a compression hook object carries its own state; give no hook_state', who) end
+    return hook.comm_hook, hook
+  end
+  if hook ~= nil and type(hook) ~= 'function' then
+    fail(4, '%s: the hook must be a function or a dlua.dist.compress hook, got %s', who, type(hook))
+  end
+  return hook or M.allreduce_hook, state
 end
 
 ---------------------------------------------------------------------------------------------
@@ -126,8 +140,9 @@ function M.new(dist, model, opts)
   if type(first_mb) ~= 'number' or first_mb <= 0 then fail(3, 'DDP: first_bucket_mb must be a positive number') end
 
   local self = { module = model, dist = dist, group = opts.group, accumulate = accumulate, _micro = 0,
-                 hook = opts.hook or M.allreduce_hook, hook_state = opts.hook_state,
+                 comm_counters = { bytes = 0, dense_bytes = 0, compress_s = 0 },
                  bucket_mb = bucket_mb, first_bucket_mb = first_mb, steps_synced = 0, comm_wait_s = 0 }
+  self.hook, self.hook_state = M.resolve_hook(opts.hook, opts.hook_state, 'DDP')
   self.rank = dist.rank()
   self.world = opts.group and opts.group:size() or dist.world_size()
   -- Same model everywhere? Checked first: the arena's allocation below is itself collective.
@@ -202,7 +217,7 @@ function DDP:set_buckets(plan)
     if type(b) ~= 'table' or type(b.offset) ~= 'number' or type(b.numel) ~= 'number' or not self.arena.grads[b.dtype] then
       fail(2, 'DDP:set_buckets: bucket %d needs dtype, offset and numel of the gradient arena', i)
     end
-    buckets[i] = { index = i, dtype = b.dtype, offset = b.offset, numel = b.numel, names = {}, params = 0 }
+    buckets[i] = { index = i, dtype = b.dtype, offset = b.offset, numel = b.numel, names = {}, entries = {}, params = 0 }
   end
   -- each entry belongs to the bucket that contains it
   local owner = {}
@@ -213,6 +228,7 @@ function DDP:set_buckets(plan)
     end
     if not found then fail(2, 'DDP:set_buckets: parameter %s is in no bucket (or split across two)', en.name) end
     found.names[#found.names + 1] = en.name
+    found.entries[#found.entries + 1] = { name = en.name, offset = en.offset - found.offset, numel = en.numel, shape = en.shape }
     found.params = found.params + 1
     owner[en.name] = found
   end
@@ -220,6 +236,8 @@ function DDP:set_buckets(plan)
     if b.params == 0 then fail(2, 'DDP:set_buckets: bucket %d holds no parameter', b.index) end
     b.tensor = self.arena.grads[b.dtype]:narrow(1, b.offset + 1, b.numel)
     b.group, b.dist = self.group, self.dist
+    -- for hooks: the whole arena's size (residuals span it), this step's byte and time counters
+    b.arena_numel, b.counters = self.arena.grads[b.dtype]:numel(), self.comm_counters
   end
   self.buckets, self._owner = buckets, owner
   self:_reset_step()
@@ -296,6 +314,7 @@ function DDP:_launch(b)
   -- accumulate = k: the k micro-batches' summed gradients become their mean, so a step
   -- equals one on the k-times larger batch
   if self.accumulate > 1 then b.tensor:mul_(1 / self.accumulate) end
+  self.comm_counters.dense_bytes = self.comm_counters.dense_bytes + b.numel * b.tensor:element_size()
   flight.set_bucket(b.index)  -- (a hook that raises ends the step; the next launch sets it again)
   local w = self.hook(self.hook_state, b)
   flight.set_bucket(0)
@@ -414,10 +433,33 @@ end
 -- Communication hooks: fn(state, bucket) starts the reduction of bucket.tensor (a view of
 -- the flat gradients; bucket.index, bucket.names, bucket.dtype) and returns a handle with
 -- wait(). state is saved by state_dict().
+-- register_comm_hook(h) takes a dlua.dist.compress hook object (its own state).
 function DDP:register_comm_hook(state, fn)
-  if type(fn) ~= 'function' then fail(2, 'DDP:register_comm_hook: expected a function, got %s', type(fn)) end
+  if fn == nil and type(state) == 'table' and type(state.comm_hook) == 'function' then state, fn = nil, state end
+  if type(fn) ~= 'function' and not (type(fn) == 'table' and type(fn.comm_hook) == 'function') then
+    fail(2, 'DDP:register_comm_hook: expected a function or a dlua.dist.compress hook, got %s', type(fn))
+  end
   self:wait()
-  self.hook_state, self.hook = state, fn
+  self.hook, self.hook_state = M.resolve_hook(fn, state, 'DDP:register_comm_hook')
+end
+
+-- What the hook sent: {steps, bytes_per_step (this rank's payload handed to collectives), dense_bytes_per_step
+-- (the buckets' size: what the default all-reduce hands over), ratio (dense / sent), compress_s_per_step
+-- (seconds in the hook's own work: casts, selection, products; waits for collectives excluded), hook}
+-- since construction or the last comm_stats{reset = true}.
+function DDP:comm_stats(opts)
+  local c = self.comm_counters
+  local steps = self.steps_synced - (self._stats_base or 0)
+  local per = math.max(steps, 1)
+  local r = { steps = steps, bytes_per_step = c.bytes / per, dense_bytes_per_step = c.dense_bytes / per,
+    ratio = c.bytes > 0 and c.dense_bytes / c.bytes or 1, compress_s_per_step = c.compress_s / per,
+    hook = type(self.hook_state) == 'table' and self.hook_state.spec or (self.hook == M.allreduce_hook and 'allreduce' or 'custom') }
+  if opts and opts.reset then
+    self:wait()
+    c.bytes, c.dense_bytes, c.compress_s = 0, 0, 0
+    self._stats_base = self.steps_synced
+  end
+  return r
 end
 
 -- The communication state for a checkpoint: the hook's state (its state_dict() if it has

@@ -543,6 +543,8 @@ end
 
 -- Data-parallel training (lua/dlua/ddp.lua, docs/ddp.md).
 function dist.DDP(model, opts) return require('dlua.ddp').new(dist, model, opts) end
+-- Gradient compression hooks for DDP (lua/dlua/compress.lua): dist.compress.fp16(), .topk{...}, .powersgd{...}, .from_spec(s).
+dist.compress = require 'dlua.compress'
 -- Sharded data parallelism, ZeRO stages 1-3 (lua/dlua/zero.lua, docs/zero.md).
 function dist.ZeRO(model, opts) return require('dlua.zero').new(dist, model, opts) end
 

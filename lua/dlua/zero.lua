@@ -51,7 +51,7 @@ end
 -- Construction
 
 local allowed = { stage = true, offload = true, bucket_mb = true, first_bucket_mb = true, accumulate = true,
-  group = true, gather_group = true, broadcast = true, prefetch = true, max_inflight = true }
+  group = true, gather_group = true, broadcast = true, prefetch = true, max_inflight = true, hook = true, hook_state = true }
 
 -- dist.ZeRO(model, {stage = 1|2|3, offload = false, bucket_mb = 25, first_bucket_mb = 1, accumulate = 1,
 -- group = g, gather_group = g2, broadcast = true, prefetch = 1, max_inflight = 2})
@@ -68,6 +68,15 @@ function M.new(dist, model, opts)
   local stage = opts.stage or 1
   if stage ~= 1 and stage ~= 2 and stage ~= 3 then
     fail(3, 'ZeRO: stage must be 1, 2 or 3, got %s (stage 0 is dist.DDP)', tostring(stage))
+  end
+  -- A communication hook (gradient compression) replaces the reduction. Stage 1 keeps whole gradients, so a hook
+  -- that leaves every rank the averaged arena (what an all-reduce gives) serves: each rank reads its shard of it.
+  -- Stages 2 and 3 reduce-scatter bucket by bucket and keep only the shard: a compressor would need its own
+  -- sparse/low-rank reduce-scatter, so they refuse rather than train on something else (docs/zero.md).
+  if opts.hook ~= nil and stage ~= 1 then
+    fail(3, 'ZeRO: stage %d cannot take a communication hook (%s): it reduce-scatters gradient buckets and keeps only '
+      .. "this rank's shard, which compression hooks (all-reduce or all-gather of whole buckets) do not give; use stage 1 "
+      .. '(whole gradients, sharded optimizer state) or no hook', stage, tostring(opts.hook))
   end
   local accumulate = opts.accumulate or 1
   if type(accumulate) ~= 'number' or accumulate < 1 or accumulate ~= math.floor(accumulate) then
@@ -93,6 +102,10 @@ function M.new(dist, model, opts)
   self.rank = group and group:rank() or dist.rank()
   self.world = group and group:size() or dist.world_size()
   if self.rank == nil then fail(3, 'ZeRO: rank %d is not a member of the group', dist.rank()) end
+  if opts.hook ~= nil then
+    self.hook, self.hook_state = ddp.resolve_hook(opts.hook, opts.hook_state, 'ZeRO')
+    self.comm_counters = { bytes = 0, dense_bytes = 0, compress_s = 0 }
+  end
 
   -- Same model everywhere? Checked first (as DDP does): what follows is collective.
   local named = model:named_parameters()
@@ -273,7 +286,9 @@ function ZeRO:backward(x, grad, ...)
       if self.accumulate > 1 then self.arena.grads[dt]:mul_(1 / self.accumulate) end
       local ins = {}
       for q = 1, self.world do ins[q] = slice(big, (q - 1) * sh.m, sh.m) end
-      if self.world > 1 then
+      if self.hook and self.world > 1 then
+        self._rs[dt] = self:_run_hook(dt)
+      elseif self.world > 1 then
         self._rs[dt] = self.dist.reduce_scatter(ins[self.rank + 1], ins, 'avg', { async = true, group = self.group })
       end
     end
@@ -281,6 +296,36 @@ function ZeRO:backward(x, grad, ...)
     self.steps_synced = self.steps_synced + 1
   end
   return unpack(r, 1, table.maxn(r))
+end
+
+-- Stage 1 with a hook: the whole arena of dt is one bucket; the hook leaves the average in place.
+function ZeRO:_run_hook(dt)
+  local g = self.arena.grads[dt]
+  self._hook_buckets = self._hook_buckets or {}
+  local b = self._hook_buckets[dt]
+  if b == nil then
+    local entries, names = {}, {}
+    for _, en in ipairs(self.arena.entries) do
+      if en.dtype == dt then
+        entries[#entries + 1] = { name = en.name, offset = en.offset, numel = en.numel, shape = en.shape }
+        names[#names + 1] = en.name
+      end
+    end
+    local index = 0
+    for i, d in ipairs(self.dts) do if d == dt then index = i end end
+    b = { index = index, dtype = dt, offset = 0, numel = g:numel(), tensor = g, names = names, entries = entries,
+      arena_numel = g:numel(), counters = self.comm_counters, group = self.group, dist = self.dist }
+    self._hook_buckets[dt] = b
+  end
+  self.comm_counters.dense_bytes = self.comm_counters.dense_bytes + g:numel() * g:element_size()
+  local w = self.hook(self.hook_state, b)
+  if w == nil or w.wait == nil then fail(3, 'ZeRO: the communication hook must return a handle with wait()') end
+  return w
+end
+
+function ZeRO:comm_stats(opts)
+  if not self.hook then fail(2, "ZeRO:comm_stats: no communication hook (give ZeRO{hook = ...}); without one stage %d reduce-scatters every gradient", self.stage) end
+  return ddp.DDP_methods.comm_stats(self, opts)
 end
 
 -- Waits for every reduction in flight.
@@ -516,8 +561,16 @@ function ZeRO:gathered(fn)
 end
 
 -- DDP's communication state, for ckpt.comm_state(zero).
-function ZeRO:comm_state_dict() return { micro_step = self._micro } end
-function ZeRO:load_comm_state_dict(sd) self._micro = sd.micro_step or 0 end
+function ZeRO:comm_state_dict()
+  local hs = self.hook_state
+  if type(hs) == 'table' and type(hs.state_dict) == 'function' then hs = hs:state_dict() end
+  return { micro_step = self._micro, hook_state = hs }
+end
+function ZeRO:load_comm_state_dict(sd)
+  self._micro = sd.micro_step or 0
+  local hs = self.hook_state
+  if sd.hook_state ~= nil and type(hs) == 'table' and type(hs.load_state_dict) == 'function' then hs:load_state_dict(sd.hook_state) end
+end
 
 local function state_bytes(self)
   local n = 0
