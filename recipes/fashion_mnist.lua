@@ -16,7 +16,7 @@ local opt = cli.parse(arg, {
   label_smoothing = 0.0, model = 'resnet20', threads = 0, seed = 1, data = '',
   limit = 0, eval_limit = 0, eval_batch = 1000, channels_last = true, zero_init_residual = true, clip_grad = 0,
   print_every = 100, zero = 0, offload = false, save = '', save_every = 0, save_async = false, keep = 0, resume = '', stop_after = 0,
-  checkpoint_activations = 'none', nan_check = '', metrics = '',
+  checkpoint_activations = 'none', nan_check = '', metrics = '', compress = 'none',
 }, {
   description = 'Trains a ResNet on Fashion-MNIST (Debian package dataset-fashion-mnist).',
   help = {
@@ -47,6 +47,7 @@ local opt = cli.parse(arg, {
     checkpoint_activations = "none, blocks or stages: recompute those in backward instead of keeping their activations",
     nan_check = "loss: a non-finite loss stops the run, naming the step and the first module whose output went non-finite; "
       .. "modules: every module's output checked in every forward (slow); off (default: DLUA_NAN_CHECK, else loss)",
+    compress = 'gradient compression: none, fp16, bf16, topk:RATIO[:noef][:warmup=STEPS][:mc=MOMENTUM] or powersgd:RANK (docs/ddp.md)',
     metrics = 'write one JSON line per step (loss, lr, img/s, time by phase, memory), per epoch and a summary to FILE (rank 0)',
   },
 })
@@ -87,7 +88,10 @@ if ckpt_policy ~= 'none' and ckpt_policy ~= 'blocks' and ckpt_policy ~= 'stages'
   error(('--checkpoint-activations %s: expected none, blocks or stages'):format(ckpt_policy), 0)
 end
 local ckpt_plan = net:checkpoint(ckpt_policy)
-local model = opt.zero > 0 and dist.ZeRO(net, { stage = opt.zero, offload = opt.offload }) or distributed and dist.DDP(net) or net
+local hook = dist.compress.from_spec(opt.compress)  -- nil for none
+if hook and not distributed and opt.zero == 0 then error('--compress ' .. opt.compress .. ': needs several ranks (dlua --nproc N)', 0) end
+local model = opt.zero > 0 and dist.ZeRO(net, { stage = opt.zero, offload = opt.offload, hook = hook })
+  or distributed and dist.DDP(net, { hook = hook }) or net
 local criterion = nn.CrossEntropyLoss({ label_smoothing = opt.label_smoothing })
 local sgd = optim.SGD(model, {
   lr = opt.lr, momentum = opt.momentum, nesterov = true, weight_decay = opt.weight_decay,

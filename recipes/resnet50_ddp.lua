@@ -19,6 +19,7 @@ local opt = cli.parse(arg, {
   bucket_mb = '25', threads = 0, channels_last = true, print_every = 10, sync_bn = false, device = 'auto',
   clip_grad = 0, zero = 0, offload = false, save = '', save_every = 0, save_async = false, keep = 0, resume = '', stop_after = 0,
   pipeline = 0, chunks = 8, schedule = '1f1b', split = 'time', checkpoint_activations = 'none', nan_check = '', metrics = '',
+  compress = 'none',
 }, {
   description = 'Trains a ResNet (default ResNet-50) data-parallel with dlua.dist.DDP.',
   help = {
@@ -40,6 +41,7 @@ local opt = cli.parse(arg, {
     sync_bn = 'batch-norm statistics over all ranks (SyncBatchNorm) instead of per rank',
     device = "'auto' (this rank's GPU when each rank has one, else the CPU), 'cpu' or 'cuda'",
     clip_grad = 'clip the all-reduced gradients\' total 2-norm to N before each step (0: off)',
+    compress = 'gradient compression: none, fp16, bf16, topk:RATIO[:noef][:warmup=STEPS][:mc=MOMENTUM] or powersgd:RANK (docs/ddp.md)',
     zero = 'ZeRO stage 1, 2 or 3 instead of DDP (dlua.dist.ZeRO: optimizer state, gradients, parameters sharded); 0: DDP',
     offload = 'with --zero: optimizer state and step in pinned host memory (a no-op for CPU ranks, which says so)',
     save = 'checkpoint directory (dlua.ckpt: DIR/step-N/, DIR/latest)',
@@ -217,9 +219,10 @@ if piped then
     ddp = layout.data and not zero1 and { bucket_mb = opt.bucket_mb } or nil })
 elseif opt.zero > 0 then
   if opt.bucket_mb == 'auto' then error('--bucket-mb auto: DDP only (give --zero a number of MB)', 0) end
-  model = dist.ZeRO(net, { stage = opt.zero, offload = opt.offload, accumulate = opt.accumulate, bucket_mb = opt.bucket_mb })
+  model = dist.ZeRO(net, { stage = opt.zero, offload = opt.offload, accumulate = opt.accumulate, bucket_mb = opt.bucket_mb,
+    hook = dist.compress.from_spec(opt.compress) })
 else
-  model = dist.DDP(net, { accumulate = opt.accumulate, bucket_mb = opt.bucket_mb })
+  model = dist.DDP(net, { accumulate = opt.accumulate, bucket_mb = opt.bucket_mb, hook = dist.compress.from_spec(opt.compress) })
 end
 local global_batch = opt.batch * replicas * opt.accumulate
 local peak = lr.scale(opt.lr, global_batch, 256)

@@ -363,7 +363,7 @@ function Hook:load_state_dict(sd)
 end
 
 ---------------------------------------------------------------------------------------------
--- Specs, for command lines: 'none' | 'fp16' | 'bf16' | 'topk:RATIO[:noef]' | 'powersgd:RANK'
+-- Specs, for command lines: 'none' | 'fp16' | 'bf16' | 'topk:RATIO[:noef][:warmup=STEPS][:mc=MOMENTUM]' | 'powersgd:RANK'
 
 function M.from_spec(spec)
   if type(spec) ~= 'string' then fail(2, 'compress.from_spec: expected a string, got %s', type(spec)) end
@@ -377,10 +377,20 @@ function M.from_spec(spec)
     if r == nil or not (r > 0 and r <= 1) then
       fail(2, "compress.from_spec: bad spec '%s': the top-k ratio must be a number in (0, 1], got '%s'", spec, ratio)
     end
-    if rest ~= '' and rest ~= ':noef' then
-      fail(2, "compress.from_spec: bad spec '%s': after topk:RATIO only ':noef' (no error feedback) may follow", spec)
+    -- options: :noef (no error feedback), :warmup=STEPS (density warm-up), :mc=MOMENTUM (DGC momentum correction)
+    local o = { ratio = r }
+    for part in rest:gmatch(':([^:]*)') do
+      local k, v = part:match('^(%a+)=(.+)$')
+      if part == 'noef' then o.error_feedback = false
+      elseif k == 'warmup' and tonumber(v) then o.warmup_steps = tonumber(v)
+      elseif k == 'mc' and tonumber(v) then o.momentum_correction = tonumber(v)
+      else
+        fail(2, "compress.from_spec: bad spec '%s': after topk:RATIO come :noef, :warmup=STEPS or :mc=MOMENTUM, not '%s'", spec, part)
+      end
     end
-    return M.topk{ ratio = r, error_feedback = rest ~= ':noef' }
+    local ok, h = pcall(M.topk, o)
+    if not ok then fail(2, "compress.from_spec: bad spec '%s': %s", spec, tostring(h):gsub('^.-compress%.topk: ', '')) end
+    return h
   end
   local rank = s:match('^powersgd:(.+)$')
   if rank then

@@ -265,7 +265,9 @@ do
   check(compress.from_spec('none') == nil, "from_spec('none') is not nil")
   check(compress.from_spec('topk:0.01').ratio == 0.01 and compress.from_spec('powersgd:4').rank == 4, 'from_spec values')
   check(compress.from_spec('topk:0.1:noef').error_feedback == false, 'from_spec :noef')
-  for _, bad in ipairs({ 'topk:2', 'topk:x', 'powersgd:0', 'powersgd:1.5', 'gzip', 'topk:0.1:zz' }) do
+  local dgc = compress.from_spec('topk:0.001:warmup=50:mc=0.9')
+  check(dgc.warmup_steps == 50 and dgc.momentum == 0.9 and dgc.error_feedback, 'from_spec :warmup= :mc=')
+  for _, bad in ipairs({ 'topk:2', 'topk:x', 'powersgd:0', 'powersgd:1.5', 'gzip', 'topk:0.1:zz', 'topk:0.1:noef:mc=0.9' }) do
     local ok, err = pcall(compress.from_spec, bad)
     check(not ok and tostring(err):find("'" .. bad .. "'", 1, true), 'from_spec(%s): expected an error naming it, got %s', bad,
       tostring(err))
