@@ -37,22 +37,26 @@ static dlua_status_t same_numel(const char *op, const char *wa, const dlua_tenso
 
 /* ---- 16-bit casts ------------------------------------------------------------------------- */
 
+/* The cast of n elements, split into chunks the threads share; to_half: f32 -> 16 bits times scale, else back. */
+static void cast_chunks(void *d, const void *s, int64_t n, float scale, int bf16, int to_half) {
+  int64_t chunks = (n + CHUNK - 1) / CHUNK;
+#pragma omp parallel for schedule(static) if (chunks > 1)
+  for (int64_t c = 0; c < chunks; c++) {
+    int64_t lo = c * CHUNK, len = n - lo < CHUNK ? n - lo : CHUNK;
+    if (to_half)
+      dlua_convert_f32_to_half((uint16_t *)d + lo, (const float *)s + lo, len, scale, bf16);
+    else
+      dlua_convert_half_to_f32((float *)d + lo, (const uint16_t *)s + lo, len, bf16);
+  }
+}
+
 // src (n) f32 -> dst (n) f16/bf16, times scale
 dlua_status_t dlua_compress_to_half(dlua_tensor_t *dst, const dlua_tensor_t *src, double scale) {
   const char *op = "compress_to_half";
   DLUA_TRY(need(op, "the output", dst, DLUA_DTYPE_F16, 1));
   DLUA_TRY(need(op, "the input", src, DLUA_DTYPE_F32, 0));
   DLUA_TRY(same_numel(op, "the output", dst, "the input", src));
-  int64_t n = dlua_tensor_numel(src);
-  uint16_t *d = (uint16_t *)dlua_tensor_ptr(dst);
-  const float *s = (const float *)dlua_tensor_ptr(src);
-  int bf16 = dst->dtype == DLUA_DTYPE_BF16;
-  int64_t chunks = (n + CHUNK - 1) / CHUNK;
-#pragma omp parallel for schedule(static) if (chunks > 1)
-  for (int64_t c = 0; c < chunks; c++) {
-    int64_t lo = c * CHUNK, len = n - lo < CHUNK ? n - lo : CHUNK;
-    dlua_convert_f32_to_half(d + lo, s + lo, len, (float)scale, bf16);
-  }
+  cast_chunks(dlua_tensor_ptr(dst), dlua_tensor_ptr(src), dlua_tensor_numel(src), (float)scale, dst->dtype == DLUA_DTYPE_BF16, 1);
   return DLUA_OK;
 }
 
@@ -62,16 +66,7 @@ dlua_status_t dlua_compress_from_half(dlua_tensor_t *dst, const dlua_tensor_t *s
   DLUA_TRY(need(op, "the output", dst, DLUA_DTYPE_F32, 0));
   DLUA_TRY(need(op, "the input", src, DLUA_DTYPE_F16, 1));
   DLUA_TRY(same_numel(op, "the output", dst, "the input", src));
-  int64_t n = dlua_tensor_numel(src);
-  float *d = (float *)dlua_tensor_ptr(dst);
-  const uint16_t *s = (const uint16_t *)dlua_tensor_ptr(src);
-  int bf16 = src->dtype == DLUA_DTYPE_BF16;
-  int64_t chunks = (n + CHUNK - 1) / CHUNK;
-#pragma omp parallel for schedule(static) if (chunks > 1)
-  for (int64_t c = 0; c < chunks; c++) {
-    int64_t lo = c * CHUNK, len = n - lo < CHUNK ? n - lo : CHUNK;
-    dlua_convert_half_to_f32(d + lo, s + lo, len, bf16);
-  }
+  cast_chunks(dlua_tensor_ptr(dst), dlua_tensor_ptr(src), dlua_tensor_numel(src), 1.0f, src->dtype == DLUA_DTYPE_BF16, 0);
   return DLUA_OK;
 }
 
