@@ -1,6 +1,6 @@
 -- bench/compress's dlua side (run by bench/compress under dlua --nproc N): each compression hook over a model's gradient
 -- buckets, random gradients, R timed rounds; prints RESULT lines (model, spec, payload bytes, collectives, ms) for the script.
--- usage: dlua --nproc 2 bench/compress.lua MODEL SPECS REPEAT   (MODEL: resnet20 | resnet18; SPECS: comma-separated)
+-- usage: dlua --nproc 2 bench/compress.lua MODEL SPECS REPEAT [THREADS]   (MODEL: resnet20 | resnet18; SPECS: comma-separated)
 local dlua = require 'dlua'
 local resnet = require 'models.resnet'
 local dist = dlua.dist
@@ -8,6 +8,7 @@ local compress = dist.compress
 dist.init{ timeout = 120 }
 local rank, world = dist.rank(), dist.world_size()
 local model_name, specs, repeat_n = arg[1] or 'resnet20', arg[2] or 'none,fp16', tonumber(arg[3] or '10')
+if tonumber(arg[4] or '') then dlua.set_num_threads(tonumber(arg[4])) end
 
 local function build()
   dlua.manual_seed(1)

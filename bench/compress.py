@@ -18,10 +18,31 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 def build(name):
     torch.manual_seed(1)
     if name == 'resnet18':
-        import torchvision
-        return torchvision.models.resnet18(num_classes=1000)
+        return resnet18()
     from resnet20_torch import resnet20
     return resnet20()
+
+
+def resnet18():
+    """torchvision's resnet18 (1000 classes) layer for layer: only the gradient shapes matter here, and Debian's
+    python3-torchvision may be missing."""
+    nn = torch.nn
+
+    class Block(nn.Module):
+        def __init__(self, cin, c, stride):
+            super().__init__()
+            self.conv1, self.bn1 = nn.Conv2d(cin, c, 3, stride, 1, bias=False), nn.BatchNorm2d(c)
+            self.conv2, self.bn2 = nn.Conv2d(c, c, 3, 1, 1, bias=False), nn.BatchNorm2d(c)
+            self.downsample = (nn.Sequential(nn.Conv2d(cin, c, 1, stride, bias=False), nn.BatchNorm2d(c))
+                               if stride != 1 or cin != c else None)
+
+    layers, c = [nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64)], 64
+    for i, planes in enumerate([64, 128, 256, 512]):
+        for j in range(2):
+            layers.append(Block(c, planes, 2 if (i > 0 and j == 0) else 1))
+            c = planes
+    layers.append(nn.Linear(512, 1000))
+    return nn.Sequential(*layers)
 
 
 class Bucket:

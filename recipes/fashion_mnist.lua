@@ -94,7 +94,7 @@ local model = opt.zero > 0 and dist.ZeRO(net, { stage = opt.zero, offload = opt.
   or distributed and dist.DDP(net, { hook = hook }) or net
 local criterion = nn.CrossEntropyLoss({ label_smoothing = opt.label_smoothing })
 local sgd = optim.SGD(model, {
-  lr = opt.lr, momentum = opt.momentum, nesterov = true, weight_decay = opt.weight_decay,
+  lr = opt.lr, momentum = opt.momentum, nesterov = opt.momentum > 0, weight_decay = opt.weight_decay,
   groups = { { filter = function(_, p) return p:dim() <= 1 end, weight_decay = 0 } },
 })
 -- One data order for any number of ranks (a DistributedSampler of 1 when alone), so a checkpoint's
