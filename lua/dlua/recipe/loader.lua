@@ -111,4 +111,20 @@ function MemoryLoader:__tostring()
     self.memory_format == 'channels_last' and ', channels-last' or '')
 end
 
+-- SubsetSampler(inner, subset): `inner` (a sampler over 1..#subset) read through `subset` (int64
+-- positions of the dataset): a DistributedSampler over a fixed part of a larger dataset, with the
+-- dataset's size as `n` (so a DataLoader over the whole dataset takes it). Checkpoints and the
+-- resume cursor are the inner sampler's.
+local SubsetSampler = {}
+SubsetSampler.__index = function(t, k)
+  local m = rawget(SubsetSampler, k)
+  if m ~= nil then return m end
+  local inner = rawget(t, 'inner')
+  local v = inner[k]
+  if type(v) == 'function' then return function(self, ...) return v(inner, ...) end end
+  return v
+end
+function SubsetSampler:indices(epoch) return self.subset:index_select(1, self.inner:indices(epoch)) end
+function loader.SubsetSampler(inner, subset, n) return setmetatable({ inner = inner, subset = subset, n = n }, SubsetSampler) end
+
 return loader
