@@ -27,8 +27,8 @@ check "custom_loop under --nproc 2: DDP through the trainer, rank 0 alone prints
 cfg=$fake/run.lua
 printf 'return { batch = 24, accumulate = 2, zero = 1, warmup = 0.5, limit = 480 }\n' >"$cfg"
 out=$(timeout 60 "$DLUA" recipes/resnet50_ddp.lua --config "$cfg" --limit 240 --model resnet18 --dry-run 2>&1); rc=$?
-[ $rc = 0 ] && grep -q "batch      1 ranks x batch 24 x accumulate 2 = global batch 48" <<<"$out" \
-  && grep -q "steps      5 steps of 48 images, 5 per epoch" <<<"$out" && grep -q "parallel   ZeRO-1 over 1 ranks" <<<"$out" \
+[ $rc = 0 ] && grep -q "batch      1 rank x batch 24 x accumulate 2 = global batch 48" <<<"$out" \
+  && grep -q "steps      5 steps of 48 images, 5 per epoch" <<<"$out" && grep -q "parallel   ZeRO-1 over 1 rank" <<<"$out" \
   && ! grep -q "^epoch" <<<"$out"
 check "--config FILE sets options, the command line overrides them (--limit), --dry-run plans and stops" $? "rc=$rc: $out"
 printf 'return { bacth = 24 }\n' >"$cfg"

@@ -39,7 +39,8 @@ function M.lines(c, info)
     add('  batch      %d pipelines x %d stages x batch %d in %d micro-batches (%s) = global batch %d', c.replicas, c.stages, d.batch,
       p.pipeline.chunks, p.pipeline.schedule, c.global_batch)
   else
-    add('  batch      %d ranks x batch %d x accumulate %d = global batch %d', c.replicas, d.batch, c.accumulate, c.global_batch)
+    add('  batch      %d rank%s x batch %d x accumulate %d = global batch %d', c.replicas, c.replicas == 1 and '' or 's', d.batch,
+      c.accumulate, c.global_batch)
   end
   add('  steps      %d steps of %d images, %d per epoch, %d epoch%s', info.total, c.global_batch, info.steps_per_epoch, c.epochs,
     c.epochs == 1 and '' or 's')
@@ -52,7 +53,7 @@ function M.lines(c, info)
     par = format('pipeline of %d stages (split by %s), %s across the %d replicas of each stage', c.stages, p.pipeline.split,
       p.zero == 1 and 'ZeRO-1' or 'DDP', c.replicas)
   elseif p.zero > 0 then
-    par = format('ZeRO-%d over %d ranks%s', p.zero, c.world, p.offload and ', optimizer state offloaded' or '')
+    par = format('ZeRO-%d over %d rank%s%s', p.zero, c.world, c.world == 1 and '' or 's', p.offload and ', optimizer state offloaded' or '')
   elseif c.world > 1 then
     par = format('DDP, buckets of %s MB', tostring(p.ddp.bucket_mb))
   else
