@@ -90,7 +90,7 @@ function M.train(spec)
     clip_grad = c.clip_grad, amp = c.amp, activation_checkpoint = c.activation_checkpoint, env = e, layout = layout,
     sampler = D.sampler, batch = d.batch, channels_last = d.channels_last, log = L, nan_check = c.nan_check, options = c.options,
     checkpoint = { dir = c.checkpoint.dir ~= '' and c.checkpoint.dir or nil, keep = c.checkpoint.keep, async = c.checkpoint.async },
-    parallel = { ddp = c.world > 1 or nil, bucket_mb = p.ddp.bucket_mb, zero = p.zero, offload = p.offload, compress = p.compress,
+    parallel = { ddp = (c.world > 1 or p.compress ~= 'none') or nil, bucket_mb = p.ddp.bucket_mb, zero = p.zero, offload = p.offload, compress = p.compress,
       sync_bn = p.sync_bn, pipeline = c.stages > 0 and { stages = c.stages, chunks = p.pipeline.chunks, schedule = p.pipeline.schedule,
         split = p.pipeline.split, input = { D.channels, D.image_size, D.image_size } } or nil } })
   local model = t.model

@@ -26,9 +26,9 @@ end
 
 -- The optional modules of other issues, loaded when present: nil and the reason when not.
 function M.optional(name, issue)
-  local ok, m = pcall(require, name)
-  if ok then return m end
-  return nil, format('not yet available (issue #%d)', issue)
+  local m = require('dlua.recipe.validate').module(name)
+  if m then return m end
+  return nil, format('%s: not yet available (issue #%d)', name, issue)
 end
 
 -- Wraps `net` for the parallel spec (already validated): DDP, ZeRO-k or a pipeline of DDP/ZeRO-1 replicas.
@@ -89,7 +89,7 @@ function M.trainer(c)
   local self = setmetatable({ env = e, device = e.device, accumulate = c.accumulate or 1, clip_grad = c.clip_grad or 0,
     micro = 0, progress = { step = 0, images = 0 }, sampler = c.sampler, log = c.log, mw = c.metrics }, Trainer)
   local p = c.parallel or {}
-  if p.ddp == nil then p.ddp = e.world > 1 end
+  if p.ddp == nil then p.ddp = e.world > 1 or (p.compress ~= nil and p.compress ~= 'none') end  -- a compressor is a DDP hook
   if type(p.ddp) == 'table' then p.bucket_mb = p.bucket_mb or p.ddp.bucket_mb end
   if type(p.zero) == 'table' then p.offload, p.zero = p.zero.offload, p.zero.stage end
   self.parallel = p

@@ -140,10 +140,18 @@ function M.world()
   return e.world, e.local_world
 end
 
-local function available(name)
-  local ok = pcall(require, name)
-  return ok
+-- A module of another issue, or nil when it is not there: `require(name)`, or for dlua.dist.compress
+-- also a `compress` field of dlua.dist (wherever #22 puts it).
+function M.module(name)
+  local ok, m = pcall(require, name)
+  if ok then return m end
+  if name == 'dlua.dist.compress' then
+    local dist = require('dlua.dist')
+    return rawget(dist, 'compress')
+  end
+  return nil
 end
+local function available(name) return M.module(name) ~= nil end
 M.available = available
 
 -- validate(spec, world, local_world) -> c: the whole combination checked; c is the filled-in table plus

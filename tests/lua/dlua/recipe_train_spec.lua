@@ -110,10 +110,16 @@ describe('recipe.train plan', function()
     recipe.teardown()
   end)
 
-  it('runs: a small model on 256 images learns, and reports its step and checksum', function()
+  it('runs: a small model on 256 images learns, calls its hooks, reports its step and checksum', function()
+    local steps, epochs = {}, {}
     local r = recipe.train(spec({ data = { limit = 256, eval_limit = 200, batch = 32 }, epochs = 2, optim = { lr = 0.05 },
-      print_every = 100 }))
+      print_every = 100, hooks = { on_step = function(_, i) steps[#steps + 1] = i.step end,
+        on_epoch = function(t, i) epochs[#epochs + 1] = { i.epoch, t.progress.step, i.accuracy } end } }))
     assert.equals(16, r.step)
+    assert.equals(16, #steps)
+    assert.equals(16, steps[16])
+    assert.same({ 1, 8 }, { epochs[1][1], epochs[1][2] })
+    assert.same({ 2, 16, r.accuracy }, epochs[2])
     assert.is_true(r.accuracy > 0.3, 'accuracy ' .. r.accuracy)
     assert.truthy(r.crc32:match('^%x+$'))
   end)

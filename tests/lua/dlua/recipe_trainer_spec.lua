@@ -85,6 +85,79 @@ describe('recipe.trainer', function()
     os.execute("rm -rf '" .. dir .. "'")
   end)
 
+  -- #20 is not merged: a stand-in with its API (from_spec, autocast, scaler:scale, scaler:step -> outcome,
+  -- reason) checks the trainer's side: the loss gradient scaled, the step through the scaler, a skipped
+  -- step not counted by the schedule. Scaling by 8 is exact, so the numbers must equal the float loop's.
+  it('drives a loss scaler through #20\'s API: scaled gradients, skipped steps not counted', function()
+    local calls = { autocast = 0, scale = 0, step = 0 }
+    local scaler = {}
+    function scaler:scale(g) calls.scale = calls.scale + 1; return g * 8 end
+    function scaler:step(opt)
+      calls.step = calls.step + 1
+      for _, e in ipairs(opt.model:named_parameters()) do e.grad:mul_(1 / 8) end
+      if calls.step == 2 then return 'skipped', 'inf in the gradients' end
+      opt:step()
+      return 'stepped'
+    end
+    package.loaded['dlua.amp'] = { from_spec = function(spec) assert.equals('bf16', spec); return { dtype = 'bfloat16', scaler = scaler } end,
+      autocast = function(dtype, fn, ...) assert.equals('bfloat16', dtype); calls.autocast = calls.autocast + 1; return fn(...) end }
+    local ok, err = pcall(function()
+      local net, crit = build(), nn.CrossEntropyLoss()
+      local sgd = optim.SGD(net, { lr = 0.5, momentum = 0.9, groups = optim.no_decay_groups() })
+      local applied = 0
+      sgd:zero_grad()
+      for i, x, y in batches(8) do
+        local out = net:forward(x)
+        crit:forward(out, y)
+        net:backward(x, crit:backward(out, y))
+        if i ~= 2 then
+          sgd:set_lr(schedule(applied))
+          sgd:step()
+          applied = applied + 1
+        end
+        sgd:zero_grad()
+      end
+      local t = recipe.trainer({ model = build(), env = env, amp = 'bf16', schedule = schedule,
+        optim = { name = 'sgd', lr = 0.5, momentum = 0.9, weight_decay = 0 } })
+      local outcomes, reasons = {}, {}
+      for _, x, y in batches(8) do
+        local _, o, why = t:step(x, y)
+        outcomes[#outcomes + 1], reasons[#reasons + 1] = o, why or ''
+      end
+      assert.same({ 'stepped', 'skipped', 'stepped', 'stepped' }, outcomes)
+      assert.equals('inf in the gradients', reasons[2])
+      assert.equals(3, t.progress.step)
+      assert.same({ autocast = 4, scale = 4, step = 4 }, calls)
+      assert.equals(ckpt.crc32(net), t:crc32())
+    end)
+    package.loaded['dlua.amp'] = nil
+    assert(ok, err)
+  end)
+
+  -- #22 likewise: from_spec(spec) -> a DDP communication hook; here DDP's own all-reduce, counted. Even
+  -- alone the trainer wraps the model in DDP so that the hook runs.
+  it('hands #22\'s compression hook to DDP', function()
+    local ddp = require 'dlua.ddp'
+    local calls = 0
+    package.loaded['dlua.dist.compress'] = { from_spec = function(spec)
+      assert.equals('topk:0.5', spec)
+      return function(state, bucket) calls = calls + 1; return ddp.allreduce_hook(state, bucket) end
+    end }
+    local ok, err = pcall(function()
+      local plain = recipe.trainer({ model = build(), env = env, optim = { lr = 0.1 } })
+      local t = recipe.trainer({ model = build(), env = env, optim = { lr = 0.1 }, parallel = { compress = 'topk:0.5' } })
+      assert.are_not.equal(t.net, t.model)
+      for _, x, y in batches(8) do
+        plain:step(x, y)
+        t:step(x, y)
+      end
+      assert.is_true(calls >= 4, 'hook calls: ' .. calls)
+      assert.equals(plain:crc32(), t:crc32())
+    end)
+    package.loaded['dlua.dist.compress'] = nil
+    assert(ok, err)
+  end)
+
   it('refuses a save without a directory, by name', function()
     local t = recipe.trainer({ model = build(), env = env, optim = { lr = 0.1 } })
     assert.has_error(function() t:save() end, 'trainer:save: no checkpoint directory (checkpoint = {dir = ...})')
