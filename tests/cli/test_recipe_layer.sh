@@ -62,6 +62,14 @@ same fashion_mnist 1 --model small_cnn --limit 256 --batch 32 --epochs 2 --eval-
 same fashion_mnist 2 --model small_cnn --limit 256 --batch 32 --epochs 1 --eval-limit 100 --print-every 1 --threads 1 --zero 2
 same resnet50_ddp 2 --model resnet18 --limit 128 --batch 16 --accumulate 2 --image-size 20 --eval-limit 64 --epochs 2 --print-every 1 --threads 1
 
+# resnet50_ddp --data FOLDER --limit N: N of the folder's images (the flag was ignored with --data before #27)
+folder=$fake/folder
+"$DLUA" tools/make_imagefolder.lua --out "$folder" --source synthetic --size 20x20 --classes 4 --per-class 10 --val 4 >/dev/null
+out=$(timeout 120 "$DLUA" --nproc 2 recipes/resnet50_ddp.lua --data "$folder" --model resnet18 --image-size 16 --batch 4 \
+  --limit 16 --eval-limit 8 --threads 1 --workers 1 2>&1); rc=$?
+[ $rc = 0 ] && grep -q "steps      2 steps of 8 images, 2 per epoch" <<<"$out" && grep -q "test accuracy [01]\.[0-9]* (8 images)" <<<"$out"
+check "resnet50_ddp --data FOLDER --limit 16 --eval-limit 8: trains and evaluates on those many" $? "rc=$rc: $out"
+
 lines=$(wc -l <recipes/resnet50_ddp.lua)
 [ "$lines" -le 80 ]
 check "recipes/resnet50_ddp.lua is at most 80 lines ($lines)" $? ""

@@ -11,7 +11,10 @@ local M = {}
 function M.build(c, replica, replicas, device)
   local d = c.data
   local D = {}
-  if d.source == 'fashion_mnist' then
+  if d.train ~= nil then  -- the caller's own loaders
+    D.name, D.classes, D.train, D.eval, D.sampler = 'data.train', d.classes, d.train, d.eval, d.sampler
+    D.channels, D.image_size = d.channels > 0 and d.channels or 1, d.image_size
+  elseif d.source == 'fashion_mnist' then
     local root = d.root ~= '' and d.root or nil
     local train = data.FashionMNIST({ root = root, train = true })
     local test = data.FashionMNIST({ root = root, train = false })

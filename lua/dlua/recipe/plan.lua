@@ -31,8 +31,12 @@ function M.lines(c, info)
   local function add(fmt, ...) L[#L + 1] = format(fmt, ...) end
   add('plan: %s', c.name)
   add('  model      %s, %d parameters, %d classes', info.model, info.params, info.classes)
-  add('  data       %s, %dx%d, %d channel%s%s', info.data, info.image_size, info.image_size, info.channels,
-    info.channels == 1 and '' or 's', d.channels_last and ', channels-last' or '')
+  if d.train then
+    add('  data       %s, %d samples per replica', info.data, info.samples or 0)
+  else
+    add('  data       %s, %dx%d, %d channel%s%s', info.data, info.image_size, info.image_size, info.channels,
+      info.channels == 1 and '' or 's', d.channels_last and ', channels-last' or '')
+  end
   add('  world      %d rank%s (%d per node), %s, %s, %d threads per rank', c.world, c.world == 1 and '' or 's', c.local_world,
     info.backend, info.device == 'cpu' and 'CPU' or info.device, info.threads)
   if c.stages > 0 then

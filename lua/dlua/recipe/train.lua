@@ -75,7 +75,7 @@ function M.train(spec)
   local peak = o.scale_lr > 0 and lr.scale(o.lr, c.global_batch, o.scale_lr) or o.lr
   local schedule, warm = schedule_of(c, peak, total, steps_per_epoch)
   local lines = plan.lines(c, { params = net:num_parameters(), classes = D.classes, model = tostring(net.__name or 'model'),
-    data = D.name, image_size = D.image_size, channels = D.channels, backend = e.backend, device = e.device,
+    data = D.name, samples = D.train_len, image_size = D.image_size, channels = D.channels, backend = e.backend, device = e.device,
     threads = dlua.get_num_threads(), total = total, steps_per_epoch = steps_per_epoch, peak = peak,
     schedule = format('%s, %d warmup steps of %d', tostring(schedule), warm, total) })
   for _, l in ipairs(lines) do L:print('%s', l) end

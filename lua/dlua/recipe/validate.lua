@@ -41,6 +41,8 @@ local SCHEMA = {
     channels_last = { 'bool', true },
     augment = { 'bool', true },
     label_smoothing = { 'num0', 0 },
+    -- data of your own instead of source: loaders with :batches(epoch) (i, x, y) and the sampler they follow
+    train = { 'any' }, eval = { 'any' }, sampler = { 'any' }, classes = { 'int0', 0 },
   },
   optim = {
     name = { { 'sgd', 'adamw', 'adam', 'lars', 'lamb' }, 'sgd' },
@@ -222,8 +224,22 @@ function M.validate(spec, world, local_world)
     refuse('parallel.pipeline.chunks = %d: more micro-batches than the %d images of a pipeline\'s batch', p.pipeline.chunks, d.batch)
   end
   if d.eval_batch == 0 then d.eval_batch = d.batch end
+  if d.train ~= nil then
+    if type(d.train) ~= 'table' or type(d.train.batches) ~= 'function' then
+      refuse('data.train: expected a loader with :batches(epoch) giving (i, x, y), got %s', type(d.train))
+    end
+    if type(d.sampler) ~= 'table' or type(d.sampler.len) ~= 'function' or type(d.sampler.set_epoch) ~= 'function' then
+      refuse('data.train needs data.sampler: the DistributedSampler it follows (the epoch\'s order, the resume cursor)')
+    end
+    if c.eval and (type(d.eval) ~= 'table' and type(d.eval) ~= 'function') then
+      refuse('data.eval: expected a loader (or eval = false), got %s', type(d.eval))
+    end
+    if d.classes == 0 then refuse('data.classes: needed with data.train (the model\'s outputs)') end
+    if stages > 0 and p.pipeline.split == 'time' and (d.image_size == 0 or d.channels == 0) then
+      refuse("parallel.pipeline.split = 'time' with data.train: give data.channels and data.image_size (the input it times), or split = 'params'")
+    end
   -- data the size of which is known before reading it: the built-in Fashion-MNIST (60000 training images)
-  if d.source == 'fashion_mnist' then
+  elseif d.source == 'fashion_mnist' then
     local n = d.limit > 0 and math.min(d.limit, 60000) or 60000
     local per_rank = floor(n / replicas)
     if floor(per_rank / d.batch / per) < 1 then

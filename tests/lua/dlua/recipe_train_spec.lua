@@ -110,6 +110,24 @@ describe('recipe.train plan', function()
     recipe.teardown()
   end)
 
+  it('trains on loaders of one\'s own (data.train, data.eval, data.sampler)', function()
+    dlua.manual_seed(5)
+    local x = dlua.randn({ 96, 4 })
+    local y = x:narrow(2, 1, 1):view(96):gt(0):long() + 1  -- class 2 when the first feature is positive
+    local ds = data.TensorDataset(x, y)
+    local sampler = data.DistributedSampler({ n = 96, num_replicas = 1, rank = 0, shuffle = true, seed = 3, drop_last = true })
+    local train = recipe.MemoryLoader({ dataset = ds, sampler = sampler, batch = 16, drop_last = true, mean = 0, std = 1 })
+    local eval = recipe.MemoryLoader({ dataset = ds, batch = 32, mean = 0, std = 1 })
+    local r = recipe.train({ model = nn.Linear(4, 2), data = { train = train, eval = eval, sampler = sampler, classes = 2, batch = 16 },
+      epochs = 4, optim = { lr = 0.5 }, print_every = 100 })
+    assert.equals(24, r.step)
+    assert.is_true(r.accuracy > 0.85, 'accuracy ' .. r.accuracy)
+    refused({ model = model, data = { batch = 8, train = train, classes = 2 } },
+      "data.train needs data.sampler: the DistributedSampler it follows (the epoch's order, the resume cursor)")
+    refused({ model = model, data = { batch = 8, train = train, sampler = sampler, eval = eval } },
+      "data.classes: needed with data.train (the model's outputs)")
+  end)
+
   it('runs: a small model on 256 images learns, calls its hooks, reports its step and checksum', function()
     local steps, epochs = {}, {}
     local r = recipe.train(spec({ data = { limit = 256, eval_limit = 200, batch = 32 }, epochs = 2, optim = { lr = 0.05 },
