@@ -42,10 +42,11 @@ function M.build(c, replica, replicas, device)
     local mean, std = { 0.485, 0.456, 0.406 }, { 0.229, 0.224, 0.225 }
     -- (N, C, H, W) batches; channels-last memory straight from the loader's workers (no copy)
     local to_tensor = data.ToTensor({ memory_format = d.channels_last and 'channels_last' or 'contiguous' })
-    local train = data.ImageFolder(d.source .. '/train', { transform = data.Compose({
-      data.RandomResizedCrop(size), data.RandomHorizontalFlip(), to_tensor, data.Normalize(mean, std) }) })
-    local val = data.ImageFolder(d.source .. '/val', { transform = data.Compose({
-      data.Resize(math.floor(size * 256 / 224 + 0.5)), data.CenterCrop(size), to_tensor, data.Normalize(mean, std) }) })
+    local function centre() return data.Compose({ data.Resize(math.floor(size * 256 / 224 + 0.5)), data.CenterCrop(size), to_tensor,
+      data.Normalize(mean, std) }) end
+    local train = data.ImageFolder(d.source .. '/train', { transform = d.augment and data.Compose({
+      data.RandomResizedCrop(size), data.RandomHorizontalFlip(), to_tensor, data.Normalize(mean, std) }) or centre() })
+    local val = data.ImageFolder(d.source .. '/val', { transform = centre() })
     D.classes = #train.classes
     -- --limit: a fixed random part of the folder (its first N would hold only the first classes)
     local function part(ds, limit, seed, make)

@@ -195,7 +195,11 @@ function M.train(spec)
     dist.all_reduce(sums, 'sum')  -- img/s summed over ranks, loss averaged over every image
     local n_eval = 0
     if c.eval then acc, n_eval = t:evaluate(D.eval) end
-    L:print('epoch %d  train loss %.4f  test accuracy %.4f (%d images)  img/s %.1f', epoch, sums[2] / sums[3], acc, n_eval, sums[1])
+    if c.eval then
+      L:print('epoch %d  train loss %.4f  test accuracy %.4f (%d images)  img/s %.1f', epoch, sums[2] / sums[3], acc, n_eval, sums[1])
+    else
+      L:print('epoch %d  train loss %.4f  img/s %.1f', epoch, sums[2] / sums[3], sums[1])
+    end
     mw:epoch({ train_loss = sums[2] / sums[3], test_accuracy = acc, img_s = sums[1] })
     local cl = meter.clip
     if cl.n > 0 then
@@ -211,7 +215,7 @@ function M.train(spec)
   if stopped then
     L:print('stopped after step %d', step)
   else
-    L:print('done in %.0f s: test accuracy %.4f', dlua.perf_counter() - t_start, acc)
+    L:print('done in %.0f s%s', dlua.perf_counter() - t_start, c.eval and format(': test accuracy %.4f', acc) or '')
   end
   local crc = t:crc32()
   if c.stages > 0 then
