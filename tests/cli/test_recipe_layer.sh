@@ -71,6 +71,11 @@ out=$(timeout 120 "$DLUA" --nproc 2 recipes/resnet50_ddp.lua --data "$folder" --
 [ $rc = 0 ] && grep -q "steps      2 steps of 8 images, 2 per epoch" <<<"$out" && grep -q "test accuracy [01]\.[0-9]* (8 images)" <<<"$out"
 check "resnet50_ddp --data FOLDER --limit 16 --eval-limit 8: trains and evaluates on those many" $? "rc=$rc: $out"
 
+# the plan's memory per rank against what ZeRO-1/2/3 hold (SGD, AdamW) on 3 ranks (shares that do not divide evenly)
+out=$(timeout 200 "$DLUA" --nproc 3 tests/cli/recipe_memory.lua 2>&1); rc=$?
+[ $rc = 0 ] && [ "$(grep -c '^\[0\] ok ' <<<"$out")" = 18 ]
+check "the plan's model-state memory per rank is within 10% of what ZeRO holds (18 cases)" $? "rc=$rc: $out"
+
 lines=$(wc -l <recipes/resnet50_ddp.lua)
 [ "$lines" -le 80 ]
 check "recipes/resnet50_ddp.lua is at most 80 lines ($lines)" $? ""
