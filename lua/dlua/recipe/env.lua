@@ -34,21 +34,23 @@ function env.setup(opts)
   if current then return current end
   local dist = dlua.dist
   if (opts.threads or 0) > 0 then dlua.set_num_threads(opts.threads) end
-  if not dist.is_initialized() then dist.init(opts.backend and { backend = opts.backend } or nil) end
+  local joined = not dist.is_initialized()
+  if joined then dist.init(opts.backend and { backend = opts.backend } or nil) end
   local e = { rank = dist.rank(), world = dist.world_size(), local_rank = dist.local_rank(),
     local_world = dist.local_world_size(), backend = dist.backend() }
   e.device = env.pick_device(opts.device, dist)
   if e.device ~= 'cpu' then dlua.cuda.set_device(e.device) end
   -- CUDA gradients go through NCCL when every rank has a GPU; CPU ones through shared memory or TCP
   e.transport = e.device ~= 'cpu' and e.backend ~= 'gloo' and 'nccl' or dist.transport()
+  e.joined = joined
   if opts.seed then dlua.manual_seed(opts.seed) end
   current = e
   return e
 end
 
--- Leaves the job (dist.destroy) if setup joined it.
+-- Leaves the job (dist.destroy) if setup joined it (a job the caller had joined is the caller's to leave).
 function env.teardown()
-  if current and dlua.dist.is_initialized() then dlua.dist.destroy() end
+  if current and current.joined and dlua.dist.is_initialized() then dlua.dist.destroy() end
   current = nil
 end
 
