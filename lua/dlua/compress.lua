@@ -30,6 +30,7 @@ end
 local function new_hook(spec, fn, fields)
   local h = setmetatable(fields or {}, Hook)
   h.spec, h.comm_hook, h.step = spec, fn, 0
+  h.hook, h.state = fn, h  -- the {hook =, state =} pair the recipe layer (dlua.recipe) hands to DDP
   h._buf = {}  -- scratch per bucket index, sized on first use
   return h
 end
