@@ -3,6 +3,7 @@
 
 #include <stdint.h>
 
+#include "core/copy.h"
 #include "core/dtype.h"
 
 /* gloo calls these with out == a (in place). Integer sums and products wrap (through unsigned, so
@@ -39,8 +40,24 @@ PG_INT_FNS(u8, uint8_t, uint32_t)
 PG_FN(or_b8, uint8_t, (uint8_t)((x | y) != 0))
 PG_FN(and_b8, uint8_t, (uint8_t)((x != 0) & (y != 0)))
 
+/* 16-bit sums (what the fp16/bf16 compression hooks reduce): blocks through f32 with the vector casts of
+   core/copy.c, the same bits as the scalar TO(FROM(x) + FROM(y)). */
+#define PG_HALF_SUM(sfx, BF)                                                  \
+  static void sum_##sfx(void *o_, const void *a_, const void *b_, size_t n) { \
+    uint16_t *o = (uint16_t *)o_;                                             \
+    const uint16_t *a = (const uint16_t *)a_, *b = (const uint16_t *)b_;      \
+    float fa[256], fb[256];                                                   \
+    for (size_t i = 0; i < n; i += 256) {                                     \
+      int64_t m = n - i < 256 ? (int64_t)(n - i) : 256;                       \
+      dlua_convert_half_to_f32(fa, a + i, m, BF);                             \
+      dlua_convert_half_to_f32(fb, b + i, m, BF);                             \
+      for (int64_t j = 0; j < m; j++) fa[j] += fb[j];                         \
+      dlua_convert_f32_to_half(o + i, fa, m, 1.0f, BF);                       \
+    }                                                                         \
+  }
+PG_HALF_SUM(f16, 0)
+PG_HALF_SUM(bf16, 1)
 #define PG_HALF_FNS(sfx, TO, FROM)                                                         \
-  PG_FN(sum_##sfx, uint16_t, TO(FROM(x) + FROM(y)))                                         \
   PG_FN(prod_##sfx, uint16_t, TO(FROM(x) * FROM(y)))                                        \
   PG_FN(max_##sfx, uint16_t, (FROM(x) > FROM(y) || FROM(x) != FROM(x)) ? x : y)             \
   PG_FN(min_##sfx, uint16_t, (FROM(x) < FROM(y) || FROM(x) != FROM(x)) ? x : y)
