@@ -109,6 +109,21 @@ __attribute__((target("avx2,f16c"))) static int64_t f16_to_f32_f16c(float *d, co
   for (; i + 8 <= n; i += 8) _mm256_storeu_ps(d + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + i))));
   return i;
 }
+__attribute__((target("avx512f"))) static int64_t f32_to_f16_512(uint16_t *d, const float *s, int64_t n, float scale) {
+  const __m512 sc = _mm512_set1_ps(scale);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m512 v = _mm512_loadu_ps(s + i);
+    if (scale != 1.0f) v = _mm512_mul_ps(v, sc);
+    _mm256_storeu_si256((__m256i *)(d + i), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  return i;
+}
+__attribute__((target("avx512f"))) static int64_t f16_to_f32_512(float *d, const uint16_t *s, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(d + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + i))));
+  return i;
+}
 __attribute__((target("avx512f,avx512bw"))) static int64_t f32_to_bf16_512(uint16_t *d, const float *s, int64_t n,
                                                                           float scale) {
   const __m512 sc = _mm512_set1_ps(scale);
@@ -144,7 +159,8 @@ void dlua_convert_f32_to_half(uint16_t *d, const float *s, int64_t n, float scal
   int64_t i = 0;
 #ifdef DLUA_X86_SIMD
   if (bf16 && cpu_avx512bw()) i = f32_to_bf16_512(d, s, n, scale);
-  if (!bf16 && cpu_f16c()) i = f32_to_f16_f16c(d, s, n, scale);
+  if (!bf16 && cpu_avx512bw()) i = f32_to_f16_512(d, s, n, scale);
+  if (!bf16 && cpu_f16c()) i += f32_to_f16_f16c(d + i, s + i, n - i, scale);
 #endif
   if (bf16) {
     for (; i < n; i++) d[i] = dlua_f32_to_bf16_inl(scale != 1.0f ? s[i] * scale : s[i]);
@@ -157,7 +173,8 @@ void dlua_convert_half_to_f32(float *d, const uint16_t *s, int64_t n, int bf16) 
   int64_t i = 0;
 #ifdef DLUA_X86_SIMD
   if (bf16 && cpu_avx512bw()) i = bf16_to_f32_512(d, s, n);
-  if (!bf16 && cpu_f16c()) i = f16_to_f32_f16c(d, s, n);
+  if (!bf16 && cpu_avx512bw()) i = f16_to_f32_512(d, s, n);
+  if (!bf16 && cpu_f16c()) i += f16_to_f32_f16c(d + i, s + i, n - i);
 #endif
   if (bf16) {
     for (; i < n; i++) d[i] = dlua_bf16_to_f32_inl(s[i]);
