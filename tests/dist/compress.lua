@@ -245,6 +245,11 @@ do
       backward(z, 40 + s)
       opt:step()
     end
+    if hook then  -- top-k at ratio 1 sends a value and an index per element: twice the dense bytes
+      local st = z:comm_stats()
+      check(st.ratio == 0.5 and st.steps == 3 and z:comm_state_dict().hook_state.step == 3,
+        'ZeRO-1 comm_stats: ratio %g over %d steps', st.ratio, st.steps)
+    end
     return z:state_dict()
   end
   local a, b = zrun(nil), zrun(compress.topk{ ratio = 1 })
