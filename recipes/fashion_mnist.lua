@@ -9,6 +9,7 @@ local cli = require 'dlua.cli'
 local ckpt = require 'dlua.ckpt'
 local monitor = require 'dlua.monitor'
 local metrics = require 'dlua.metrics'
+local amp = require 'dlua.amp'
 local resnet = require 'models.resnet'
 
 local opt = cli.parse(arg, {
@@ -16,7 +17,7 @@ local opt = cli.parse(arg, {
   label_smoothing = 0.0, model = 'resnet20', threads = 0, seed = 1, data = '',
   limit = 0, eval_limit = 0, eval_batch = 1000, channels_last = true, zero_init_residual = true, clip_grad = 0,
   print_every = 100, zero = 0, offload = false, save = '', save_every = 0, save_async = false, keep = 0, resume = '', stop_after = 0,
-  checkpoint_activations = 'none', nan_check = '', metrics = '',
+  checkpoint_activations = 'none', nan_check = '', metrics = '', amp = 'off',
 }, {
   description = 'Trains a ResNet on Fashion-MNIST (Debian package dataset-fashion-mnist).',
   help = {
@@ -47,6 +48,7 @@ local opt = cli.parse(arg, {
     checkpoint_activations = "none, blocks or stages: recompute those in backward instead of keeping their activations",
     nan_check = "loss: a non-finite loss stops the run, naming the step and the first module whose output went non-finite; "
       .. "modules: every module's output checked in every forward (slow); off (default: DLUA_NAN_CHECK, else loss)",
+    amp = 'mixed precision: off, bf16 or f16 (dlua.amp autocast; f16 also scales the loss with a GradScaler)',
     metrics = 'write one JSON line per step (loss, lr, img/s, time by phase, memory), per epoch and a summary to FILE (rank 0)',
   },
 })
@@ -89,6 +91,9 @@ end
 local ckpt_plan = net:checkpoint(ckpt_policy)
 local model = opt.zero > 0 and dist.ZeRO(net, { stage = opt.zero, offload = opt.offload }) or distributed and dist.DDP(net) or net
 local criterion = nn.CrossEntropyLoss({ label_smoothing = opt.label_smoothing })
+local amp_ok, precision = pcall(amp.from_spec, opt.amp)  -- {dtype, scaler}: autocast's dtype (nil: off), f16's GradScaler
+if not amp_ok then error('--amp: ' .. tostring(precision):gsub('^.-from_spec: ', ''), 0) end
+local scaler = precision.scaler
 local sgd = optim.SGD(model, {
   lr = opt.lr, momentum = opt.momentum, nesterov = true, weight_decay = opt.weight_decay,
   groups = { { filter = function(_, p) return p:dim() <= 1 end, weight_decay = 0 } },
@@ -110,6 +115,7 @@ if ckpt_policy ~= 'none' then print(tostring(ckpt_plan)) end
 print(('%d parameters, %d steps of %d images%s, lr %s, %d threads%s'):format(net:num_parameters(), total, opt.batch,
   distributed and ' per rank' or '', tostring(schedule), dlua.get_num_threads(), distributed and (' per rank, %d ranks'):format(world) or ''))
 if opt.zero > 0 then print(model:memory_line()) end
+if precision.dtype then print(('mixed precision: %s autocast, float32 master weights%s'):format(precision.dtype, scaler and ', ' .. tostring(scaler) or '')) end
 
 -- A redrawn progress bar on a terminal, plain periodic lines otherwise (LuaJIT has no isatty).
 local tty
@@ -120,6 +126,7 @@ end
 
 local function progress_line(epoch, i, n, loss, ips, eta)
   local line = ('epoch %d  %5d/%d  loss %.4f  %6.0f img/s  ETA %ds'):format(epoch, i, n, loss, ips, eta)
+  if scaler then line = line .. '  ' .. scaler:summary() end  -- the loss scale and the steps skipped
   if tty then
     local width = 20
     local done = math.floor(width * i / n)
@@ -191,7 +198,8 @@ function meter:load_state_dict(sd)
   for k, v in pairs(sd.clip) do clip[k] = v end
 end
 local state = { model = model, optimizer = sgd, schedule = schedule, sampler = sampler, rng = dlua.default_generator(),
-  progress = progress, meter = ckpt.per_rank(meter), comm = model ~= net and ckpt.comm_state(model) or nil, options = opt }
+  progress = progress, meter = ckpt.per_rank(meter), comm = model ~= net and ckpt.comm_state(model) or nil, options = opt,
+  scaler = scaler }
 local function save_checkpoint()
   if opt.save == '' then return end
   ckpt.save(opt.save, state, { step = progress.step, keep = opt.keep > 0 and opt.keep or nil, async = opt.save_async })
@@ -237,18 +245,25 @@ for epoch = resumed_epoch or 1, opt.epochs do
     sgd:zero_grad()
     local input = to_input(x)
     mw:phase('data')
-    local out = model:forward(input)
-    local loss = mon:check_loss(criterion:forward(out, y):item(), input)
+    local out, loss_t = amp.run(precision, function()
+      local o = model:forward(input)
+      return o, criterion:forward(o, y)
+    end)
+    local loss = mon:check_loss(loss_t:item(), input)
     mw:phase('forward')
-    model:backward(input, criterion:backward(out, y))
+    local g = criterion:backward(out, y)
+    model:backward(input, scaler and scaler:scale(g) or g)  -- backward runs in each layer's forward precision
     mw:phase('backward')
     if opt.clip_grad > 0 then  -- after DDP's all-reduce; under ZeRO over every rank's shard
+      if scaler then scaler:unscale_(sgd) end  -- clip the true gradients
       clip:add(opt.zero > 0 and model:clip_grad_norm_(opt.clip_grad) or nn.utils.clip_grad_norm_(model, opt.clip_grad))
     end
-    sgd:step()
+    -- a skipped step (f16 overflow) leaves the parameters and the step count, hence the schedule, where they were
+    local applied = true
+    if scaler then applied = scaler:step(sgd) == 'applied' else sgd:step() end
     mw:phase('optimizer')
-    mw:step({ step = step + 1, loss = loss, lr = schedule(step), images = y:numel() * world })
-    step = step + 1
+    mw:step({ step = step + 1, loss = loss, lr = schedule(step), images = y:numel() * world, skipped = scaler and scaler.skipped or nil })
+    if applied then step = step + 1 end
     meter.loss_sum, meter.images, fresh = meter.loss_sum + loss * y:numel(), meter.images + y:numel(), fresh + y:numel()
     sampler:advance(y:numel())
     progress.step, progress.images = step, progress.images + y:numel() * world

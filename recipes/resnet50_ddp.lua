@@ -12,6 +12,7 @@ local ckpt = require 'dlua.ckpt'
 local monitor = require 'dlua.monitor'
 local metrics = require 'dlua.metrics'
 local resnet = require 'models.resnet'
+local amp = require 'dlua.amp'
 
 local opt = cli.parse(arg, {
   data = '', epochs = 1, batch = 32, lr = 0.1, warmup = 5, accumulate = 1, image_size = 32, workers = 2,
@@ -19,6 +20,7 @@ local opt = cli.parse(arg, {
   bucket_mb = '25', threads = 0, channels_last = true, print_every = 10, sync_bn = false, device = 'auto',
   clip_grad = 0, zero = 0, offload = false, save = '', save_every = 0, save_async = false, keep = 0, resume = '', stop_after = 0,
   pipeline = 0, chunks = 8, schedule = '1f1b', split = 'time', checkpoint_activations = 'none', nan_check = '', metrics = '',
+  amp = 'auto',
 }, {
   description = 'Trains a ResNet (default ResNet-50) data-parallel with dlua.dist.DDP.',
   help = {
@@ -57,6 +59,7 @@ local opt = cli.parse(arg, {
     nan_check = "loss: a non-finite loss stops the run, naming the step and the first module whose output went non-finite; "
       .. "modules: every module's output checked in every forward (slow); off (default: DLUA_NAN_CHECK, else loss)",
     metrics = 'write one JSON line per step (loss, lr, img/s, time by phase, memory), per epoch and a summary to FILE (rank 0)',
+    amp = "mixed precision: off, bf16, f16 (dlua.amp autocast; f16 with a GradScaler) or auto (bf16 on a GPU, off on the CPU)",
   },
 })
 if opt.bucket_mb ~= 'auto' then
@@ -189,6 +192,11 @@ if opt.offload and opt.zero == 0 then error('--offload needs --zero 1, 2 or 3', 
 if piped and opt.zero > 1 then error('--zero 2 or 3 with --pipeline: not supported yet (--zero 1 shards the optimizer state across the replicas)', 0) end
 if piped and opt.zero > 0 and opt.clip_grad > 0 then error('--clip-grad with --pipeline --zero 1: not supported yet', 0) end
 local criterion = nn.CrossEntropyLoss()
+local amp_spec = opt.amp == 'auto' and (tostring(device):find('^cuda') and 'bf16' or 'off') or opt.amp
+local amp_ok, precision = pcall(amp.from_spec, amp_spec)  -- {dtype, scaler}: autocast's dtype (nil: off), f16's GradScaler
+if not amp_ok then error('--amp: ' .. tostring(precision):gsub('^.-from_spec: ', ''), 0) end
+if precision.dtype and opt.pipeline > 0 then error('--amp with --pipeline: not supported yet (the stages run their own steps)', 0) end
+local scaler = precision.scaler
 local model, split_info
 if piped then
   -- the stages balanced by each piece's forward + backward time on a micro-batch, averaged over the
@@ -261,6 +269,7 @@ else
   end
 end
 if ckpt_policy ~= 'none' then log('%s', tostring(ckpt_plan)) end
+if precision.dtype then log('mixed precision: %s autocast, float32 master weights%s', precision.dtype, scaler and ', ' .. tostring(scaler) or '') end
 
 local function evaluate()
   model:evaluate()
@@ -291,7 +300,8 @@ function meter:load_state_dict(sd)
   self.seen = sd.seen
 end
 local state = { model = model, optimizer = sgd, schedule = schedule, sampler = sampler, rng = dlua.default_generator(),
-  progress = progress, meter = ckpt.per_rank(meter), comm = not piped and ckpt.comm_state(model) or nil, options = opt }
+  progress = progress, meter = ckpt.per_rank(meter), comm = not piped and ckpt.comm_state(model) or nil, options = opt,
+  scaler = scaler }
 local function save_checkpoint()
   if opt.save == '' then return end
   ckpt.save(opt.save, state, { step = progress.step, keep = opt.keep > 0 and opt.keep or nil, async = opt.save_async })
@@ -350,11 +360,14 @@ for epoch = resumed_epoch or 1, opt.epochs do
       loss_sum:add_(model:step(x, y):to(device) * y:numel())
       mw:phase('other')  -- the pipeline's forward and backward are one call
     else
-      local out = model:forward(x)
-      local loss = criterion:forward(out, y)
+      local out, loss = amp.run(precision, function()
+        local o = model:forward(x)
+        return o, criterion:forward(o, y)
+      end)
       mon:check_loss(loss, x)  -- one device sync per micro-batch on a GPU
       mw:phase('forward')
-      model:backward(x, criterion:backward(out, y))
+      local g = criterion:backward(out, y)
+      model:backward(x, scaler and scaler:scale(g) or g)  -- each layer in its forward's precision
       mw:phase('backward')
       loss_sum:add_(loss:double() * y:numel())
     end
@@ -365,6 +378,7 @@ for epoch = resumed_epoch or 1, opt.epochs do
       -- waits for DDP's buckets, so the norm is the averaged gradients' (one device sync per step);
       -- a pipeline's norm sums its stages' pieces
       if opt.clip_grad > 0 then  -- under ZeRO: over every rank's shard
+        if scaler then scaler:unscale_(sgd) end  -- clip the true gradients
         if opt.zero > 0 then
           grad_norm = model:clip_grad_norm_(opt.clip_grad)
         else
@@ -372,22 +386,25 @@ for epoch = resumed_epoch or 1, opt.epochs do
         end
       end
       sgd:set_lr(mon:lr(step))
-      sgd:step()
+      -- a skipped step (f16 overflow, every rank agrees) leaves parameters, step count and schedule where they were
+      local applied = true
+      if scaler then applied = scaler:step(sgd) == 'applied' else sgd:step() end
       sgd:zero_grad()
       mw:phase('optimizer')
       if mw.enabled then  -- reading the loss back syncs a GPU once per step: only with --metrics
         local l = loss_sum:item()
         mw:step({ step = step + 1, loss = (l - step_loss) / (meter.seen - step_seen), lr = schedule(step),
-          images = (meter.seen - step_seen) * replicas })
+          images = (meter.seen - step_seen) * replicas, skipped = scaler and scaler.skipped or nil })
         step_loss, step_seen = l, meter.seen
       end
-      step = step + 1
+      if applied then step = step + 1 end
       progress.step = step
       local s = i / opt.accumulate
       if s % opt.print_every == 0 or s == steps_per_epoch then
         local dt = dlua.perf_counter() - t0
         log('epoch %d  step %d/%d  loss %.4f  lr %.4g  %.1f img/s%s', epoch, s, steps_per_epoch, loss_sum:item() / meter.seen,
-          sgd:get_lr(), fresh * replicas / dt, grad_norm and ('  grad norm %.4g'):format(grad_norm) or '')
+          sgd:get_lr(), fresh * replicas / dt, (grad_norm and ('  grad norm %.4g'):format(grad_norm) or '')
+          .. (scaler and '  ' .. scaler:summary() or ''))
       end
       if opt.save_every > 0 and step % opt.save_every == 0 then save_checkpoint() end
       if mon:step(step) or opt.stop_after > 0 and step >= opt.stop_after then

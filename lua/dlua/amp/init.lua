@@ -1,6 +1,7 @@
 -- dlua.amp: mixed precision. autocast (a policy table by module type), weight casts cached per autocast region, GradScaler whose step says what it did.
 local dlua = require 'dlua'
 local core = require 'bindings.tensor_core'
+local create = require 'bindings.tensor_create'
 local K = require 'bindings.nn'
 local Module = require 'dlua.nn.module'
 
@@ -107,6 +108,16 @@ amp.policy_of = policy_of
 
 local function floating(t) return is_tensor(t) and t:is_floating_point() end
 
+-- t in dtype dt, keeping channels-last memory channels-last (oneDNN's fast kernels want it; to()
+-- alone would make it NCHW).
+local function cast(t, dt)
+  if t:dim() == 4 and not t:is_contiguous() and t:is_contiguous('channels_last') then
+    return create.empty_channels_last(core.sizes(core.handle('autocast', t)), { dtype = dt, device = t.device }):copy_(t)
+  end
+  return t:to(dt)
+end
+amp.cast = cast
+
 -- One cast of each parameter per outermost autocast region: {epoch, lp} per parameter tensor,
 -- the low-precision copy overwritten in place when a new region starts (no allocation per step).
 local cache = setmetatable({}, { __mode = 'k' })
@@ -120,7 +131,7 @@ local function cast_param(p, dt)
   if e and e.dt == dt and e.lp.p ~= nil then
     e.lp:copy_(p)
   else
-    e = { dt = dt, lp = p:to(dt) }
+    e = { dt = dt, lp = cast(p, dt) }
     cache[p] = e
   end
   e.epoch = S.epoch
@@ -166,7 +177,7 @@ function hook.forward(fn, m, ...)
       rec.in_dtype[i] = a.dtype
       if a.dtype ~= target then
         rec.orig[i] = a
-        args[i] = a:to(target)
+        args[i] = cast(a, target)
         rec.cast[i] = args[i]
       end
     end
@@ -189,17 +200,19 @@ end
 
 local function cast_back(rec, i, t)
   local want = rec.in_dtype[i]
-  if want and is_tensor(t) and t.p ~= nil and t.dtype ~= want then return t:to(want) end
+  if want and is_tensor(t) and t.p ~= nil and t.dtype ~= want then return cast(t, want) end
   return t
 end
 
-local function backward_done(m, rec, ok, ...)
+local function backward_done(m, rec, into, ok, ...)
   S.dtype = rec.outer
   swap_out(m, rec)
   if not ok then error((...), 0) end
   local n = select('#', ...)
   if n <= 1 then
-    local gi = cast_back(rec, 1, (...))
+    local gi = (...)
+    -- a gradient added into a tensor the caller gave (Conv2d's add_to) is that tensor, as it is
+    if not (into ~= nil and rawequal(gi, into)) then gi = cast_back(rec, 1, gi) end
     if rawget(m, 'grad_input') ~= nil or gi ~= nil then m.grad_input = gi end
     return gi
   end
@@ -217,12 +230,12 @@ function hook.backward(fn, m, x, grad, ...)
   if rec.orig[1] ~= nil and rawequal(x, rec.orig[1]) then
     x = rec.cast[1]
   elseif floating(x) and x.dtype ~= target then
-    x = x:to(target)
+    x = cast(x, target)
   end
-  if floating(grad) and grad.dtype ~= target then grad = grad:to(target) end
+  if floating(grad) and grad.dtype ~= target then grad = cast(grad, target) end
   swap_in(m, rec)
   rec.outer, S.dtype = S.dtype, nil
-  return backward_done(m, rec, pcall(fn, m, x, grad, ...))
+  return backward_done(m, rec, (...), pcall(fn, m, x, grad, ...))
 end
 
 -- An autocast region's state is what a checkpointed segment's recompute must see again.

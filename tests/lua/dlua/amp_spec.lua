@@ -98,30 +98,60 @@ describe('dlua.amp.autocast', function()
   end)
 
   it('backward runs in the forward precision: gradients of the rounded operands, float32 arena', function()
-    dlua.manual_seed(2)
-    local conv = nn.Conv2d(3, 5, 3, { padding = 1, stride = 2 })
-    local x = dlua.randn(3, 3, 7, 7)
-    local out = amp.autocast('bf16', function() return conv:forward(x) end)
-    local gy = dlua.randn(out:size())
-    local gx = conv:backward(x, gy)          -- outside the region, as after torch's autocast block
-    assert.equals('float32', gx.dtype)       -- the input's dtype
-    assert.equals('float32', conv.grad_weight.dtype)
-    -- reference: float64 convolution of the bf16-rounded operands
-    local ref = nn.Conv2d(3, 5, 3, { padding = 1, stride = 2, dtype = 'float64' })
-    ref.weight:copy_(rounded(conv.weight, 'bfloat16'))
-    ref.bias:copy_(rounded(conv.bias, 'bfloat16'))
-    local xd = rounded(x, 'bfloat16')
-    local yd = ref:forward(xd)
-    local gd = rounded(gy, 'bfloat16')
-    local gxd = ref:backward(xd, gd)
-    assert.is_true(rel(out, yd) < 8e-3, 'forward ' .. rel(out, yd))
-    assert.is_true(rel(gx, gxd) < 8e-3, 'grad input ' .. rel(gx, gxd))
-    assert.is_true(rel(conv.grad_weight, ref.grad_weight) < 8e-3, 'grad weight ' .. rel(conv.grad_weight, ref.grad_weight))
-    assert.is_true(rel(conv.grad_bias, ref.grad_bias) < 8e-3, 'grad bias ' .. rel(conv.grad_bias, ref.grad_bias))
-    -- a later forward without autocast is float32 again, and so is its backward
-    local out32 = conv:forward(x)
-    assert.equals('float32', out32.dtype)
-    assert.equals('float32', conv:backward(x, gy).dtype)
+    -- oneDNN's bf16 kernels (f32 accumulation): NCHW with bias and stride 2; channels-last 16 -> 16 at
+    -- stride 1 (the blocked kernel, backward-data run as a forward, adding into the shortcut gradient);
+    -- a channels-last 1x1 stride-2 projection; groups
+    local cases = {
+      { cin = 3, cout = 5, k = 3, o = { padding = 1, stride = 2 }, n = 3, hw = 7 },
+      { cin = 16, cout = 16, k = 3, o = { padding = 1, bias = false }, n = 2, hw = 6, cl = true, add = true },
+      { cin = 8, cout = 12, k = 1, o = { stride = 2, bias = false }, n = 3, hw = 7, cl = true },
+      { cin = 4, cout = 6, k = 3, o = { padding = 1, groups = 2 }, n = 2, hw = 5, cl = true },
+    }
+    for ci, c in ipairs(cases) do
+      dlua.manual_seed(10 + ci)
+      local conv = nn.Conv2d(c.cin, c.cout, c.k, c.o)
+      local x = dlua.randn(c.n, c.cin, c.hw, c.hw)
+      if c.cl then x = x:contiguous('channels_last') end
+      local out = amp.autocast('bf16', function() return conv:forward(x) end)
+      assert.equals('bfloat16', out.dtype)
+      if c.cl then assert.is_true(out:is_contiguous('channels_last'), ci .. ': output channels-last') end
+      local gy = dlua.randn(out:size())
+      local acc = c.add and dlua.randn(x:size()):bfloat16() or nil
+      local acc0 = acc and acc:double()
+      local gx = conv:backward(x, gy, acc)         -- outside the region, as after torch's autocast block
+      assert.equals(c.add and 'bfloat16' or 'float32', gx.dtype)  -- the input's dtype (or add_to's)
+      assert.equals('float32', conv.grad_weight.dtype)
+      -- reference: float64 convolution of the bf16-rounded operands
+      local o64 = {}
+      for k, v in pairs(c.o) do o64[k] = v end
+      o64.dtype = 'float64'
+      local ref = nn.Conv2d(c.cin, c.cout, c.k, o64)
+      ref.weight:copy_(rounded(conv.weight, 'bfloat16'))
+      if ref.bias then ref.bias:copy_(rounded(conv.bias, 'bfloat16')) end
+      local xd = rounded(x, 'bfloat16')
+      local yd = ref:forward(xd)
+      local gd = rounded(gy, 'bfloat16')
+      local gxd = ref:backward(xd, gd)
+      if acc0 then gxd = gxd + acc0 end
+      -- outputs are stored in bf16 (8 bits: 2^-9 relative); the weight gradient is accumulated and
+      -- stored in f32 from the rounded operands, so it matches far closer
+      assert.is_true(rel(out, yd) < 8e-3, ci .. ': forward ' .. rel(out, yd))
+      assert.is_true(rel(gx, gxd) < 8e-3, ci .. ': grad input ' .. rel(gx, gxd))
+      assert.is_true(rel(conv.grad_weight, ref.grad_weight) < 1e-5, ci .. ': grad weight ' .. rel(conv.grad_weight, ref.grad_weight))
+      if ref.bias then
+        assert.is_true(rel(conv.grad_bias, ref.grad_bias) < 1e-5, ci .. ': grad bias ' .. rel(conv.grad_bias, ref.grad_bias))
+      end
+      -- a later forward without autocast is float32 again, and so is its backward
+      assert.equals('float32', conv:forward(x).dtype)
+      assert.equals('float32', conv:backward(x, gy).dtype)
+    end
+  end)
+
+  it('keeps channels-last activations channels-last through the casts', function()
+    local x = dlua.randn(2, 16, 3, 3):contiguous('channels_last')
+    local b = amp.cast(x, 'bfloat16')
+    assert.is_true(b:is_contiguous('channels_last'))
+    assert.equals(0, (b:double() - rounded(x, 'bfloat16')):abs():max():item())
   end)
 
   it('a checkpointed segment recomputes in its forward precision', function()
