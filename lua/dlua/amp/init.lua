@@ -118,13 +118,48 @@ local function cast(t, dt)
 end
 amp.cast = cast
 
--- One cast of each parameter per outermost autocast region: {epoch, lp} per parameter tensor,
--- the low-precision copy overwritten in place when a new region starts (no allocation per step).
+-- Master weights: a parameter that an SGD/Adam/AdamW arena holds is used through that arena's
+-- 16-bit twin, which the optimizer's fused step writes in the same pass as the update; the twin is
+-- cast in one pass only when no step has written it (the first step, or after parameters changed
+-- some other way: load_state_dict, clear_cache). Other parameters (no optimizer yet, ZeRO's shards,
+-- LARS/LAMB, CUDA): one cast of each per outermost autocast region, {epoch, lp} per parameter
+-- tensor, the copy overwritten in place when a new region starts (no allocation per step).
 local cache = setmetatable({}, { __mode = 'k' })
-local casts = 0
-function amp.cast_count() return casts end  -- parameters cast so far (tests count them)
+local twins = setmetatable({}, { __mode = 'k' })  -- every twin handed out, for invalidate()
+local casts, arena_casts = 0, 0
+function amp.cast_count() return casts end             -- single parameters cast so far (tests count them)
+function amp.arena_cast_count() return arena_casts end -- whole-arena casts into a twin so far
+
+local owner = require('dlua.optim').lowp_owner
+
+local function twin_view(p, dt)
+  local own = owner[p]
+  if not own then return nil end
+  local tw = own.opt:lowp_twin(own.dt, dt)
+  if not tw then return nil end
+  twins[tw] = true
+  if not tw.fresh then
+    tw.tensor:copy_(own.opt.arena.params[own.dt])
+    tw.fresh = true
+    arena_casts = arena_casts + 1
+  end
+  local e = cache[p]
+  if e and e.twin == tw and e.lp.p ~= nil then return e.lp end
+  local v = tw.tensor:narrow(1, own.offset + 1, own.numel):view(p:size())
+  cache[p] = { twin = tw, lp = v, dt = dt }
+  return v
+end
+
+-- After changing parameters outside an optimizer step: every cached cast and twin is made afresh.
+function amp.invalidate()
+  for k in pairs(cache) do cache[k] = nil end
+  for tw in pairs(twins) do tw.fresh = false end
+end
+hook.invalidate = amp.invalidate  -- Module:load_state_dict calls it
 
 local function cast_param(p, dt)
+  local tv = twin_view(p, dt)
+  if tv then return tv end
   local e = cache[p]
   if e and e.dt == dt and e.epoch == S.epoch and e.lp.p ~= nil then return e.lp end
   casts = casts + 1
@@ -138,8 +173,8 @@ local function cast_param(p, dt)
   return e.lp
 end
 
--- Drops the cached casts (after changing parameters by hand inside an autocast region).
-function amp.clear_cache() for k in pairs(cache) do cache[k] = nil end end
+-- Drops the cached casts and twins (after changing parameters by hand).
+amp.clear_cache = amp.invalidate
 
 local function swap_in(m, rec)
   for name, lp in pairs(rec.params) do m[name] = lp end

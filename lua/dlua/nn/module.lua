@@ -398,6 +398,7 @@ function Module:load_state_dict(sd, strict)
   for name, t in pairs(targets) do
     if sd[name] ~= nil then t:copy_(sd[name]) end
   end
+  if amp.invalidate then amp.invalidate() end  -- mixed precision's 16-bit copies are stale now
   return { missing = missing, unexpected = unexpected }
 end
 

@@ -154,6 +154,48 @@ describe('dlua.amp.autocast', function()
     assert.equals(0, (b:double() - rounded(x, 'bfloat16')):abs():max():item())
   end)
 
+  it('master weights: the fused step writes the 16-bit twin, so a step casts nothing', function()
+    for _, mk in ipairs({ function(m) return optim.SGD(m, { lr = 0.1, momentum = 0.9, weight_decay = 1e-3 }) end,
+                          function(m) return optim.AdamW(m, { lr = 0.01 }) end }) do
+      dlua.manual_seed(8)
+      local net = nn.Sequential(nn.Linear(5, 40000), nn.ReLU(), nn.Linear(40000, 3))  -- 2 chunks and a tail
+      local opt = mk(net)
+      local crit = nn.CrossEntropyLoss()
+      local x, y = dlua.randn(4, 5), dlua.randint(1, 4, 4)
+      local function step()
+        opt:zero_grad()
+        local out = amp.autocast('bf16', function() return net:forward(x) end)
+        crit:forward(out, y)
+        net:backward(x, crit:backward(out, y))
+        opt:step()
+      end
+      local a0, c0 = amp.arena_cast_count(), amp.cast_count()
+      step()
+      assert.equals(1, amp.arena_cast_count() - a0)  -- the first region: one pass over the arena
+      for _ = 1, 3 do step() end
+      assert.equals(1, amp.arena_cast_count() - a0)  -- then the steps wrote it
+      assert.equals(0, amp.cast_count() - c0)
+      local twin = opt._lowp.float32.tensor
+      assert.equals('bfloat16', twin.dtype)
+      assert.equals(0, (twin:float() - opt.arena.params.float32:bfloat16():float()):abs():max():item())
+      -- the layers computed with exactly those weights
+      local out = amp.autocast('bf16', function() return net:get(1):forward(x) end)
+      local want = dlua.addmm(net:get(1).bias:bfloat16():float(), x:bfloat16():float(), net:get(1).weight:bfloat16():float():t())
+      assert.is_true(rel(out, want) < 8e-3)
+      -- parameters changed outside a step: the twin is cast afresh
+      net:load_state_dict(net:state_dict())
+      amp.autocast('bf16', function() net:forward(x) end)
+      assert.equals(2, amp.arena_cast_count() - a0)
+    end
+    -- the kernel checks its twin
+    local K = require 'bindings.nn'
+    local p, g = dlua.zeros(10), dlua.zeros(10)
+    assert.has_error(function() K.sgd_step(p, g, nil, 0, 10, 0.1, 0, 0, 0, false, false, true, 1, dlua.zeros(9):bfloat16()) end)
+    local ok, e = pcall(K.sgd_step, p, g, nil, 0, 10, 0.1, 0, 0, 0, false, false, true, 1, dlua.zeros(10))
+    assert.is_false(ok)
+    assert.truthy(tostring(e):find('must be a contiguous bfloat16 or float16 tensor', 1, true), e)
+  end)
+
   it('a checkpointed segment recomputes in its forward precision', function()
     dlua.manual_seed(3)
     local function build()
