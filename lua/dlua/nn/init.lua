@@ -61,37 +61,7 @@ Sequential.grad_in_place = true
 
 function Sequential:__len() return #self._children end
 
--- Residual(block [, shortcut]): y = block(x) + shortcut(x) (identity when no shortcut).
-local Residual = Module:extend('Residual')
-nn.Residual = Residual
-Residual.is_block = true -- a residual block for model:checkpoint('blocks')
-
-function Residual:__init(block, shortcut)
-  self:add_module('block', block)
-  if shortcut then self:add_module('shortcut', shortcut) end
-  self.has_shortcut = shortcut ~= nil
-end
-
-function Residual:forward(x)
-  local y = self.block:forward(x)
-  local s = self.has_shortcut and self.shortcut:forward(x) or x
-  self.output = y + s
-  return self.output
-end
-
-function Residual:input_grad(flag)
-  self.needs_input_grad = flag ~= false
-  self.block:input_grad(flag)
-  if self.has_shortcut then self.shortcut:input_grad(flag) end
-  return self
-end
-
-function Residual:backward(x, grad)
-  local gx = self.block:backward(x, grad)
-  local gs = self.has_shortcut and self.shortcut:backward(x, grad) or grad
-  self.grad_input = gx + gs
-  return self.grad_input
-end
+-- (Residual, BasicBlock, Bottleneck: lua/dlua/nn/blocks.lua, installed at the end)
 
 ---------------------------------------------------------------------------------------------
 -- Stateless layers
@@ -494,5 +464,6 @@ end
 
 nn.utils = require 'dlua.nn.utils'  -- clip_grad_norm_, grad_norm_partial
 nn.Checkpoint = require 'dlua.nn.checkpoint' -- and Module:checkpoint(policy)
+require 'dlua.nn.blocks'(nn)  -- Residual, BasicBlock, Bottleneck (fusing)
 
 return nn
