@@ -258,7 +258,7 @@ static void dump_now(const char *reason, long dump_id) {
   dlua_launch_notify("dumped", arg);
 }
 
-/* ---- the request file, without a launcher ---------------------------------------------------------- */
+/* ---- the dump request without a launcher: the store and a file ------------------------------------ */
 
 typedef struct {
   int64_t id;
@@ -491,7 +491,7 @@ static void timeout_request(void) {
   char head[4400];
   dlua_flight_heading(head, sizeof head, q.reason, dir, 0, world);
   if (elsewhere[0]) {  // dump directories that differ (node-local disks): say where the others are
-    size_t cap = (text ? strlen(text) : 0) + strlen(elsewhere) + 128;
+    size_t cap = (text ? strlen(text) : 0) + strlen(elsewhere) + 2 * strlen(dir) + 128;
     char *all = malloc(cap);
     if (all) {
       snprintf(all, cap, "%s%s(copy them into %s and run `dlua flight %s` for the whole diagnosis)\n", text ? text : "",
