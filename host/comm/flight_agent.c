@@ -321,27 +321,28 @@ static dlua_store_t *agent_store(void) {
   return g_store;
 }
 
+/* The store's value of key (text) into out, if the store has it. */
+static int store_read(const char *key, char *out, size_t cap) {
+  dlua_store_t *st = agent_store();
+  if (!st) return 0;
+  const char *keys[1] = {key};
+  int exists = 0;
+  void *v = NULL;
+  size_t n = 0;
+  if (dlua_store_check(st, keys, 1, &exists) != DLUA_OK || (exists && dlua_store_get(st, key, 1000, &v, &n) != DLUA_OK)) {
+    store_broke();
+    return 0;
+  }
+  if (!exists) return 0;
+  snprintf(out, cap, "%s", (const char *)v);
+  dlua_store_free_value(v);
+  return 1;
+}
+
 /* The request in the store, else in the file, if there is one of this job. */
 static int request_read(request_t *q) {
   char line[512];
-  dlua_store_t *st = agent_store();
-  if (st) {
-    const char *keys[1] = {STORE_KEY};
-    int exists = 0;
-    void *v = NULL;
-    size_t n = 0;
-    if (dlua_store_check(st, keys, 1, &exists) != DLUA_OK) {
-      store_broke();
-    } else if (exists) {
-      if (dlua_store_get(st, STORE_KEY, 1000, &v, &n) != DLUA_OK) {
-        store_broke();
-      } else {
-        snprintf(line, sizeof line, "%s", (const char *)v);
-        dlua_store_free_value(v);
-        if (request_parse(line, q)) return 1;
-      }
-    }
-  }
+  if (store_read(STORE_KEY, line, sizeof line) && request_parse(line, q)) return 1;
   char path[4096];
   request_path(path, sizeof path);
   FILE *f = fopen(path, "r");
@@ -388,32 +389,16 @@ static void note_dump(int64_t id) {
   if (dlua_store_set(st, key, line, strlen(line)) != DLUA_OK) store_broke();
 }
 
-/* Where rank r wrote its dump of request id if the store says so (into `where`, "HOST PATH"); 0 if it does not. */
+/* Where rank r wrote its dump of request id if the store says so (into `where`, "host HOST: PATH"); 0 if it does not. */
 static int dumped_elsewhere(int r, int64_t id, char *where, size_t cap) {
-  dlua_store_t *st = agent_store();
-  if (!st) return 0;
-  char key[64];
+  char key[64], line[4600], host[256];
   snprintf(key, sizeof key, "dlua/flight/dumped/%d", r);
-  const char *keys[1] = {key};
-  int exists = 0;
-  if (dlua_store_check(st, keys, 1, &exists) != DLUA_OK) {
-    store_broke();
-    return 0;
-  }
-  void *v = NULL;
-  size_t n = 0;
-  if (!exists) return 0;
-  if (dlua_store_get(st, key, 1000, &v, &n) != DLUA_OK) {
-    store_broke();
-    return 0;
-  }
+  if (!store_read(key, line, sizeof line)) return 0;
   int64_t got = -1;
   int at = 0;
-  char host[256];
-  int ok = sscanf((const char *)v, "%" SCNd64 " %255s %n", &got, host, &at) == 2 && got == id && at > 0;
-  if (ok) snprintf(where, cap, "host %s: %s", host, (const char *)v + at);
-  dlua_store_free_value(v);
-  return ok;
+  if (sscanf(line, "%" SCNd64 " %255s %n", &got, host, &at) != 2 || got != id || at == 0) return 0;
+  snprintf(where, cap, "host %s: %s", host, line + at);
+  return 1;
 }
 
 static double wall_now(void) {
