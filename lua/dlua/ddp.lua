@@ -2,6 +2,7 @@
 local dlua = require 'dlua'
 local bit = require 'bit'
 local flight = require 'bindings.monitor'  -- the flight recorder notes each collective's bucket
+local dist_binding = require 'bindings.dist'
 
 local M = {}
 local format = string.format
@@ -362,8 +363,8 @@ end
 function DDP:forward(x, ...)
   if self._pending then self:wait() end
   if self.broadcast_buffers and self.world > 1 and self.module.training and not self._no_sync
-    and self._micro % self.accumulate == 0 then
-    self:_sync_buffers()
+    and self._micro % self.accumulate == 0 and not dist_binding.forbidden() then
+    self:_sync_buffers()  -- (the NaN guard's one-rank re-run of this step's forward forbids collectives: it skips it)
   end
   return self.module:forward(x, ...)
 end

@@ -244,7 +244,7 @@ no_strays "restarts"
 if [ -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] || [ -n "${DLUA_FASHION_MNIST_ROOT:-}" ]; then
   out=$(timeout 120 "$DLUA" --nproc 2 "${fm[@]}" --lr 1e4 2>&1); rc=$?
   expect "NaN guard: a diverging run stops, naming the step and the first non-finite module" \
-    '[ $rc -eq 1 ] && grep -qE "^dlua: rank [01] failed \(exit code 1\): recipes/fashion_mnist.lua:[0-9]+: loss is (nan|inf|-inf) at step [0-9]+; the first module whose output went non-finite: [0-9.]+ \([A-Za-z0-9]+\); " <<<"$out"' \
+    '[ $rc -eq 1 ] && grep -qE "^dlua: rank [01] failed \(exit code 1\): [^ ]*(recipes/fashion_mnist|dlua/recipe/trainer).lua:[0-9]+: loss is (nan|inf|-inf) at step [0-9]+; the first module whose output went non-finite: [0-9.]+ \([A-Za-z0-9]+\); " <<<"$out"' \
     "$(grep '^dlua' <<<"$out")"
   no_strays "NaN guard"
 fi
