@@ -135,7 +135,6 @@ function Monitor:check_loss(loss, input, ...)
     -- the other ranks (SyncBatchNorm, ZeRO-3's gathers) stops at its first collective, which would not meet theirs
     if input ~= nil and self:_hook_modules(false) then
       local root = inner(self.model)
-      if getmetatable(root) == require('dlua.ddp').DDP_methods then root = root.module end  -- DDP's forward broadcasts buffers
       dist_binding.forbid('the NaN guard\'s check runs no collective')
       local ok = pcall(root.forward, root, input, ...)
       dist_binding.forbid(nil)
