@@ -21,18 +21,7 @@ wait_for() {  # FILE PATTERN SECONDS: until an (extended) pattern shows up in th
 }
 
 # ---- the flight recorder: a rank stalled in a compute loop (compiled Lua), then one inside a C call -------------------
-cat >"$work/stall.lua" <<'LUA'
-local dlua = require 'dlua'
-local dist = dlua.dist
-dist.init({ timeout = 3 })
-local t = dlua.ones({ 4 })
-for _ = 1, 2 do dist.all_reduce(t) end
-if dist.rank() == 1 then
-  local x = 0
-  while true do x = x + 1 end
-end
-dist.all_reduce(t)
-LUA
+cp "$here/stall.lua" "$work/stall.lua"  # run from the scratch folder: no_strays finds what is left of it
 start=$(date +%s%N)
 out=$(DLUA_FLIGHT_DIR="$work/flight" timeout 60 "$DLUA" --nproc 2 "$work/stall.lua" 2>&1); rc=$?
 took=$(( ($(date +%s%N) - start) / 1000000 ))

@@ -28,10 +28,8 @@ end
 -- (nearest neighbour, a number or {h, w}); channels = 3 repeats a grey channel (an expand view, no
 -- copy); memory_format 'channels_last' lays the batch out NHWC.
 function loader.MemoryLoader(opts)
-  if type(opts) ~= 'table' then error('MemoryLoader: expected an options table', 2) end
-  for k in pairs(opts) do
-    if not allowed[k] then error(format("MemoryLoader: unknown option '%s'", tostring(k)), 2) end
-  end
+  if opts == nil then error('MemoryLoader: expected an options table', 2) end
+  require('dlua.options').check('MemoryLoader', opts, allowed, 2)
   local ds = opts.dataset
   if type(ds) ~= 'table' or not dlua.is_tensor(ds.x) then
     error('MemoryLoader: dataset must hold tensors x and y (TensorDataset, FashionMNIST)', 2)
