@@ -363,6 +363,13 @@ add { op = 'sort topk', dtypes = { 'float32', 'float64', 'float16', 'bfloat16', 
     local tv, ti = x:topk(k, -1)
     return { v, i, tv, ti }
   end }
+add { op = 'argsort', dtypes = FLOATS, exact = true,
+  instances = function(dt)
+    return { { tag = '(5,17)', inputs = { { shape = { 5, 17 } } } },
+             { tag = 't', inputs = { { shape = { 17, 5 }, view = function(t) return t:t() end } } } }
+  end,
+  fn = function(inst, x) return { x:argsort(-1), x:argsort(1, true) } end,
+  outputs = { 'last dim', 'first dim descending' } }
 add { op = 'cat stack one_hot', dtypes = ALL, exact = true, outputs = { 'cat', 'stack' }, instances = function()
   return { { tag = '(3,4)+(2,4)', inputs = { { shape = { 3, 4 } }, { shape = { 2, 4 } }, { shape = { 3, 4 } } } } }
 end, fn = function(_, a, b, c) return { dlua.cat({ a, b }, 1), dlua.stack({ a, c }, 2) } end }

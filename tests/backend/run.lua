@@ -236,7 +236,7 @@ local function run_one(case, dt, inst)
       local tol = tolerance(got.dtype, K, case, dt)
       local err, msg = error_of(ref:cpu(), got:cpu(), K)
       if err == nil then fail(oname, msg) goto continue end
-      results[#results + 1] = { op = case.op, dtype = got.dtype, err = err, tol = tol, ok = err <= tol }
+      results[#results + 1] = { op = case.op, dtype = dt, err = err, tol = tol, ok = err <= tol }
       if not (err <= tol) then
         fail(oname, string.format('%s %s: error %.3g > tolerance %.3g (K = %d)', got.dtype, shape_str(got), err, tol, K))
       elseif verbose then
@@ -257,7 +257,7 @@ for _, case in ipairs(cases) do
 end
 
 ---------------------------------------------------------------------------------------------
--- report: per op and dtype, the checks, failures and the worst err/tol
+-- report: per op and the case's dtype (the inputs'), the checks, failures and the worst err/tol
 
 local rows, width = {}, 10
 for _, r in ipairs(results) do
