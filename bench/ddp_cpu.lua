@@ -19,7 +19,8 @@ if which == 'resnet18' then
 else
   net, c, hw = resnet.resnet20({ in_channels = 1, num_classes = 10 }), 1, 28
 end
-local model = dist.DDP(net:input_grad(false))
+-- DDP_BROADCAST_BUFFERS=0: without the buffers' broadcast before each forward (its cost; torch's side keeps its default)
+local model = dist.DDP(net:input_grad(false), { broadcast_buffers = os.getenv('DDP_BROADCAST_BUFFERS') ~= '0' })
 local opt = optim.SGD(model, { lr = 0.05, momentum = 0.9, nesterov = true, weight_decay = 5e-4 })
 local crit = nn.CrossEntropyLoss()
 dlua.manual_seed(1 + rank)  -- each rank its own data

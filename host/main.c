@@ -21,7 +21,7 @@ static void print_usage(FILE *f) {
   fputs(
       "usage: dlua [options] [script.lua [args...]]\n"
       "       dlua attach PID|JOBDIR [--rank R] [--dump]   (a running job: docs/launch.md)\n"
-      "       dlua plot|experiment [args...]   (subcommands; `dlua plot --help`)\n"
+      "       dlua plot|experiment|flight [args...]   (subcommands; `dlua plot --help`)\n"
       "Runs a dlua training script or recipe; with no script, a REPL on a terminal, or the\n"
       "program read from standard input otherwise.\n"
       "\n"
@@ -369,6 +369,7 @@ int main(int argc, char **argv) {
   dlua_launch_rank_init();  // a rank of `dlua --nproc N`: where to say that it failed
   dlua_control_rank_init(); // ... and its launcher's control page (dlua attach, restarts)
   dlua_agent_start();       // SIGUSR1 dumps the flight recorder
+  dlua_agent_set_diagnoser(dlua_state_flight_diagnosis);  // printed by a rank that asked for a dump under mpirun
   /* a rank under the launcher writes into a pipe: flush each line so output is live */
   if (getenv("DLUA_LAUNCHER")) setvbuf(stdout, NULL, _IOLBF, 0);
 

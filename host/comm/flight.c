@@ -242,12 +242,66 @@ static int env_first(const char *a, const char *b, const char *c, int dflt) {
   return env_int(a, env_int(b, env_int(c, dflt)));
 }
 
+int dlua_flight_rank(void) { return env_first("RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", 0); }
+int dlua_flight_world(void) { return env_first("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS", 1); }
+
+void dlua_flight_job_key(char *out, size_t cap) {
+  static const char *const names[] = {"PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid", "TORCHELASTIC_RUN_ID"};
+  for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+    const char *v = getenv(names[i]);
+    if (v && *v) {
+      snprintf(out, cap, "%s", v);
+      return;
+    }
+  }
+  const char *job = getenv("SLURM_JOB_ID"), *step = getenv("SLURM_STEP_ID");
+  const char *host = getenv("MASTER_ADDR"), *port = getenv("MASTER_PORT");
+  if (job && *job)
+    snprintf(out, cap, "slurm-%s.%s", job, step ? step : "");
+  else if (port && *port)
+    snprintf(out, cap, "%s:%s", host ? host : "", port);
+  else
+    snprintf(out, cap, "-");
+  for (char *p = out; *p; p++)
+    if (*p == ' ' || *p == '\n') *p = '_';  // one word in the request's line
+}
+
+void dlua_flight_heading(char *out, size_t cap, const char *reason, const char *dir, int first, int n) {
+  if (n == 1)
+    snprintf(out, cap, "flight recorder (%s): %s/flight-rank%d.json", reason, dir, first);
+  else
+    snprintf(out, cap, "flight recorder (%s): %s/flight-rank{%d..%d}.json", reason, dir, first, first + n - 1);
+}
+
+void dlua_flight_print(const char *head, const char *text) {
+  fprintf(stderr, "dlua: %s\n", head);
+  for (const char *p = text; p && *p;) {
+    const char *nl = strchr(p, '\n');
+    int n = nl ? (int)(nl - p) : (int)strlen(p);
+    if (n > 0) fprintf(stderr, "dlua:   %.*s\n", n, p);
+    p += n + (nl ? 1 : 0);
+  }
+  fflush(stderr);
+}
+
+int64_t dlua_flight_dump_id_of(const char *dir, int rank) {
+  char path[4096], head[1024];
+  snprintf(path, sizeof path, "%s/flight-rank%d.json", dir, rank);
+  FILE *f = fopen(path, "r");
+  if (!f) return -1;
+  size_t n = fread(head, 1, sizeof head - 1, f);
+  fclose(f);
+  head[n] = '\0';
+  const char *p = strstr(head, "\"dump_id\": ");  // on the first line, as dlua_flight_write puts it
+  return p ? strtoll(p + 11, NULL, 10) : -1;
+}
+
 dlua_status_t dlua_flight_write(const char *dir, const char *reason, int64_t dump_id, const dlua_flight_where_t *where) {
   if (!dir || !*dir) dir = dlua_flight_default_dir();
   if (mkdir(dir, 0700) != 0 && errno != EEXIST)
     return DLUA_ERR(DLUA_ERR_IO, "flight recorder: cannot create %s: %s", dir, strerror(errno));
-  int rank = env_first("RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", 0);
-  int world = env_first("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS", 1);
+  int rank = dlua_flight_rank();
+  int world = dlua_flight_world();
   char path[4096], tmp[4096];
   snprintf(path, sizeof path, "%s/flight-rank%d.json", dir, rank);
   snprintf(tmp, sizeof tmp, "%s/.flight-rank%d.json.%d", dir, rank, (int)getpid());

@@ -26,4 +26,21 @@ dlua_status_t dlua_flight_write(const char *dir, const char *reason, int64_t dum
 /* The directory dumps go to: DLUA_FLIGHT_DIR, else the current directory. */
 const char *dlua_flight_default_dir(void);
 
+/* This process's rank and world size from the launchers' variables (dlua --nproc and torchrun's RANK, mpirun's,
+   srun's), 0 and 1 without them. */
+int dlua_flight_rank(void);
+int dlua_flight_world(void);
+
+/* One word naming this job, the same on every rank (PMIx's namespace, Open MPI's job id, torchrun's run id, Slurm's
+   job and step, the store's address), "-" when nothing names it: a dump request of another job is not ours. */
+void dlua_flight_job_key(char *out, size_t cap);
+
+/* The diagnosis's first line ("flight recorder (REASON): DIR/flight-rank{0..3}.json"), and the diagnosis printed
+   on stderr as the launcher's lines: "dlua: " before the heading, "dlua:   " before each line of text. */
+void dlua_flight_heading(char *out, size_t cap, const char *reason, const char *dir, int first, int n);
+void dlua_flight_print(const char *head, const char *text);
+
+/* The dump number in DIR/flight-rank<r>.json, -1 when there is no such file. */
+int64_t dlua_flight_dump_id_of(const char *dir, int rank);
+
 #endif

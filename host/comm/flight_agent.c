@@ -1,9 +1,10 @@
-/* A rank's flight-recorder agent: SIGUSR1 (or a timeout, or the launcher) makes it dump the ring with where the rank is. */
+/* A rank's flight-recorder agent: SIGUSR1 (or a timeout, or the launcher, or a peer's request file) makes it dump the ring with where the rank is. */
 #define _GNU_SOURCE
 #include "comm/flight_agent.h"
 
 #include <errno.h>
 #include <dlfcn.h>
+#include <inttypes.h>
 #include <pthread.h>
 #include <semaphore.h>
 #include <signal.h>
@@ -11,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <ucontext.h>
 #include <unistd.h>
@@ -26,7 +28,10 @@ enum {
   MAX_FRAMES = 48,
   TB_BYTES = 8192,
   REQUEST_GAP_S = 5,
-  EXPECT_S = 2          /* how long after asking the launcher for a dump its signal may take */
+  EXPECT_S = 2,         /* how long after asking the launcher for a dump its signal may take */
+  POLL_MS = 200,        /* without a launcher: how often the agent looks for a peer's dump request */
+  GATHER_MS = 2500,     /* ... and how long the rank that asked waits for every rank's dump */
+  SAME_HANG_S = 10      /* a timeout this soon after a dump request is the same hang */
 };
 
 static int g_started;
@@ -37,6 +42,13 @@ static atomic_int g_pending_timeout; /* a local request after a timeout */
 static atomic_int g_busy;            /* a dump is being written */
 static atomic_int g_exiting;         /* the main thread waits in dlua_agent_flush: it runs no Lua any more */
 static _Atomic double g_expect_until; /* we asked the launcher for a dump: its signal may come until then */
+
+/* Without a launcher (mpirun, srun, torchrun): a rank whose collective timed out writes DIR/flight-request
+   (DIR: where the dumps go, which every rank must share for the diagnosis anyway); every rank's agent polls it. */
+static int g_poll;                    /* this rank polls: no launcher, several ranks */
+static int64_t g_seen_id;             /* the newest request handled (or found at start: an old job's) */
+static double g_seen_at;              /* when (monotonic) */
+static char *(*g_diagnose)(const char *dir, int first, int n, int64_t id);
 
 static void (*g_lua_trigger)(void);
 static atomic_int g_lua_want;
@@ -245,19 +257,144 @@ static void dump_now(const char *reason, long dump_id) {
   dlua_launch_notify("dumped", arg);
 }
 
+/* ---- the request file, without a launcher ---------------------------------------------------------- */
+
+typedef struct {
+  int64_t id;
+  int rank;         /* who asked */
+  double time;      /* when (wall clock) */
+  char key[128];    /* the job (dlua_flight_job_key) */
+  char reason[200];
+} request_t;
+
+static void request_path(char *out, size_t cap) { snprintf(out, cap, "%s/flight-request", dlua_flight_default_dir()); }
+
+/* The request in the file, if there is one of this job: "dlua.flight-request/1 ID RANK TIME KEY REASON...". */
+static int request_read(request_t *q) {
+  char path[4096], line[512], key[128];
+  request_path(path, sizeof path);
+  FILE *f = fopen(path, "r");
+  if (!f) return 0;
+  char *got = fgets(line, sizeof line, f);
+  fclose(f);
+  int at = 0;
+  if (!got || sscanf(line, "dlua.flight-request/1 %" SCNd64 " %d %lf %127s %n", &q->id, &q->rank, &q->time, q->key, &at) < 4 ||
+      at == 0)
+    return 0;
+  snprintf(q->reason, sizeof q->reason, "%.*s", (int)strcspn(line + at, "\n"), line + at);
+  dlua_flight_job_key(key, sizeof key);
+  return strcmp(key, q->key) == 0;
+}
+
+static int request_post(const request_t *q) {
+  const char *dir = dlua_flight_default_dir();
+  char path[4096], tmp[4096 + 16];
+  if (mkdir(dir, 0700) != 0 && errno != EEXIST) return 0;
+  request_path(path, sizeof path);
+  snprintf(tmp, sizeof tmp, "%s.%d", path, (int)getpid());
+  FILE *f = fopen(tmp, "w");
+  if (!f) return 0;
+  fprintf(f, "dlua.flight-request/1 %" PRId64 " %d %.6f %s %s\n", q->id, q->rank, q->time, q->key, q->reason);
+  int bad = fclose(f) != 0;
+  if (bad || rename(tmp, path) != 0) {  // atomic: a poller reads the old request or this one, never half
+    unlink(tmp);
+    return 0;
+  }
+  return 1;
+}
+
+static double wall_now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* A peer's request (or ours) not handled yet: dump for it. */
+static void poll_request(void) {
+  request_t q;
+  if (!request_read(&q) || q.id == g_seen_id) return;
+  g_seen_id = q.id;
+  g_seen_at = mono_now();
+  dump_now(q.reason, (long)q.id);
+}
+
+/* Every rank's dump of request id is there, or the request was replaced (another rank asked too: its asker prints). */
+static int gathered(int64_t id, int world, double deadline) {
+  const char *dir = dlua_flight_default_dir();
+  for (;;) {
+    int have = 0;
+    for (int r = 0; r < world; r++) have += dlua_flight_dump_id_of(dir, r) == id;
+    if (have == world) return 1;
+    request_t q;
+    if (request_read(&q) && q.id != id) return 0;
+    if (mono_now() >= deadline) return 1;  // the diagnosis names the ranks that did not answer
+    struct timespec ts = {0, 50 * 1000000L};
+    nanosleep(&ts, NULL);
+  }
+}
+
+/* This rank's collective timed out: ask every rank for a dump (unless one asked already for this hang), then say what
+   the dumps say, as the launcher does. */
+static void timeout_request(void) {
+  request_t q;
+  if (request_read(&q) && q.id != g_seen_id && wall_now() - q.time < SAME_HANG_S) {
+    poll_request();  // a peer timed out first: its request is this hang's
+    return;
+  }
+  if (g_seen_id && mono_now() - g_seen_at < SAME_HANG_S) return;  // dumped for this hang already
+  memset(&q, 0, sizeof q);
+  q.time = wall_now();
+  q.id = (int64_t)(q.time * 1000);
+  if (q.id <= g_seen_id) q.id = g_seen_id + 1;
+  q.rank = dlua_flight_rank();
+  dlua_flight_job_key(q.key, sizeof q.key);
+  snprintf(q.reason, sizeof q.reason, "a collective timed out on rank %d", q.rank);
+  double deadline = mono_now() + GATHER_MS / 1000.0;
+  if (!request_post(&q)) {
+    char path[4096];
+    request_path(path, sizeof path);
+    fprintf(stderr, "dlua: flight recorder: cannot write %s: %s (only this rank dumps)\n", path, strerror(errno));
+  }
+  g_seen_id = q.id;
+  g_seen_at = mono_now();
+  dump_now(q.reason, (long)q.id);
+  int world = dlua_flight_world();
+  if (!gathered(q.id, world, deadline)) return;
+  const char *dir = dlua_flight_default_dir();
+  char *text = g_diagnose ? g_diagnose(dir, 0, world, q.id) : NULL;
+  char head[4400];
+  dlua_flight_heading(head, sizeof head, q.reason, dir, 0, world);
+  dlua_flight_print(head, text);
+  free(text);
+}
+
 static void *agent_main(void *arg) {
   (void)arg;
   for (;;) {
-    while (sem_wait(&g_wake) != 0 && errno == EINTR) {
+    if (g_poll) {
+      if (!wait_sem(&g_wake, POLL_MS)) {
+        atomic_store(&g_busy, 1);
+        poll_request();
+        atomic_store(&g_busy, 0);
+        continue;
+      }
+    } else {
+      while (sem_wait(&g_wake) != 0 && errno == EINTR) {
+      }
     }
     atomic_store(&g_busy, 1);
     long id = atomic_exchange(&g_pending_id, 0);
     int timeout = atomic_exchange(&g_pending_timeout, 0);
-    dump_now(timeout && id == 0 ? "timeout" : id ? "job" : "signal", id);
+    if (timeout && g_poll)
+      timeout_request();
+    if (id || !timeout || !g_poll)
+      dump_now(timeout && id == 0 ? "timeout" : id ? "job" : "signal", id);
     atomic_store(&g_busy, 0);
   }
   return NULL;
 }
+
+void dlua_agent_set_diagnoser(char *(*fn)(const char *dir, int first, int n, int64_t id)) { g_diagnose = fn; }
 
 void dlua_agent_start(void) {
   if (g_started) return;
@@ -287,6 +424,11 @@ void dlua_agent_start(void) {
   sa.sa_flags = SA_SIGINFO | SA_RESTART;
   sigemptyset(&sa.sa_mask);
   sigaction(SIGURG, &sa, NULL);
+  g_poll = !dlua_launch_has_launcher() && dlua_flight_world() > 1;
+  if (g_poll) {
+    request_t q;
+    if (request_read(&q)) g_seen_id = q.id;  // an earlier run's: not ours to answer
+  }
   if (dlua_pg_start_quiet_thread(&g_thread, agent_main, NULL) == 0)
     pthread_detach(g_thread);
   else

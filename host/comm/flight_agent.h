@@ -16,11 +16,17 @@ int dlua_agent_lua_wanted(void);
 void dlua_agent_lua_where(const char *traceback);
 
 /* A collective timed out here: under the launcher every local rank dumps (the launcher sends the
-   signals and prints the diagnosis); otherwise this rank does. At most one request per 5 s. */
+   signals and prints the diagnosis). Without one (mpirun, srun, torchrun), when there are several ranks, this
+   rank writes DIR/flight-request (DIR: DLUA_FLIGHT_DIR, else the current directory), every rank's agent finds it
+   within 0.2 s and dumps, and this rank prints the diagnosis once the dumps are there (at most 2.5 s). Alone,
+   this rank dumps. At most one request per 5 s. */
 void dlua_agent_request_job_dump(const char *reason);
 
 /* The program failed and the process is about to exit: waits (at most ms) for a dump that is being written or that
    the launcher is about to ask for (this rank asked it to, after a timeout), so the dump is not lost with the process. */
 void dlua_agent_flush(int ms);
+
+/* The diagnosis of dumps that a rank without a launcher prints after its request (as dlua_launch_set_diagnoser). */
+void dlua_agent_set_diagnoser(char *(*fn)(const char *dir, int first, int n, int64_t id));
 
 #endif

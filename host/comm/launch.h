@@ -71,6 +71,9 @@ int dlua_launch_gpu_count(void);
    and keeps the fd, close-on-exec. Call once at startup; without the variable, nothing. */
 void dlua_launch_rank_init(void);
 
+/* 1 in a rank that a dlua launcher started (it has the pipe), 0 under mpirun, srun, torchrun or alone. */
+int dlua_launch_has_launcher(void);
+
 /* Writes "dlua-rank-<what> <local rank> <arg>" to the launcher's pipe; 1 when there is a launcher. */
 int dlua_launch_notify(const char *what, const char *arg);
 

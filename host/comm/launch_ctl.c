@@ -14,6 +14,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include "comm/flight.h"
 #include "comm/launch_job.h"
 
 enum {
@@ -235,23 +236,11 @@ int dlua_launch_dump_poll(dlua_job_t *job) {
   const char *dir = job->flight_dir[0] ? job->flight_dir : ".";
   char *text = g_diagnose ? g_diagnose(dir, job->first_rank, job->o.nproc, job->dump_id) : NULL;
   char head[PATH_MAX + 256];
-  if (job->o.nproc == 1)
-    snprintf(head, sizeof head, "flight recorder (%s): %s/flight-rank%d.json", job->dump_reason, dir, job->first_rank);
-  else
-    snprintf(head, sizeof head, "flight recorder (%s): %s/flight-rank{%d..%d}.json", job->dump_reason, dir,
-             job->first_rank, job->first_rank + job->o.nproc - 1);
+  dlua_flight_heading(head, sizeof head, job->dump_reason, dir, job->first_rank, job->o.nproc);
   size_t cap = strlen(head) + (text ? strlen(text) : 0) + 2;
   char *full = malloc(cap);
   if (full) snprintf(full, cap, "%s\n%s", head, text ? text : "");
-  /* printed as the launcher's own lines: "dlua: " on the first, "dlua:   " on the diagnosis */
-  fprintf(stderr, "dlua: %s\n", head);
-  for (const char *p = text; p && *p;) {
-    const char *nl = strchr(p, '\n');
-    int n = nl ? (int)(nl - p) : (int)strlen(p);
-    if (n > 0) fprintf(stderr, "dlua:   %.*s\n", n, p);
-    p += n + (nl ? 1 : 0);
-  }
-  fflush(stderr);
+  dlua_flight_print(head, text);  // as the launcher's own lines
   free(text);
   free(job->diagnosis);
   job->diagnosis = full;

@@ -30,6 +30,8 @@ void dlua_launch_rank_init(void) {
   unsetenv("DLUA_LAUNCH_FD");
 }
 
+int dlua_launch_has_launcher(void) { return g_report_fd >= 0; }
+
 void dlua_launch_note_peer_lost(void) { atomic_store(&g_peer_lost, 1); }
 
 int dlua_launch_notify(const char *what, const char *arg) {

@@ -30,19 +30,7 @@ local function describe(v)
   return tostring(v)
 end
 
-local function check_options(op, opts, allowed, level)
-  if opts == nil then return {} end
-  if type(opts) ~= 'table' then fail(level + 1, '%s: expected an options table, got %s', op, type(opts)) end
-  for k in pairs(opts) do
-    if not allowed[k] then
-      local names = {}
-      for name in pairs(allowed) do names[#names + 1] = name end
-      table.sort(names)
-      fail(level + 1, "%s: unknown option '%s' (expected %s)", op, tostring(k), concat(names, ', '))
-    end
-  end
-  return opts
-end
+local check_options = require('dlua.options').check
 
 local function need_available(op, level)
   if not B.available() then

@@ -1,9 +1,10 @@
--- dlua's subcommands (`dlua plot ...`, `dlua experiment ...`): host/main.c hands a bare-word script name here.
+-- dlua's subcommands (`dlua plot ...`, `dlua experiment ...`, `dlua flight DIR`): host/main.c hands a bare-word script name here.
 local M = {}
 
 -- name -> the module whose main(args) runs it, and one line for the list.
 M.commands = {
   plot = { module = 'dlua.plot', help = 'loss, learning rate and img/s of metrics files (--metrics) as one PNG' },
+  flight = { module = 'dlua.flight', help = 'the diagnosis of flight-recorder dumps (DIR/flight-rank{r}.json): who hangs where' },
   experiment = { module = 'dlua.experiment', help = 'the seed\'s exercises: a table and a PNG each (dlua experiment --list)' },
 }
 

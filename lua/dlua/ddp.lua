@@ -105,12 +105,12 @@ M.verify_same_model = verify_same_model  -- ZeRO checks the same way
 -- Construction
 
 -- dist.DDP(model, {bucket_mb = 25 (or 'auto'), first_bucket_mb = 1, accumulate = 1, group = g,
--- hook = fn, hook_state = s, broadcast = true, auto = {candidates =, steps =, warmup =}})
+-- hook = fn, hook_state = s, broadcast = true, broadcast_buffers = true, auto = {candidates =, steps =, warmup =}})
 function M.new(dist, model, opts)
   opts = opts or {}
   if type(model) ~= 'table' or model.flatten == nil then fail(3, 'DDP: expected a dlua.nn module, got %s', type(model)) end
   local allowed = { bucket_mb = true, first_bucket_mb = true, accumulate = true, group = true, hook = true,
-                    hook_state = true, broadcast = true, auto = true }
+                    hook_state = true, broadcast = true, broadcast_buffers = true, auto = true }
   for k in pairs(opts) do
     if not allowed[k] then fail(3, "DDP: unknown option '%s'", tostring(k)) end
   end
@@ -127,7 +127,8 @@ function M.new(dist, model, opts)
 
   local self = { module = model, dist = dist, group = opts.group, accumulate = accumulate, _micro = 0,
                  hook = opts.hook or M.allreduce_hook, hook_state = opts.hook_state,
-                 bucket_mb = bucket_mb, first_bucket_mb = first_mb, steps_synced = 0, comm_wait_s = 0 }
+                 bucket_mb = bucket_mb, first_bucket_mb = first_mb, steps_synced = 0, comm_wait_s = 0,
+                 broadcast_buffers = opts.broadcast_buffers ~= false }
   self.rank = dist.rank()
   self.world = opts.group and opts.group:size() or dist.world_size()
   -- Same model everywhere? Checked first: the arena's allocation below is itself collective.
@@ -308,8 +309,52 @@ end
 ---------------------------------------------------------------------------------------------
 -- The training step
 
+-- broadcast_buffers: before a training forward that starts a step (not under no_sync, not between accumulated
+-- micro-batches, not in evaluate() mode), rank 0's buffers (batch-norm running statistics and counters) replace every
+-- rank's, as PyTorch's broadcast_buffers=True: one broadcast per dtype of the buffers packed into one flat tensor
+-- (PyTorch's _broadcast_coalesced), none when the model has no buffers.
+function DDP:_sync_buffers()
+  local plan = self._buffer_plan
+  local named = self.module:named_buffers()
+  local stale = plan == nil or plan.count ~= #named
+  for i = 1, stale and 0 or #named do
+    if plan.list[i] ~= named[i].buffer then stale = true break end  -- replaced (module:to(), load_state_dict)
+  end
+  if #named == 0 then return end
+  if stale then
+    plan = { count = #named, list = {}, flats = {} }
+    local by = {}
+    for i, e in ipairs(named) do
+      local b = e.buffer
+      plan.list[i] = b
+      local key = b.dtype .. ' ' .. b.device
+      local f = by[key]
+      if not f then
+        f = { key = key, dtype = b.dtype, device = b.device, numel = 0, parts = {} }
+        by[key] = f
+        plan.flats[#plan.flats + 1] = f
+      end
+      f.parts[#f.parts + 1] = { buffer = b, offset = f.numel, numel = b:numel() }
+      f.numel = f.numel + b:numel()
+    end
+    table.sort(plan.flats, function(a, b) return a.key < b.key end)  -- the same order on every rank
+    for _, f in ipairs(plan.flats) do f.tensor = dlua.empty({ f.numel }, { dtype = f.dtype, device = f.device }) end
+    self._buffer_plan = plan
+  end
+  -- every rank packs and unpacks (the root's own values come back unchanged): no rank arithmetic under a group
+  for _, f in ipairs(plan.flats) do
+    for _, part in ipairs(f.parts) do f.tensor:narrow(1, part.offset + 1, part.numel):copy_(part.buffer:view(part.numel)) end
+    self.dist.broadcast(f.tensor, 0, { group = self.group })
+    for _, part in ipairs(f.parts) do part.buffer:view(part.numel):copy_(f.tensor:narrow(1, part.offset + 1, part.numel)) end
+  end
+end
+
 function DDP:forward(x, ...)
   if self._pending then self:wait() end
+  if self.broadcast_buffers and self.world > 1 and self.module.training and not self._no_sync
+    and self._micro % self.accumulate == 0 then
+    self:_sync_buffers()
+  end
   return self.module:forward(x, ...)
 end
 DDP.__call = function(t, x, ...) return t:forward(x, ...) end

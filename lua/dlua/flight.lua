@@ -227,4 +227,70 @@ function M.diagnose(dir, opts)
   return concat(out, '\n') .. (#out > 0 and '\n' or ''), found
 end
 
+local usage = [[
+usage: dlua flight [DIR] [--dump-id N]
+  The diagnosis of the flight-recorder dumps DIR/flight-rank{r}.json (DIR: DLUA_FLIGHT_DIR, else .), as the launcher
+  prints it: per group who is behind at which collective and Lua line, and where each rank is. By default the newest
+  dump's number: a rank whose file holds another dump is said not to have answered.
+]]
+
+-- The ranks that have a dump in dir, sorted.
+local function ranks_in(dir)
+  local r = {}
+  for _, name in ipairs(require('bindings.ckpt').list_dir(dir, 3)) do
+    local n = name:match('^flight%-rank(%d+)%.json$')
+    if n then r[#r + 1] = tonumber(n) end
+  end
+  table.sort(r)
+  return r
+end
+
+-- report(dir, {dump_id = N}) -> the heading and the diagnosis of the dumps in dir (ranks 0 to the world size), or nil and why.
+function M.report(dir, opts)
+  opts = opts or {}
+  local ranks = ranks_in(dir)
+  if #ranks == 0 then return nil, format('no flight-recorder dump (flight-rank<r>.json) in %s', dir) end
+  local newest, world = nil, ranks[#ranks] + 1
+  for _, r in ipairs(ranks) do
+    local d, why = M.load(dir, r)
+    if not d then return nil, why end
+    if not newest or (d.time or 0) > (newest.time or 0) then newest = d end
+    world = math.max(world, tonumber(d.world_size) or 0)
+  end
+  local want = opts.dump_id or newest.dump_id
+  local head = world == 1 and format('flight recorder (%s): %s/flight-rank0.json', newest.reason or '?', dir)
+    or format('flight recorder (%s): %s/flight-rank{0..%d}.json', newest.reason or '?', dir, world - 1)
+  local text, found = M.diagnose(dir, { first = 0, count = world, dump_id = want })
+  return head .. '\n' .. text, found
+end
+
+-- `dlua flight [DIR]`
+function M.main(args)
+  local dir, want
+  local i = 1
+  while i <= #args do
+    local a = args[i]
+    if a == '-h' or a == '--help' then io.stdout:write(usage) return end
+    if a == '--dump-id' then
+      i = i + 1
+      want = tonumber(args[i])
+      if not want then io.stderr:write('dlua flight: --dump-id needs a number\n' .. usage) os.exit(2) end
+    elseif a:sub(1, 1) == '-' or dir then
+      io.stderr:write(format("dlua flight: unexpected argument '%s'\n%s", a, usage))
+      os.exit(2)
+    else
+      dir = a
+    end
+    i = i + 1
+  end
+  dir = dir or os.getenv('DLUA_FLIGHT_DIR') or '.'
+  if dir == '' then dir = '.' end
+  local text, why = M.report(dir, { dump_id = want })
+  if not text then
+    io.stderr:write('dlua flight: ' .. why .. '\n')
+    os.exit(1)
+  end
+  io.stdout:write(text)
+end
+
 return M

@@ -153,5 +153,10 @@ for n in 2 3; do
   out=$(timeout 240 "$DLUA" --nproc $n "$here/ddp.lua" 2>&1); rc=$?
   expect "DDP on $n ranks" '[ $rc -eq 0 ] && [ "$(grep -c "DDP checks passed" <<<"$out")" = $n ]' "$out"
 done
+# DDP's broadcast_buffers: rank 0's batch-norm statistics before each training forward, checked by hand
+for n in 2 3; do
+  out=$(timeout 240 "$DLUA" --nproc $n "$here/ddp_buffers.lua" 2>&1); rc=$?
+  expect "DDP broadcast_buffers on $n ranks" '[ $rc -eq 0 ] && [ "$(grep -c "DDP buffer checks passed" <<<"$out")" = $n ]' "$out"
+done
 
 finish dist

@@ -198,5 +198,52 @@ LUA
 run 2 60 "$work/sizes.lua"
 expect "different sizes over mpi: the failure says the ranks disagree ($took s)" '[ $rc -ne 0 ] && [ $took -le 30 ] && grep -q "MPI_ERR_TRUNCATE.*the ranks disagree on the size (DLUA_DIST_DEBUG=1 names each rank" <<<"$out"' "rc=$rc: $out"
 
+# a rank stalled in a compute loop under mpirun (no dlua launcher): rank 0's collective times out, it posts a dump
+# request in the flight directory, every rank's agent dumps, and rank 0 prints the launcher's diagnosis; `dlua flight
+# DIR` prints the same from the files
+cat >"$work/stall.lua" <<'LUA'
+local dlua = require 'dlua'
+local dist = dlua.dist
+dist.init({ timeout = 3 })
+local t = dlua.ones({ 4 })
+for _ = 1, 2 do dist.all_reduce(t) end
+if dist.rank() == 1 then
+  local x = 0
+  while true do x = x + 1 end
+end
+dist.all_reduce(t)
+LUA
+fl=$work/mflight
+DLUA_FLIGHT_DIR=$fl run 2 60 "$work/stall.lua"
+expect "stall under mpirun: the job fails ($took s)" '[ $rc -ne 0 ] && [ $took -le 20 ]' "rc=$rc: $out"
+expect "stall under mpirun: rank 0 prints the diagnosis's heading" \
+  'grep -qxF "dlua: flight recorder (a collective timed out on rank 0): $fl/flight-rank{0..1}.json" <<<"$out"' "$out"
+expect "stall under mpirun: rank 1 is behind at all_reduce #2, rank 0 issued #3" \
+  'grep -qE "^dlua:   group pg0 \(mpi\): rank 1 is behind: its last collective is all_reduce #2 on \(4\) float32 at .*stall.lua:5 \(completed\); rank 0 issued all_reduce #3 on \(4\) float32 at .*stall.lua:10$" <<<"$out"' "$out"
+expect "stall under mpirun: rank 1 named at its Lua line in the loop" \
+  'grep -qE "^dlua:   rank 1: not in a collective; running Lua at .*stall.lua:8$" <<<"$out"' "$out"
+expect "stall under mpirun: rank 0 waits in all_reduce #3" 'grep -qE "^dlua:   rank 0: (waiting in|its) all_reduce #3 " <<<"$out"' "$out"
+read -r _ rid rrank rtime _ <"$fl/flight-request"
+dumps=$("$DLUA" -e "local f = require('dlua.flight')
+  local a, b = f.load('$fl', 0), f.load('$fl', 1)
+  print(a.dump_id == $rid and b.dump_id == $rid, b.where.state, string.format('%.1f', b.time - $rtime))" 2>&1)
+read -r same where gap <<<"$dumps"
+expect "stall under mpirun: rank 0 asked; both ranks dumped for its request, rank 1 in Lua, within the 3 s timeout (${gap} s after)" \
+  '[ "$rrank" = 0 ] && [ "$same" = true ] && [ "$where" = lua ] && [ "$(awk -v t="$gap" "BEGIN { print (t >= 0 && t < 3) }")" = 1 ]' "$dumps / $(cat "$fl/flight-request")"
+fo=$("$DLUA" flight "$fl" 2>&1); frc=$?
+expect "dlua flight DIR: the diagnosis rank 0 printed, line for line" \
+  '[ $frc -eq 0 ] && [ "$fo" = "$(sed -n "s/^dlua: \(flight recorder\)/\1/p; s/^dlua:   //p" <<<"$out" | grep -v "failed with exit status")" ]' \
+  "dlua flight (rc $frc):
+$fo
+the rank printed:
+$out"
+# the request stays in the directory: the next job there (another Open MPI job id) does not answer it
+before=$(stat -c %Y.%s "$fl"/flight-rank*.json)
+DLUA_FLIGHT_DIR=$fl run 2 60 -e 'dlua.dist.init(); dlua.dist.barrier(); os.execute("sleep 1"); dlua.dist.barrier()'
+expect "an earlier job's request: not answered by the next job in that directory" \
+  'ok_rc && [ "$(stat -c %Y.%s "$fl"/flight-rank*.json)" = "$before" ]' "rc=$rc: $out"
+out=$("$DLUA" flight "$work/nothing-here" 2>&1); rc=$?
+expect "dlua flight on a directory without dumps: says so" '[ $rc -eq 1 ] && grep -qxF "dlua flight: no flight-recorder dump (flight-rank<r>.json) in $work/nothing-here" <<<"$out"' "$out"
+
 no_strays "failures"
 finish test_mpi

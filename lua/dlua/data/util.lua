@@ -24,19 +24,7 @@ local function describe_value(v)
 end
 
 -- Rejects option names a function does not know (a typo would otherwise be ignored).
-local function check_options(op, opts, allowed, level)
-  if opts == nil then return {} end
-  if type(opts) ~= 'table' then fail(level + 1, '%s: expected an options table, got %s', op, type(opts)) end
-  for k in pairs(opts) do
-    if not allowed[k] then
-      local names = {}
-      for name in pairs(allowed) do names[#names + 1] = name end
-      table.sort(names)
-      fail(level + 1, "%s: unknown option '%s' (expected %s)", op, tostring(k), table.concat(names, ', '))
-    end
-  end
-  return opts
-end
+local check_options = require('dlua.options').check
 
 local function dataset_size(op, ds, level)
   if dlua.is_tensor(ds) then return ds:size(1) end

@@ -15,11 +15,13 @@ local function entry(id, seq, op, state, extra)
   return e
 end
 
-local function write(rank, dump_id, entries, where)
+local function write(rank, dump_id, entries, where, extra)
   local f = assert(io.open(string.format('%s/flight-rank%d.json', dir, rank), 'wb'))
-  f:write(json.encode({ format = 'dlua.flight/1', rank = rank, world_size = 2, dump_id = dump_id, time = 110,
+  local d = { format = 'dlua.flight/1', rank = rank, world_size = 2, dump_id = dump_id, time = 110,
     where = where or { state = 'unknown', traceback = {}, c_stack = {} }, capacity = 1024, recorded = #entries,
-    entries = entries }))
+    entries = entries }
+  for k, v in pairs(extra or {}) do d[k] = v end
+  f:write(json.encode(d))
   f:close()
 end
 
@@ -81,5 +83,41 @@ describe('dlua.flight diagnose', function()
     local text = flight.diagnose(dir, { first = 0, count = 1 })
     has(text, 'rank 0: not in a collective; running Lua at ' .. tree .. 'bindings/nn.lua:75 (in recipes/train.lua:149)')
     has(text, 'no collective recorded yet')
+  end)
+end)
+
+describe('dlua.flight report (`dlua flight DIR`)', function()
+  setup(function() os.execute("mkdir -p '" .. dir .. "'") end)
+  after_each(clear)
+  teardown(function() os.remove(dir) end)
+
+  it('diagnoses the newest dump, over the world size the dumps give, under the launcher\'s heading', function()
+    local why = 'a collective timed out on rank 0'
+    write(0, 41, { entry(1, 1, 'all_reduce', 'started') }, nil, { world_size = 3, time = 120, reason = why })
+    write(1, 40, { entry(1, 1, 'all_reduce', 'completed') }, nil, { world_size = 3, time = 90, reason = 'earlier' })
+    local text, found = flight.report(dir)
+    assert.are.equal(string.format('flight recorder (%s): %s/flight-rank{0..2}.json', why, dir), text:match('^[^\n]*'))
+    has(text, 'rank 2 wrote no dump')
+    has(text, 'rank 1 did not answer in time')
+    assert.same({ 2, 1 }, found.missing)
+    -- an older dump asked for by number: rank 1's, rank 0's now the stale one
+    text = flight.report(dir, { dump_id = 40 })
+    has(text, 'rank 0 did not answer in time')
+  end)
+
+  it('says when the directory holds no dump', function()
+    local text, why = flight.report(dir .. '/none')
+    assert.is_nil(text)
+    assert.are.equal('no flight-recorder dump (flight-rank<r>.json) in ' .. dir .. '/none', why)
+  end)
+
+  it('runs as `dlua flight DIR`', function()
+    write(0, 5, { entry(1, 1, 'barrier', 'completed') }, nil, { world_size = 1, reason = 'signal' })
+    local p = io.popen(string.format("'%s' flight '%s' 2>&1; echo rc=$?", arg[-1], dir))
+    local out = p:read('*a')
+    p:close()
+    assert.are.equal(string.format('flight recorder (signal): %s/flight-rank0.json\n', dir) ..
+      'group pg0 (gloo): no rank is behind: rank 0 issued barrier #1 at train.lua:11, completed\n' ..
+      'rank 0: not in a collective; where it is is unknown\nrc=0\n', out)
   end)
 end)
