@@ -146,6 +146,7 @@ end
 -- again on one rank only, and a collective there (SyncBatchNorm, ZeRO-3's gathers) would meet the other ranks' next one.
 local forbidden
 function M.forbid(msg) forbidden = msg end
+function M.forbidden() return forbidden end  -- the message while collectives are forbidden, else nil
 
 function M.site()
   if forbidden then error(forbidden, 3) end

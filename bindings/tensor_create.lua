@@ -570,15 +570,25 @@ methods.tolist = methods.totable
 ---------------------------------------------------------------------------------------------
 -- Conversion
 
-local function to_dtype(op, t, code)
+-- A copy of t in dtype code; a channels-last tensor's copy is channels-last too (PyTorch's preserve_format).
+local function convert(op, t, code)
   local p = handle(op, t)
-  if core.dtype_of(p) == code then return t end
+  if C.dlua_tensor_ndim(p) == 4 and C.dlua_tensor_is_contiguous(p) == 0 and core.has_memory_format(op, p, 'channels_last') then
+    local o = { dtype = core.dtype_names[code], device = core.device_name(C.dlua_tensor_device(p)) }
+    return M.empty_channels_last(core.sizes(p), o):copy_(t)
+  end
   return new(op, C.dlua_tensor_to_dtype, 2, t, code)
+end
+
+local function to_dtype(op, t, code)
+  if core.dtype_of(handle(op, t)) == code then return t end
+  return convert(op, t, code)
 end
 M.to_dtype = to_dtype
 
 -- to(dtype) / to(device) / to(other tensor) / to{dtype=, device=, copy=, non_blocking=}: returns
--- t itself when nothing changes (as PyTorch), unless copy = true.
+-- t itself when nothing changes (as PyTorch), unless copy = true. The result keeps t's memory format:
+-- a move keeps the strides of a dense t (channels-last, a transpose), a dtype change keeps channels-last.
 function methods.to(t, what, opts)
   local p = handle('to', t)
   local dtype, device, copy
@@ -605,7 +615,7 @@ function methods.to(t, what, opts)
     local moved = new('to', o.non_blocking and C.dlua_tensor_to_device_async or C.dlua_tensor_to_device, 2, t, device)
     return to_dtype('to', moved, dtype)
   end
-  if copy then return new('to', C.dlua_tensor_to_dtype, 2, t, dtype) end
+  if copy then return convert('to', t, dtype) end
   return to_dtype('to', t, dtype)
 end
 

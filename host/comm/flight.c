@@ -296,9 +296,21 @@ int64_t dlua_flight_dump_id_of(const char *dir, int rank) {
   return p ? strtoll(p + 11, NULL, 10) : -1;
 }
 
+int dlua_flight_mkdirs(const char *dir) {
+  char p[4096];
+  snprintf(p, sizeof p, "%s", dir);
+  for (char *c = p + 1; *c; c++) {  // its parents first (mkdir -p), each 0700 when we make it
+    if (*c != '/') continue;
+    *c = '\0';
+    if (mkdir(p, 0700) != 0 && errno != EEXIST) return -1;
+    *c = '/';
+  }
+  return mkdir(p, 0700) != 0 && errno != EEXIST ? -1 : 0;
+}
+
 dlua_status_t dlua_flight_write(const char *dir, const char *reason, int64_t dump_id, const dlua_flight_where_t *where) {
   if (!dir || !*dir) dir = dlua_flight_default_dir();
-  if (mkdir(dir, 0700) != 0 && errno != EEXIST)
+  if (dlua_flight_mkdirs(dir) != 0)
     return DLUA_ERR(DLUA_ERR_IO, "flight recorder: cannot create %s: %s", dir, strerror(errno));
   int rank = dlua_flight_rank();
   int world = dlua_flight_world();

@@ -20,8 +20,11 @@ typedef struct {
 
 /* Writes <dir>/flight-rank<r>.json (r: RANK, else 0) through a temporary file and a rename. reason says
    what asked for it ("timeout", "signal", "attach"...), dump_id which job-wide dump it belongs to (0:
-   none). The directory is created (0700) if missing. */
+   none). The directory (and its parents) are created (0700) if missing. */
 dlua_status_t dlua_flight_write(const char *dir, const char *reason, int64_t dump_id, const dlua_flight_where_t *where);
+
+/* mkdir -p dir (mode 0700); 0, or -1 with errno. */
+int dlua_flight_mkdirs(const char *dir);
 
 /* The directory dumps go to: DLUA_FLIGHT_DIR, else the current directory. */
 const char *dlua_flight_default_dir(void);

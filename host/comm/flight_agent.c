@@ -20,6 +20,7 @@
 #include "comm/flight.h"
 #include "comm/launch.h"
 #include "comm/pg_worker.h"
+#include "comm/store.h"
 #include "core/error.h"
 
 enum {
@@ -257,7 +258,7 @@ static void dump_now(const char *reason, long dump_id) {
   dlua_launch_notify("dumped", arg);
 }
 
-/* ---- the request file, without a launcher ---------------------------------------------------------- */
+/* ---- the dump request without a launcher: the store and a file ------------------------------------ */
 
 typedef struct {
   int64_t id;
@@ -269,16 +270,11 @@ typedef struct {
 
 static void request_path(char *out, size_t cap) { snprintf(out, cap, "%s/flight-request", dlua_flight_default_dir()); }
 
-/* The request in the file, if there is one of this job: "dlua.flight-request/1 ID RANK TIME KEY REASON...". */
-static int request_read(request_t *q) {
-  char path[4096], line[512], key[128];
-  request_path(path, sizeof path);
-  FILE *f = fopen(path, "r");
-  if (!f) return 0;
-  char *got = fgets(line, sizeof line, f);
-  fclose(f);
+/* A request's line, "dlua.flight-request/1 ID RANK TIME KEY REASON...", if it is one of this job. */
+static int request_parse(const char *line, request_t *q) {
+  char key[128];
   int at = 0;
-  if (!got || sscanf(line, "dlua.flight-request/1 %" SCNd64 " %d %lf %127s %n", &q->id, &q->rank, &q->time, q->key, &at) < 4 ||
+  if (sscanf(line, "dlua.flight-request/1 %" SCNd64 " %d %lf %127s %n", &q->id, &q->rank, &q->time, q->key, &at) < 4 ||
       at == 0)
     return 0;
   snprintf(q->reason, sizeof q->reason, "%.*s", (int)strcspn(line + at, "\n"), line + at);
@@ -286,20 +282,122 @@ static int request_read(request_t *q) {
   return strcmp(key, q->key) == 0;
 }
 
+/* The job's store (its first process group's), when there is one: a request goes there too, so that ranks whose dump
+   directories differ (node-local disks) see it. The agent's own connection, used on its thread only. */
+#define STORE_KEY "dlua/flight/request"
+static pthread_mutex_t g_store_mu = PTHREAD_MUTEX_INITIALIZER;
+static char g_store_host[256], g_store_token[256];
+static int g_store_port;
+static dlua_store_t *g_store;
+static int g_store_broken;  /* it stopped answering (its rank ended): the file only, from then on */
+
+void dlua_agent_note_store(const char *host, int port, const char *token) {
+  pthread_mutex_lock(&g_store_mu);
+  if (!g_store_port && host && *host && port > 0) {
+    snprintf(g_store_host, sizeof g_store_host, "%s", host);
+    snprintf(g_store_token, sizeof g_store_token, "%s", token ? token : "");
+    g_store_port = port;
+  }
+  pthread_mutex_unlock(&g_store_mu);
+}
+
+static void store_broke(void) {
+  dlua_store_close(g_store);
+  g_store = NULL;
+  g_store_broken = 1;
+  dlua_clear_error();  // the agent's thread's own error: nobody else reads it
+}
+
+static dlua_store_t *agent_store(void) {
+  if (g_store || g_store_broken) return g_store;
+  char host[256], token[256];
+  pthread_mutex_lock(&g_store_mu);
+  int port = g_store_port;
+  snprintf(host, sizeof host, "%s", g_store_host);
+  snprintf(token, sizeof token, "%s", g_store_token);
+  pthread_mutex_unlock(&g_store_mu);
+  if (!port) return NULL;
+  if (dlua_store_connect(host, port, token, 2000, &g_store) != DLUA_OK) store_broke();
+  return g_store;
+}
+
+/* The store's value of key (text) into out, if the store has it. */
+static int store_read(const char *key, char *out, size_t cap) {
+  dlua_store_t *st = agent_store();
+  if (!st) return 0;
+  const char *keys[1] = {key};
+  int exists = 0;
+  void *v = NULL;
+  size_t n = 0;
+  if (dlua_store_check(st, keys, 1, &exists) != DLUA_OK || (exists && dlua_store_get(st, key, 1000, &v, &n) != DLUA_OK)) {
+    store_broke();
+    return 0;
+  }
+  if (!exists) return 0;
+  snprintf(out, cap, "%s", (const char *)v);
+  dlua_store_free_value(v);
+  return 1;
+}
+
+/* The request in the store, else in the file, if there is one of this job. */
+static int request_read(request_t *q) {
+  char line[512];
+  if (store_read(STORE_KEY, line, sizeof line) && request_parse(line, q)) return 1;
+  char path[4096];
+  request_path(path, sizeof path);
+  FILE *f = fopen(path, "r");
+  if (!f) return 0;
+  char *got = fgets(line, sizeof line, f);
+  fclose(f);
+  return got && request_parse(line, q);
+}
+
+/* Into the file (atomically: a poller reads the old request or this one, never half) and the store. */
 static int request_post(const request_t *q) {
+  char line[512];
+  snprintf(line, sizeof line, "dlua.flight-request/1 %" PRId64 " %d %.6f %s %s\n", q->id, q->rank, q->time, q->key,
+           q->reason);
+  dlua_store_t *st = agent_store();
+  int stored = st && dlua_store_set(st, STORE_KEY, line, strlen(line)) == DLUA_OK;
+  if (st && !stored) store_broke();
   const char *dir = dlua_flight_default_dir();
   char path[4096], tmp[4096 + 16];
-  if (mkdir(dir, 0700) != 0 && errno != EEXIST) return 0;
+  if (dlua_flight_mkdirs(dir) != 0) return stored;
   request_path(path, sizeof path);
   snprintf(tmp, sizeof tmp, "%s.%d", path, (int)getpid());
   FILE *f = fopen(tmp, "w");
-  if (!f) return 0;
-  fprintf(f, "dlua.flight-request/1 %" PRId64 " %d %.6f %s %s\n", q->id, q->rank, q->time, q->key, q->reason);
+  if (!f) return stored;
+  fputs(line, f);
   int bad = fclose(f) != 0;
-  if (bad || rename(tmp, path) != 0) {  // atomic: a poller reads the old request or this one, never half
+  if (bad || rename(tmp, path) != 0) {
     unlink(tmp);
-    return 0;
+    return stored;
   }
+  return 1;
+}
+
+/* In the store, where this rank wrote its dump of request id: "dlua/flight/dumped/<rank>" = "ID HOST PATH". */
+static void note_dump(int64_t id) {
+  dlua_store_t *st = agent_store();
+  if (!st) return;
+  char key[64], dir[4096], host[256] = "", line[4600];
+  if (!realpath(dlua_flight_default_dir(), dir)) snprintf(dir, sizeof dir, "%s", dlua_flight_default_dir());
+  gethostname(host, sizeof host - 1);
+  int rank = dlua_flight_rank();
+  snprintf(key, sizeof key, "dlua/flight/dumped/%d", rank);
+  snprintf(line, sizeof line, "%" PRId64 " %s %s/flight-rank%d.json", id, host[0] ? host : "?", dir, rank);
+  if (dlua_store_set(st, key, line, strlen(line)) != DLUA_OK) store_broke();
+}
+
+/* Where rank r wrote its dump of request id if the store says so (into `where`, "host HOST: PATH"); 0 if it does not. */
+static int dumped_elsewhere(int r, int64_t id, char *where, size_t cap) {
+  char key[64], line[4600], host[256];
+  snprintf(key, sizeof key, "dlua/flight/dumped/%d", r);
+  if (!store_read(key, line, sizeof line)) return 0;
+  int64_t got = -1;
+  int at = 0;
+  if (sscanf(line, "%" SCNd64 " %255s %n", &got, host, &at) != 2 || got != id || at == 0) return 0;
+  snprintf(where, cap, "host %s: %s", host, line + at);
   return 1;
 }
 
@@ -316,14 +414,26 @@ static void poll_request(void) {
   g_seen_id = q.id;
   g_seen_at = mono_now();
   dump_now(q.reason, (long)q.id);
+  note_dump(q.id);
 }
 
-/* Every rank's dump of request id is there, or the request was replaced (another rank asked too: its asker prints). */
-static int gathered(int64_t id, int world, double deadline) {
+/* Every rank's dump of request id is there (in DIR, or elsewhere as the store says: `elsewhere` gets a line for each
+   such rank), or the request was replaced (another rank asked too: its asker prints). */
+static int gathered(int64_t id, int world, double deadline, char *elsewhere, size_t cap) {
   const char *dir = dlua_flight_default_dir();
   for (;;) {
     int have = 0;
-    for (int r = 0; r < world; r++) have += dlua_flight_dump_id_of(dir, r) == id;
+    size_t used = 0;
+    elsewhere[0] = '\0';
+    for (int r = 0; r < world; r++) {
+      char where[4400];
+      if (dlua_flight_dump_id_of(dir, r) == id) {
+        have++;
+      } else if (dumped_elsewhere(r, id, where, sizeof where)) {
+        have++;
+        if (used < cap) used += (size_t)snprintf(elsewhere + used, cap - used, "rank %d wrote its dump on %s\n", r, where);
+      }
+    }
     if (have == world) return 1;
     request_t q;
     if (request_read(&q) && q.id != id) return 0;
@@ -359,11 +469,22 @@ static void timeout_request(void) {
   g_seen_at = mono_now();
   dump_now(q.reason, (long)q.id);
   int world = dlua_flight_world();
-  if (!gathered(q.id, world, deadline)) return;
+  char elsewhere[8192];
+  if (!gathered(q.id, world, deadline, elsewhere, sizeof elsewhere)) return;
   const char *dir = dlua_flight_default_dir();
   char *text = g_diagnose ? g_diagnose(dir, 0, world, q.id) : NULL;
   char head[4400];
   dlua_flight_heading(head, sizeof head, q.reason, dir, 0, world);
+  if (elsewhere[0]) {  // dump directories that differ (node-local disks): say where the others are
+    size_t cap = (text ? strlen(text) : 0) + strlen(elsewhere) + 2 * strlen(dir) + 128;
+    char *all = malloc(cap);
+    if (all) {
+      snprintf(all, cap, "%s%s(copy them into %s and run `dlua flight %s` for the whole diagnosis)\n", text ? text : "",
+               elsewhere, dir, dir);
+      free(text);
+      text = all;
+    }
+  }
   dlua_flight_print(head, text);
   free(text);
 }

@@ -9,6 +9,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "comm/flight_agent.h"
 #include "comm/pg_diag.h"
 #include "comm/pg_worker.h"
 #include "comm/store.h"
@@ -73,6 +74,7 @@ dlua_status_t dlua_pg_new_with_backend(const char *store_host, int store_port, c
     pg_destroy(pg);
     return drop_backend(be, ctx, s);  // the store's message says where and why
   }
+  dlua_agent_note_store(store_host, store_port, token);  // where the flight recorder's requests go too
   // The comm thread joins (gloo creates its device there), so the backend's threads inherit its signal mask.
   int e = dlua_pg_start_quiet_thread(&pg->thread, dlua_pg_comm_main, pg);
   if (e != 0) {

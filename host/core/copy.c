@@ -301,7 +301,7 @@ static dlua_status_t cuda_copy_strided(const char *op, dlua_tensor_t *dst, const
 #endif
 }
 
-/* copy_ between devices: src moves to dst's device first (a contiguous copy), then the one-device
+/* copy_ between devices: src moves to dst's device first (dense, its layout kept), then the one-device
    copy applies broadcasting and dtype conversion there. */
 static dlua_status_t copy_across(dlua_tensor_t *dst, const dlua_tensor_t *src) {
   dlua_tensor_t *moved = NULL;

@@ -2,6 +2,7 @@
 local dlua = require 'dlua'
 local bit = require 'bit'
 local flight = require 'bindings.monitor'  -- the flight recorder notes each collective's bucket
+local dist_binding = require 'bindings.dist'
 
 local M = {}
 local format = string.format
@@ -334,26 +335,36 @@ function DDP:_sync_buffers()
         by[key] = f
         plan.flats[#plan.flats + 1] = f
       end
-      f.parts[#f.parts + 1] = { buffer = b, offset = f.numel, numel = b:numel() }
+      f.parts[#f.parts + 1] = { buffer = b, offset = f.numel }
       f.numel = f.numel + b:numel()
     end
     table.sort(plan.flats, function(a, b) return a.key < b.key end)  -- the same order on every rank
-    for _, f in ipairs(plan.flats) do f.tensor = dlua.empty({ f.numel }, { dtype = f.dtype, device = f.device }) end
+    for _, f in ipairs(plan.flats) do
+      f.tensor = dlua.empty({ f.numel }, { dtype = f.dtype, device = f.device })
+      for _, part in ipairs(f.parts) do  -- views made once: a sync is one copy per buffer and one broadcast per flat
+        local n = part.buffer:numel()
+        part.flat, part.flat_view = part.buffer:view(n), f.tensor:narrow(1, part.offset + 1, n)
+      end
+    end
     self._buffer_plan = plan
   end
-  -- every rank packs and unpacks (the root's own values come back unchanged): no rank arithmetic under a group
-  for _, f in ipairs(plan.flats) do
-    for _, part in ipairs(f.parts) do f.tensor:narrow(1, part.offset + 1, part.numel):copy_(part.buffer:view(part.numel)) end
-    self.dist.broadcast(f.tensor, 0, { group = self.group })
-    for _, part in ipairs(f.parts) do part.buffer:view(part.numel):copy_(f.tensor:narrow(1, part.offset + 1, part.numel)) end
+  local root = (self.group and self.group:rank() or self.rank) == 0
+  local works = {}
+  for i, f in ipairs(plan.flats) do  -- the broadcasts in flight together, then unpacked
+    if root then for _, part in ipairs(f.parts) do part.flat_view:copy_(part.flat) end end
+    works[i] = self.dist.broadcast(f.tensor, 0, { group = self.group, async = true })
+  end
+  for i, f in ipairs(plan.flats) do
+    works[i]:wait()
+    if not root then for _, part in ipairs(f.parts) do part.flat:copy_(part.flat_view) end end
   end
 end
 
 function DDP:forward(x, ...)
   if self._pending then self:wait() end
   if self.broadcast_buffers and self.world > 1 and self.module.training and not self._no_sync
-    and self._micro % self.accumulate == 0 then
-    self:_sync_buffers()
+    and self._micro % self.accumulate == 0 and not dist_binding.forbidden() then
+    self:_sync_buffers()  -- (the NaN guard's one-rank re-run of this step's forward forbids collectives: it skips it)
   end
   return self.module:forward(x, ...)
 end

@@ -258,8 +258,9 @@ function M.report(dir, opts)
     world = math.max(world, tonumber(d.world_size) or 0)
   end
   local want = opts.dump_id or newest.dump_id
-  local head = world == 1 and format('flight recorder (%s): %s/flight-rank0.json', newest.reason or '?', dir)
-    or format('flight recorder (%s): %s/flight-rank{0..%d}.json', newest.reason or '?', dir, world - 1)
+  local why = newest.reason == 'job' and format("the launcher's dump %d", newest.dump_id or 0) or newest.reason or '?'
+  local head = world == 1 and format('flight recorder (%s): %s/flight-rank0.json', why, dir)
+    or format('flight recorder (%s): %s/flight-rank{0..%d}.json', why, dir, world - 1)
   local text, found = M.diagnose(dir, { first = 0, count = world, dump_id = want })
   return head .. '\n' .. text, found
 end

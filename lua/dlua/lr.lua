@@ -280,6 +280,21 @@ function lr.sequential(opts)
   end, total)
 end
 
+-- warmup_cosine{lr, steps, warmup = 0, start_factor = 0.1, eta_min = 0}: linear warmup from
+-- lr * start_factor over `warmup` steps (capped to steps - 1, so the peak is reached), then a
+-- cosine down to eta_min over the rest: Goyal et al.'s warmup with the cosine decay most
+-- ImageNet recipes use. It is lr.sequential{lr.linear_warmup{...}, lr.cosine{...}} (the same
+-- description, so checkpoints of runs that wrote the two out by hand resume under it).
+function lr.warmup_cosine(opts)
+  local o = options('warmup_cosine', opts, { lr = { 'positive' }, steps = { 'count' }, warmup = { 'nonneg', 0 },
+    start_factor = { 'positive', 0.1 }, eta_min = { 'nonneg', 0 } }, 2)
+  local warm = math.min(math.floor(o.warmup), o.steps - 1)
+  local cos_opts = { lr = o.lr, steps = o.steps - math.max(warm, 0) }
+  if o.eta_min ~= 0 then cos_opts.eta_min = o.eta_min end
+  if warm <= 0 then return lr.cosine(cos_opts) end
+  return lr.sequential({ lr.linear_warmup({ lr = o.lr, steps = warm, start_factor = o.start_factor }), lr.cosine(cos_opts) })
+end
+
 -- The linear scaling rule ("Accurate, Large Minibatch SGD", Goyal et al. 2017): the lr for a
 -- global batch is base_lr * global_batch / reference_batch (reference 256 by default).
 function lr.scale(base_lr, global_batch, reference_batch)

@@ -43,6 +43,14 @@ local function plan(model, opts, defaults)
   return arena, by_dtype, default, groups
 end
 
+-- optim.no_decay_groups(): the usual exemption from weight decay, as a `groups` list: every
+-- parameter of at most one dimension (biases, batch-norm and layer-norm scales and shifts)
+-- gets weight_decay = 0 (Goyal et al. 2017; timm's and most ImageNet recipes' default).
+-- A fresh list each call: an optimizer fills its groups' missing options in place.
+function optim.no_decay_groups()
+  return { { filter = function(_, p) return p:dim() <= 1 end, weight_decay = 0 } }
+end
+
 local Optimizer = {}
 Optimizer.__index = Optimizer
 

@@ -23,22 +23,22 @@ local function batch()
   return dlua.randn({ 6, 2, 5, 5 }, { generator = gen }) * (1 + rank), dlua.randint(1, 4, { 6 }, { generator = gen, dtype = 'int64' })
 end
 local function stats(bn) return bn.running_mean:clone(), bn.running_var:clone(), bn.num_batches_tracked:item() end
--- every rank's (C) tensor, as a (world, C) one
-local function gathered(t) return dlua.stack(dist.all_gather(nil, t)) end
+-- every rank's (C) tensor (of the group), as a (world, C) one
+local function gathered(t, group) return dlua.stack(dist.all_gather(nil, t, { group = group })) end
 local function max_diff(a, b) return (a:double() - b:double()):abs():max():item() end
 
 -- steps of training; returns the largest gap between each rank's running statistics and the hand-computed ones
-local function train(broadcast_buffers, steps)
+local function train(broadcast_buffers, steps, group)
   local net = cnn()
-  local model = dist.DDP(net, { broadcast_buffers = broadcast_buffers })
+  local model = dist.DDP(net, { broadcast_buffers = broadcast_buffers, group = group })
   local opt = optim.SGD(model, { lr = 0.1 })
   local crit = nn.CrossEntropyLoss()
   local conv, bn = net:children()[1], net:children()[2]
   local worst = 0
   for s = 1, steps do
     local mean0, var0, count0 = stats(bn)
-    local from_mean = broadcast_buffers and gathered(mean0)[1] or mean0  -- what this forward starts from
-    local from_var = broadcast_buffers and gathered(var0)[1] or var0
+    local from_mean = broadcast_buffers and gathered(mean0, group)[1] or mean0  -- what this forward starts from
+    local from_var = broadcast_buffers and gathered(var0, group)[1] or var0
     local x, y = batch()
     opt:zero_grad()
     local before = broadcasts
@@ -111,6 +111,18 @@ before = broadcasts
 mlp:forward(dlua.randn({ 5, 3 }))
 if broadcasts ~= before then fail('a model without buffers broadcast %d times', broadcasts - before) end
 checks = checks + 1
+
+-- in a group of ranks 1.. (3 ranks or more), the group's first rank is the one whose buffers go out
+if world >= 3 then
+  local others = {}
+  for r = 1, world - 1 do others[#others + 1] = r end
+  local g = dist.new_group(others)
+  if rank >= 1 then
+    local gworst = train(true, 3, g)
+    if gworst > 1e-5 then fail('in a group: running statistics %.3g from rank 1\'s updated with this rank\'s batch', gworst) end
+    checks = checks + 1
+  end
+end
 
 -- the control: with broadcast_buffers = false each rank keeps its own statistics, which then differ
 local own, _, own_net = train(false, 3)

@@ -5,6 +5,7 @@ DLUA=${1:?usage: test_mpi.sh path/to/dlua}
 here=$(cd "$(dirname "$0")" && pwd)
 . "$here/common.sh"
 export CUDA_VISIBLE_DEVICES=
+export DLUA_FLIGHT_DIR=$work/flight  # a timeout's flight-recorder dumps (every rank's, under mpirun): not the current directory
 if ! command -v mpirun >/dev/null; then echo "skip: no mpirun (apt-get install openmpi-bin)"; exit 0; fi
 why=$("$DLUA" -e 'local ok, why = dlua.dist.is_mpi_available(); io.write(ok and "" or why)' 2>&1)
 if [ -n "$why" ]; then echo "skip: this dlua has no MPI backend: $why"; exit 0; fi
@@ -199,20 +200,9 @@ run 2 60 "$work/sizes.lua"
 expect "different sizes over mpi: the failure says the ranks disagree ($took s)" '[ $rc -ne 0 ] && [ $took -le 30 ] && grep -q "MPI_ERR_TRUNCATE.*the ranks disagree on the size (DLUA_DIST_DEBUG=1 names each rank" <<<"$out"' "rc=$rc: $out"
 
 # a rank stalled in a compute loop under mpirun (no dlua launcher): rank 0's collective times out, it posts a dump
-# request in the flight directory, every rank's agent dumps, and rank 0 prints the launcher's diagnosis; `dlua flight
+# request (the store, the flight directory), every rank's agent dumps, and rank 0 prints the launcher's diagnosis; `dlua flight
 # DIR` prints the same from the files
-cat >"$work/stall.lua" <<'LUA'
-local dlua = require 'dlua'
-local dist = dlua.dist
-dist.init({ timeout = 3 })
-local t = dlua.ones({ 4 })
-for _ = 1, 2 do dist.all_reduce(t) end
-if dist.rank() == 1 then
-  local x = 0
-  while true do x = x + 1 end
-end
-dist.all_reduce(t)
-LUA
+cp "$here/stall.lua" "$work/stall.lua"  # run from the scratch folder: no_strays finds what is left of it
 fl=$work/mflight
 DLUA_FLIGHT_DIR=$fl run 2 60 "$work/stall.lua"
 expect "stall under mpirun: the job fails ($took s)" '[ $rc -ne 0 ] && [ $took -le 20 ]' "rc=$rc: $out"
@@ -237,6 +227,25 @@ expect "dlua flight DIR: the diagnosis rank 0 printed, line for line" \
 $fo
 the rank printed:
 $out"
+# each rank dumping into a directory of its own (node-local disks): the request reaches it through the job's store,
+# rank 0 says where the other dump is, and `dlua flight` on the dumps put together names rank 1's Lua line
+cat >"$work/own_dir.sh" <<'SH'
+#!/bin/sh
+DLUA_FLIGHT_DIR=$FLIGHT_ROOT/node$OMPI_COMM_WORLD_RANK exec "$DLUA" "$@"
+SH
+chmod +x "$work/own_dir.sh"
+FLIGHT_ROOT=$work/split DLUA=$DLUA prog="$work/own_dir.sh" run 2 60 "$work/stall.lua"
+id0=$("$DLUA" -e "print(require('dlua.flight').load('$work/split/node0', 0).dump_id)" 2>&1)
+id1=$("$DLUA" -e "print(require('dlua.flight').load('$work/split/node1', 1).dump_id)" 2>&1)
+expect "own directories: both ranks dumped for rank 0's request, each into its own directory" \
+  '[ -n "$id0" ] && [ "$id0" = "$id1" ] && [ "$id0" != nil ]' "$id0 / $id1 / $(ls -R "$work/split") / $out"
+expect "own directories: rank 0 says where rank 1's dump is" \
+  'grep -qxF "dlua:   rank 1 wrote its dump on host $(hostname): $work/split/node1/flight-rank1.json" <<<"$out"' "$out"
+cp "$work/split/node1/flight-rank1.json" "$work/split/node0/"
+fo=$("$DLUA" flight "$work/split/node0" 2>&1)
+expect "own directories: dlua flight on the dumps put together: rank 1 at its Lua line" \
+  'grep -qE "^rank 1: not in a collective; running Lua at .*stall.lua:8$" <<<"$fo"' "$fo"
+
 # the request stays in the directory: the next job there (another Open MPI job id) does not answer it
 before=$(stat -c %Y.%s "$fl"/flight-rank*.json)
 DLUA_FLIGHT_DIR=$fl run 2 60 -e 'dlua.dist.init(); dlua.dist.barrier(); os.execute("sleep 1"); dlua.dist.barrier()'

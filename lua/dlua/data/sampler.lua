@@ -25,9 +25,12 @@ end
 -- (seed, epoch)), pads by wrapping around to a multiple of num_replicas (or drops the tail
 -- with drop_last) and takes positions rank+1, rank+1+num_replicas, ... num_replicas and
 -- rank (0-based, as torch's) default to dlua.dist's world size and rank once it is initialised.
+-- pad = false (evaluation): neither pads nor drops, so every sample is counted exactly once over
+-- the ranks (rank r takes r+1, r+1+num_replicas, ...; the first n % num_replicas ranks hold one
+-- more); with it the ranks hold unequal shares, so it is for loops that all-reduce counts, not steps.
 function data.DistributedSampler(opts)
   local o = check_options('DistributedSampler', opts, { n = true, dataset = true, num_replicas = true, rank = true,
-    shuffle = true, seed = true, drop_last = true }, 2)
+    shuffle = true, seed = true, drop_last = true, pad = true }, 2)
   local n = o.n
   if n == nil and o.dataset ~= nil then
     local ds = o.dataset
@@ -45,11 +48,15 @@ function data.DistributedSampler(opts)
     fail(2, 'DistributedSampler: rank must be in 0..%d (0-based, as torch), got %s', R - 1, describe_value(rank))
   end
   local drop_last = o.drop_last and true or false
+  local pad = o.pad ~= false
+  if not pad and drop_last then fail(2, 'DistributedSampler: pad = false and drop_last = true contradict each other (pad = false keeps every sample once)') end
   local num_samples
-  if drop_last and n % R ~= 0 then num_samples = ceil((n - R) / R) else num_samples = ceil(n / R) end
+  if not pad then num_samples = n > rank and ceil((n - rank) / R) or 0
+  elseif drop_last and n % R ~= 0 then num_samples = ceil((n - R) / R) else num_samples = ceil(n / R) end
   if num_samples < 0 then num_samples = 0 end
   return setmetatable({ n = n, num_replicas = R, rank = rank, shuffle = o.shuffle ~= false, seed = o.seed or 0,
-    drop_last = drop_last, num_samples = num_samples, total_size = num_samples * R, epoch = 1 }, DistributedSampler)
+    drop_last = drop_last, pad = pad, num_samples = num_samples, total_size = pad and num_samples * R or n, epoch = 1 },
+    DistributedSampler)
 end
 
 function DistributedSampler:set_epoch(e)

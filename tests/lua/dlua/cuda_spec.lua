@@ -95,13 +95,58 @@ describe('dlua.cuda with a device', function()
     for i = 1, 10 do
       for j = 1, 100 do assert.equals(t[i][j], back[i][j]) end
     end
-    -- a non-contiguous CPU tensor moves as its contiguous copy; dtype converts on the way
+    -- a transposed CPU tensor moves as it is (dense: its strides kept); dtype converts on the way
     local tt = t:t():to { device = 'cuda', dtype = 'float64' }:cpu()
     assert.equals('float64', tt.dtype)
     assert.equals(t[3][7], tt[7][3])
     local p = t:pin_memory()
     assert.equals(t[10][100], p[10][100])
     assert.is_true(cuda.memory_stats('pinned').allocated >= 4000)
+  end)
+
+  gpu_it("keeps the memory format, as PyTorch's .to() (preserve_format)", function()
+    local function same_values(a, b)
+      local d = (a:cpu():to('float64') - b:cpu():to('float64')):abs():max():item()
+      assert.equals(0, d)
+    end
+    -- strides as torch 1.13 gives them for (2, 3, 4, 5) made channels-last, its slices, a transpose
+    local x = dlua.randn(2, 3, 4, 5):contiguous('channels_last')
+    for _, moved in ipairs({ x:cuda(), x:to('cuda'), x:to { device = 'cuda', non_blocking = true }, x:cuda():cuda(0) }) do
+      cuda.synchronize()
+      assert.same({ 60, 1, 15, 3 }, moved:stride())
+      assert.is_true(moved:is_contiguous('channels_last'))
+      same_values(x, moved)
+    end
+    local g = x:cuda()
+    local back = g:cpu()
+    assert.same({ 60, 1, 15, 3 }, back:stride())
+    same_values(x, back)
+    -- a dtype change on the way (on the CPU before the move, on the device after it): still channels-last
+    local h = x:to { device = 'cuda', dtype = 'float16' }
+    assert.equals('float16', h.dtype)
+    assert.same({ 60, 1, 15, 3 }, h:stride())
+    assert.same({ 60, 1, 15, 3 }, g:to { device = 'cpu', dtype = 'float64' }:stride())
+    assert.same({ 60, 1, 15, 3 }, g:half():stride())
+    assert.same({ 60, 1, 15, 3 }, g:to { copy = true }:stride())
+    -- slices of a channels-last tensor (not dense): a channels-last copy of their own size
+    local v = x:narrow(3, 2, 2)
+    assert.same({ 30, 1, 15, 3 }, v:cuda():stride())
+    same_values(v, v:cuda())
+    local c = x:narrow(2, 2, 2)
+    assert.same({ 40, 1, 10, 2 }, c:cuda():stride())
+    assert.same({ 40, 1, 10, 2 }, c:cuda():cpu():stride())
+    same_values(c, c:cuda())
+    -- a transpose keeps its strides; a strided slice of a row-major tensor becomes row-major
+    local t = dlua.randn(10, 100):t()
+    assert.same({ 1, 100 }, t:cuda():stride())
+    same_values(t, t:cuda())
+    local r = dlua.randn(4, 6):narrow(2, 2, 3)
+    assert.same({ 3, 1 }, r:cuda():stride())
+    same_values(r, r:cuda())
+    -- a row-major tensor stays row-major, a 0-d one and an empty one move too
+    assert.same({ 60, 20, 5, 1 }, dlua.randn(2, 3, 4, 5):cuda():stride())
+    assert.equals(3, dlua.tensor(3):cuda():cpu():item())
+    assert.same({ 0, 3 }, dlua.empty(0, 3):cuda():size())
   end)
 
   gpu_it('creates tensors on the device that device= names, as torch.tensor(..., device=) does', function()

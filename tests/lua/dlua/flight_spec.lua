@@ -105,6 +105,12 @@ describe('dlua.flight report (`dlua flight DIR`)', function()
     has(text, 'rank 0 did not answer in time')
   end)
 
+  it("names a dump the launcher asked for by its number", function()
+    write(0, 3, { entry(1, 1, 'barrier', 'completed') }, nil, { world_size = 1, reason = 'job' })
+    assert.are.equal(string.format("flight recorder (the launcher's dump 3): %s/flight-rank0.json", dir),
+      flight.report(dir):match('^[^\n]*'))
+  end)
+
   it('says when the directory holds no dump', function()
     local text, why = flight.report(dir .. '/none')
     assert.is_nil(text)
