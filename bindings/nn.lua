@@ -272,25 +272,42 @@ end
 ---------------------------------------------------------------------------------------------
 -- Optimizer steps over ranges of flat arenas (offsets count elements, from 0)
 
-function M.sgd_step(p, g, buf, offset, length, lr, momentum, dampening, wd, nesterov, maximize, first, scale)
-  local st = C.dlua_optim_sgd_step(handle('SGD.step', p), handle('SGD.step', g), buf and handle('SGD.step', buf) or nil,
-    offset, length, lr, momentum, dampening, wd, nesterov and 1 or 0, maximize and 1 or 0, first and 1 or 0, scale or 1)
+-- lowp (optional): the arena's 16-bit twin, written in the same pass (mixed precision's master weights).
+-- Declared here, as in host/cpu/optim_lowp.h, until they join dlua.h (a change there recompiles the CUDA sources).
+ffi.cdef[[
+dlua_status_t dlua_optim_sgd_step_lowp(dlua_tensor_t *param, const dlua_tensor_t *grad, dlua_tensor_t *momentum_buf, int64_t offset, int64_t length, double lr, double momentum, double dampening, double weight_decay, int nesterov, int maximize, int first_step, double grad_scale, dlua_tensor_t *lowp);
+dlua_status_t dlua_optim_adam_step_lowp(int decoupled, dlua_tensor_t *param, const dlua_tensor_t *grad, dlua_tensor_t *exp_avg, dlua_tensor_t *exp_avg_sq, dlua_tensor_t *max_exp_avg_sq, int64_t offset, int64_t length, double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step, int amsgrad, int maximize, double grad_scale, dlua_tensor_t *lowp);
+]]
+function M.sgd_step(p, g, buf, offset, length, lr, momentum, dampening, wd, nesterov, maximize, first, scale, lowp)
+  local b = buf and handle('SGD.step', buf) or nil
+  local st
+  if lowp then
+    st = C.dlua_optim_sgd_step_lowp(handle('SGD.step', p), handle('SGD.step', g), b, offset, length, lr, momentum, dampening,
+      wd, nesterov and 1 or 0, maximize and 1 or 0, first and 1 or 0, scale or 1, handle('SGD.step', lowp))
+  else
+    st = C.dlua_optim_sgd_step(handle('SGD.step', p), handle('SGD.step', g), b, offset, length, lr, momentum, dampening, wd,
+      nesterov and 1 or 0, maximize and 1 or 0, first and 1 or 0, scale or 1)
+  end
   if st ~= 0 then core.check(st, 'SGD.step') end
 end
 
-function M.adamw_step(p, g, m, v, vmax, offset, length, lr, beta1, beta2, eps, wd, step, amsgrad, maximize, scale)
-  local st = C.dlua_optim_adamw_step(handle('AdamW.step', p), handle('AdamW.step', g), handle('AdamW.step', m),
-    handle('AdamW.step', v), vmax and handle('AdamW.step', vmax) or nil, offset, length, lr, beta1, beta2, eps, wd,
-    step, amsgrad and 1 or 0, maximize and 1 or 0, scale or 1)
-  if st ~= 0 then core.check(st, 'AdamW.step') end
+local function adam(name, decoupled, p, g, m, v, vmax, offset, length, lr, beta1, beta2, eps, wd, step, amsgrad, maximize,
+                    scale, lowp)
+  local vm = vmax and handle(name, vmax) or nil
+  local st
+  if lowp then
+    st = C.dlua_optim_adam_step_lowp(decoupled, handle(name, p), handle(name, g), handle(name, m), handle(name, v), vm,
+      offset, length, lr, beta1, beta2, eps, wd, step, amsgrad and 1 or 0, maximize and 1 or 0, scale or 1, handle(name, lowp))
+  else
+    local fn = decoupled == 1 and C.dlua_optim_adamw_step or C.dlua_optim_adam_step
+    st = fn(handle(name, p), handle(name, g), handle(name, m), handle(name, v), vm, offset, length, lr, beta1, beta2, eps,
+      wd, step, amsgrad and 1 or 0, maximize and 1 or 0, scale or 1)
+  end
+  if st ~= 0 then core.check(st, name) end
 end
 
-function M.adam_step(p, g, m, v, vmax, offset, length, lr, beta1, beta2, eps, wd, step, amsgrad, maximize, scale)
-  local st = C.dlua_optim_adam_step(handle('Adam.step', p), handle('Adam.step', g), handle('Adam.step', m),
-    handle('Adam.step', v), vmax and handle('Adam.step', vmax) or nil, offset, length, lr, beta1, beta2, eps, wd,
-    step, amsgrad and 1 or 0, maximize and 1 or 0, scale or 1)
-  if st ~= 0 then core.check(st, 'Adam.step') end
-end
+function M.adamw_step(...) return adam('AdamW.step', 1, ...) end
+function M.adam_step(...) return adam('Adam.step', 0, ...) end
 
 -- ranges: list of {offset, length, exclude} -> C arrays (kept alive by the caller's locals)
 local function range_arrays(ranges)

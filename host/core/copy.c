@@ -252,12 +252,28 @@ static void byte_span(const dlua_tensor_t *t, uintptr_t *lo, uintptr_t *hi) {
 static void copy_strided(dlua_tensor_t *dst, const void *src_ptr, dlua_dtype_t src_dtype, const int64_t *src_strides) {
   int64_t dstep[DLUA_MAX_DIMS], sstep[DLUA_MAX_DIMS];
   int64_t des = (int64_t)dlua_dtype_size(dst->dtype), ses = (int64_t)dlua_dtype_size(src_dtype);
+  int64_t sizes[DLUA_MAX_DIMS];
   for (int d = 0; d < dst->ndim; d++) {
+    sizes[d] = dst->sizes[d];
     dstep[d] = dst->strides[d] * des;
     sstep[d] = src_strides[d] * ses;
   }
+  // When src and dst order their dims alike by stride (channels-last to channels-last, a cast
+  // under autocast), walk the dims in that order: they then merge into one run instead of an inner
+  // loop of W elements C apart. Any order visits every element once; only the speed differs.
+  int alike = 1;
+  for (int d = 0; d + 1 < dst->ndim && alike; d++)
+    for (int e = d + 1; e < dst->ndim; e++)
+      if (sizes[d] > 1 && sizes[e] > 1 && (dstep[d] < dstep[e]) != (sstep[d] < sstep[e])) alike = 0;
+  if (alike)
+    for (int d = 1; d < dst->ndim; d++)  // insertion sort, largest dst step first
+      for (int e = d; e > 0 && dstep[e - 1] < dstep[e]; e--) {
+        int64_t t0 = sizes[e], t1 = dstep[e], t2 = sstep[e];
+        sizes[e] = sizes[e - 1], dstep[e] = dstep[e - 1], sstep[e] = sstep[e - 1];
+        sizes[e - 1] = t0, dstep[e - 1] = t1, sstep[e - 1] = t2;
+      }
   iter2_t it;
-  iter2_build(&it, dst->ndim, dst->sizes, dstep, sstep);
+  iter2_build(&it, dst->ndim, sizes, dstep, sstep);
   if (iter2_wants_tiles(&it, des, ses))
     iter2_run_tiled(&it, dlua_tensor_ptr(dst), src_ptr, converter(src_dtype, dst->dtype));
   else

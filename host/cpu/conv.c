@@ -1,4 +1,4 @@
-/* 2-D convolution on the CPU, forward and backward: oneDNN for float32 (float16/bfloat16 via float32), direct loops for float64. */
+/* 2-D convolution on the CPU, forward and backward: oneDNN for float32 and bfloat16 (float16 via float32), direct loops for float64. */
 #include <inttypes.h>
 #include <omp.h>
 #include <oneapi/dnnl/dnnl.h>
@@ -126,8 +126,12 @@ static dlua_status_t check_grad_y(const char *op, const dlua_tensor_t *gy, const
    problems (and float64) take the direct loops. */
 static dlua_dtype_t compute_dtype(dlua_dtype_t dt, const geom_t *g) {
   if (dt == DLUA_DTYPE_F64 || g->n == 0 || g->c == 0 || g->h == 0 || g->w == 0 || g->o == 0) return DLUA_DTYPE_F64;
-  return DLUA_DTYPE_F32;
+  return dt == DLUA_DTYPE_BF16 ? DLUA_DTYPE_BF16 : DLUA_DTYPE_F32;
 }
+
+/* The dtype oneDNN writes weight and bias gradients in: float32 for bfloat16 convolutions too, so they
+   land in the float32 gradient arena without a pass of their own. */
+static dlua_dtype_t grad_param_dtype(dlua_dtype_t ct) { return ct == DLUA_DTYPE_BF16 ? DLUA_DTYPE_F32 : ct; }
 
 /* ---- direct float64 loops (any strides) ----------------------------------------------------- */
 
@@ -337,6 +341,7 @@ typedef struct {
   int32_t has_bias;
   int32_t acc_w, acc_b;            /* backward weights: += into grad_weight / grad_bias */
   int32_t acc_y;                   /* forward: += into y (a sum post-op on the convolution itself) */
+  int32_t lowp;                    /* bfloat16 activations and weights (weight and bias gradients stay float32) */
   geom_t g;
 } conv_key_t;
 
@@ -399,25 +404,25 @@ static size_t align64(size_t n) { return (n + 63) & ~(size_t)63; }
   } while (0)
 
 /* The weights' layout as oneDNN sees it: (G, O/G, C/G, kH, kW) when grouped. */
-static dnnl_status_t weights_md(dnnl_memory_desc_t *md, const geom_t *g, int fmt, int any) {
+static dnnl_status_t weights_md(dnnl_memory_desc_t *md, const geom_t *g, int fmt, int any, dnnl_data_type_t dt) {
   int64_t ws4[4] = {g->o, g->c / g->g, g->kh, g->kw}, st[4];
   act_strides(4, ws4, fmt, st);
   if (g->g == 1) {
     dnnl_dims_t d = {ws4[0], ws4[1], ws4[2], ws4[3]}, s = {st[0], st[1], st[2], st[3]};
-    return any ? dnnl_memory_desc_init_by_tag(md, 4, d, dnnl_f32, dnnl_format_tag_any)
-               : dnnl_memory_desc_init_by_strides(md, 4, d, dnnl_f32, s);
+    return any ? dnnl_memory_desc_init_by_tag(md, 4, d, dt, dnnl_format_tag_any)
+               : dnnl_memory_desc_init_by_strides(md, 4, d, dt, s);
   }
   int64_t og = g->o / g->g;
   dnnl_dims_t d = {g->g, og, ws4[1], ws4[2], ws4[3]}, s = {og * st[0], st[0], st[1], st[2], st[3]};
-  return any ? dnnl_memory_desc_init_by_tag(md, 5, d, dnnl_f32, dnnl_format_tag_any)
-             : dnnl_memory_desc_init_by_strides(md, 5, d, dnnl_f32, s);
+  return any ? dnnl_memory_desc_init_by_tag(md, 5, d, dt, dnnl_format_tag_any)
+             : dnnl_memory_desc_init_by_strides(md, 5, d, dt, s);
 }
 
-static dnnl_status_t act_md(dnnl_memory_desc_t *md, const int64_t *sizes, int fmt) {
+static dnnl_status_t act_md(dnnl_memory_desc_t *md, const int64_t *sizes, int fmt, dnnl_data_type_t dt) {
   int64_t st[4];
   act_strides(4, sizes, fmt, st);
   dnnl_dims_t d = {sizes[0], sizes[1], sizes[2], sizes[3]}, s = {st[0], st[1], st[2], st[3]};
-  return dnnl_memory_desc_init_by_strides(md, 4, d, dnnl_f32, s);
+  return dnnl_memory_desc_init_by_strides(md, 4, d, dt, s);
 }
 
 /* What entry_build needs to know of one slot: its argument, direction, the caller's layout and
@@ -440,11 +445,16 @@ static dlua_status_t entry_build(const char *op, const conv_key_t *k, conv_entry
   e->key = *k;
 
   int64_t xs[4] = {g->n, g->c, g->h, g->w}, ys[4] = {g->n, g->o, g->oh, g->ow};
-  dnnl_memory_desc_t x_user, y_user, w_user, b_md, x_any, y_any, w_any;
-  DNNL_CHECK(act_md(&x_user, xs, k->src_fmt), "memory descriptor");
-  DNNL_CHECK(act_md(&y_user, ys, k->dst_fmt), "memory descriptor");
-  DNNL_CHECK(weights_md(&w_user, g, k->w_fmt, 0), "memory descriptor");
-  DNNL_CHECK(weights_md(&w_any, g, k->w_fmt, 1), "memory descriptor");
+  dnnl_memory_desc_t x_user, y_user, w_user, b_md, x_any, y_any, w_any, wf_any;
+  // bfloat16 (lowp): activations and weights in bf16, accumulation in f32 inside oneDNN; the weight
+  // gradient (and bias) are written in f32, straight into the float32 gradient arena.
+  const dnnl_data_type_t adt = k->lowp ? dnnl_bf16 : dnnl_f32;
+  const dnnl_data_type_t wdt = k->lowp && k->dir == DIR_BWD_WEIGHTS ? dnnl_f32 : adt;
+  DNNL_CHECK(act_md(&x_user, xs, k->src_fmt, adt), "memory descriptor");
+  DNNL_CHECK(act_md(&y_user, ys, k->dst_fmt, adt), "memory descriptor");
+  DNNL_CHECK(weights_md(&w_user, g, k->w_fmt, 0, wdt), "memory descriptor");
+  DNNL_CHECK(weights_md(&w_any, g, k->w_fmt, 1, wdt), "memory descriptor");
+  DNNL_CHECK(weights_md(&wf_any, g, k->w_fmt, 1, adt), "memory descriptor");  // the forward's (hint for backward)
   dnnl_dims_t bd = {g->o};
   DNNL_CHECK(dnnl_memory_desc_init_by_tag(&b_md, 1, bd, dnnl_f32, dnnl_a), "memory descriptor");
   // Measured on AVX-512 (ResNet-20 shapes, 2 threads): with plain NCHW activations oneDNN 2.6
@@ -454,9 +464,9 @@ static dlua_status_t entry_build(const char *op, const conv_key_t *k, conv_entry
   // layout: reordering them costs microseconds, plain weights push NHWC to a reference kernel.
   int nhwc = k->src_fmt == FMT_NHWC || k->dst_fmt == FMT_NHWC;
   dnnl_dims_t xd = {xs[0], xs[1], xs[2], xs[3]}, yd = {ys[0], ys[1], ys[2], ys[3]};
-  DNNL_CHECK(dnnl_memory_desc_init_by_tag(&x_any, 4, xd, dnnl_f32, nhwc ? dnnl_nhwc : dnnl_format_tag_any),
+  DNNL_CHECK(dnnl_memory_desc_init_by_tag(&x_any, 4, xd, adt, nhwc ? dnnl_nhwc : dnnl_format_tag_any),
              "memory descriptor");
-  DNNL_CHECK(dnnl_memory_desc_init_by_tag(&y_any, 4, yd, dnnl_f32, nhwc ? dnnl_nhwc : dnnl_format_tag_any),
+  DNNL_CHECK(dnnl_memory_desc_init_by_tag(&y_any, 4, yd, adt, nhwc ? dnnl_nhwc : dnnl_format_tag_any),
              "memory descriptor");
   // With 16 channels, NHWC memory is byte for byte oneDNN's nChw16c (aBcd16b). Naming it so when
   // input and output both have 16 channels gets the blocked direct kernel instead of the NHWC
@@ -465,8 +475,8 @@ static dlua_status_t entry_build(const char *op, const conv_key_t *k, conv_entry
   // NHWC names: there oneDNN's direct kernel takes 1.76 instead of 2.25 ms (batch 64, 1 thread).
   // (Mixed formats fall to oneDNN's reference kernels.)
   if (k->dir != DIR_BWD_WEIGHTS && k->src_fmt == FMT_NHWC && k->dst_fmt == FMT_NHWC && xs[1] == 16 && ys[1] == 16) {
-    DNNL_CHECK(dnnl_memory_desc_init_by_tag(&x_any, 4, xd, dnnl_f32, dnnl_aBcd16b), "memory descriptor");
-    DNNL_CHECK(dnnl_memory_desc_init_by_tag(&y_any, 4, yd, dnnl_f32, dnnl_aBcd16b), "memory descriptor");
+    DNNL_CHECK(dnnl_memory_desc_init_by_tag(&x_any, 4, xd, adt, dnnl_aBcd16b), "memory descriptor");
+    DNNL_CHECK(dnnl_memory_desc_init_by_tag(&y_any, 4, yd, adt, dnnl_aBcd16b), "memory descriptor");
     x_user = x_any;
     y_user = y_any;
   }
@@ -478,7 +488,7 @@ static dlua_status_t entry_build(const char *op, const conv_key_t *k, conv_entry
   DNNL_CHECK(dnnl_primitive_attr_set_scratchpad_mode(attr, dnnl_scratchpad_mode_user), "scratchpad mode");
   dnnl_convolution_desc_t fd, bd_;
   DNNL_CHECK(dnnl_dilated_convolution_forward_desc_init(&fd, dnnl_forward_training, dnnl_convolution_direct, &x_any,
-                                                        &w_any, k->has_bias ? &b_md : NULL, &y_any, strides, dil,
+                                                        &wf_any, k->has_bias ? &b_md : NULL, &y_any, strides, dil,
                                                         pad, pad),
              "convolution descriptor");
   DNNL_CHECK(dnnl_post_ops_create(&sum), "post-op creation");
@@ -683,7 +693,7 @@ void dlua_conv_cache_stats(int *entries, int64_t *hits, int64_t *misses) {
   pthread_mutex_unlock(&cache_mu);
 }
 
-/* Runs one float32 convolution; ptrs are the caller's buffers in the entry's slot order. */
+/* Runs one float32 or bfloat16 convolution; ptrs are the caller's buffers in the entry's slot order. */
 static dlua_status_t onednn_run(const char *op, const conv_key_t *k, void *const *ptrs) {
   const geom_t *g = &k->g;
   conv_tls_t *t = NULL;
@@ -804,7 +814,7 @@ dlua_status_t dlua_conv2d_forward(dlua_tensor_t **out, const dlua_tensor_t *x, c
   int direct = (*out)->dtype == ct && of != FMT_OTHER;
   dlua_status_t s = operand4(x, ct, &xv);
   if (s == DLUA_OK) s = operand4(w, ct, &wv);
-  if (s == DLUA_OK && bias) s = operand1(bias, ct, &bv);
+  if (s == DLUA_OK && bias) s = operand1(bias, grad_param_dtype(ct), &bv);  // a bf16 convolution takes an f32 bias
   if (s == DLUA_OK) {
     if (direct) {
       yv = dlua_tensor_alias(*out);
@@ -820,6 +830,7 @@ dlua_status_t dlua_conv2d_forward(dlua_tensor_t **out, const dlua_tensor_t *x, c
                   yv->strides);
     } else {
       conv_key_t k = make_key(DIR_FWD, &g, act_format(xv), act_format(yv), act_format(wv), bv != NULL);
+      k.lowp = ct == DLUA_DTYPE_BF16;
       void *ptrs[4] = {dlua_tensor_ptr(xv), dlua_tensor_ptr(wv), dlua_tensor_ptr(yv), bv ? dlua_tensor_ptr(bv) : NULL};
       s = onednn_run(op, &k, ptrs);
     }
@@ -843,27 +854,31 @@ dlua_status_t dlua_conv2d_forward(dlua_tensor_t **out, const dlua_tensor_t *x, c
    (32 channels, 14x14) and 1.7 vs 2.2 ms (64 channels, 7x7). Channels-last only, where it was measured. */
 static int bwd_data_as_forward(const geom_t *g, const dlua_tensor_t *gy, const dlua_tensor_t *gx) {
   return g->sh == 1 && g->sw == 1 && g->dh == 1 && g->dw == 1 && g->g == 1 && g->ph <= g->kh - 1 &&
-         g->pw <= g->kw - 1 && act_format(gy) == FMT_NHWC && act_format(gx) == FMT_NHWC && gy->dtype == DLUA_DTYPE_F32;
+         g->pw <= g->kw - 1 && act_format(gy) == FMT_NHWC && act_format(gx) == FMT_NHWC &&
+         (gy->dtype == DLUA_DTYPE_F32 || gy->dtype == DLUA_DTYPE_BF16);
 }
 
 static dlua_status_t backward_data_by_forward(const char *op, const geom_t *g, const dlua_tensor_t *gy,
                                               const dlua_tensor_t *w, dlua_tensor_t *gx, int accumulate) {
   int64_t ts[4] = {g->c, g->o, g->kh, g->kw};
   dlua_tensor_t *wt = NULL;
-  DLUA_TRY(dlua_tensor_empty(&wt, 4, ts, DLUA_DTYPE_F32, DLUA_CPU));
-  const float *src = (const float *)dlua_tensor_ptr(w);
-  float *dst = (float *)dlua_tensor_ptr(wt);
+  const int lowp = w->dtype == DLUA_DTYPE_BF16;
+  DLUA_TRY(dlua_tensor_empty(&wt, 4, ts, w->dtype, DLUA_CPU));
+  const size_t es = lowp ? 2 : 4;  // bytes per element: the weights are only moved, never computed on
+  const char *src = dlua_tensor_ptr(w);
+  char *dst = dlua_tensor_ptr(wt);
   const int64_t *ws = w->strides;  // elements
   for (int64_t c = 0; c < g->c; c++)
     for (int64_t o = 0; o < g->o; o++)
       for (int64_t i = 0; i < g->kh; i++)
         for (int64_t j = 0; j < g->kw; j++)
-          dst[((c * g->o + o) * g->kh + i) * g->kw + j] =
-              src[o * ws[0] + c * ws[1] + (g->kh - 1 - i) * ws[2] + (g->kw - 1 - j) * ws[3]];
+          memcpy(dst + (((c * g->o + o) * g->kh + i) * g->kw + j) * es,
+                 src + (o * ws[0] + c * ws[1] + (g->kh - 1 - i) * ws[2] + (g->kw - 1 - j) * ws[3]) * es, es);
   geom_t f = {.n = g->n, .c = g->o, .h = g->oh, .w = g->ow, .o = g->c, .kh = g->kh, .kw = g->kw, .sh = 1, .sw = 1,
               .ph = g->kh - 1 - g->ph, .pw = g->kw - 1 - g->pw, .dh = 1, .dw = 1, .g = 1, .oh = g->h, .ow = g->w};
   conv_key_t k = make_key(DIR_FWD, &f, FMT_NHWC, FMT_NHWC, FMT_NCHW, 0);
   k.acc_y = accumulate != 0;
+  k.lowp = lowp;
   void *ptrs[4] = {dlua_tensor_ptr(gy), dlua_tensor_ptr(wt), dlua_tensor_ptr(gx), NULL};
   dlua_status_t s = onednn_run(op, &k, ptrs);
   dlua_tensor_free(wt);
@@ -923,7 +938,7 @@ dlua_status_t dlua_conv2d_backward_data(dlua_tensor_t **grad_x, const dlua_tenso
   if (s == DLUA_OK) s = operand4(w, ct, &wv);
   // Accumulating, only the forward-convolution route adds in place (a sum post-op); the others
   // compute into a temporary and add it.
-  if (s == DLUA_OK && accumulate && !(direct && ct == DLUA_DTYPE_F32 && bwd_data_as_forward(&g, yv, *grad_x)))
+  if (s == DLUA_OK && accumulate && !(direct && ct != DLUA_DTYPE_F64 && bwd_data_as_forward(&g, yv, *grad_x)))
     direct = 0;
   if (s == DLUA_OK) {
     if (direct) {
@@ -941,6 +956,7 @@ dlua_status_t dlua_conv2d_backward_data(dlua_tensor_t **grad_x, const dlua_tenso
       s = backward_data_by_forward(op, &g, yv, wv, xv, accumulate && direct);
     } else {
       conv_key_t k = make_key(DIR_BWD_DATA, &g, act_format(xv), act_format(yv), act_format(wv), 0);
+      k.lowp = ct == DLUA_DTYPE_BF16;
       void *ptrs[3] = {dlua_tensor_ptr(yv), dlua_tensor_ptr(wv), dlua_tensor_ptr(xv)};
       s = onednn_run(op, &k, ptrs);
     }
@@ -967,13 +983,14 @@ static int bwd_weights_gather(const geom_t *g, const dlua_tensor_t *x) {
   return g->kh == 1 && g->kw == 1 && (g->sh > 1 || g->sw > 1) && (g->c / g->g) % 16 != 0 && act_format(x) == FMT_NHWC;
 }
 
-/* x (N, C, H, W) channels-last float32 -> *out (N, C, OH, OW) channels-last: the pixels a 1x1
-   convolution of geometry g reads; *f: the stride-1 unpadded geometry over them. */
+/* x (N, C, H, W) channels-last float32 or bfloat16 -> *out (N, C, OH, OW) channels-last, x's dtype: the
+   pixels a 1x1 convolution of geometry g reads; *f: the stride-1 unpadded geometry over them. */
 static dlua_status_t gather_strided(const geom_t *g, const dlua_tensor_t *x, dlua_tensor_t **out, geom_t *f) {
   int64_t sizes[4] = {g->n, g->c, g->oh, g->ow};
-  DLUA_TRY(act_alloc(out, 4, sizes, DLUA_DTYPE_F32, FMT_NHWC));
-  const float *src = (const float *)dlua_tensor_ptr(x);
-  float *dst = (float *)dlua_tensor_ptr(*out);
+  DLUA_TRY(act_alloc(out, 4, sizes, x->dtype, FMT_NHWC));
+  const size_t es = dlua_dtype_size(x->dtype);  // the pixels are only moved
+  const char *src = dlua_tensor_ptr(x);
+  char *dst = dlua_tensor_ptr(*out);
   const int64_t *xs = x->strides;  // elements; xs[1] == 1
   int64_t c = g->c;
   int par = g->n * g->oh * g->ow * c > 32768;
@@ -981,13 +998,13 @@ static dlua_status_t gather_strided(const geom_t *g, const dlua_tensor_t *x, dlu
   for (int64_t n = 0; n < g->n; n++)
     for (int64_t i = 0; i < g->oh; i++) {
       int64_t ih = i * g->sh - g->ph;
-      float *row = dst + (n * g->oh + i) * g->ow * c;
+      char *row = dst + (n * g->oh + i) * g->ow * c * (int64_t)es;
       for (int64_t j = 0; j < g->ow; j++) {
         int64_t iw = j * g->sw - g->pw;
         if (ih < 0 || ih >= g->h || iw < 0 || iw >= g->w)
-          memset(row + j * c, 0, (size_t)c * sizeof(float));
+          memset(row + j * c * (int64_t)es, 0, (size_t)c * es);  // +0.0 in float32 and bfloat16
         else
-          memcpy(row + j * c, src + n * xs[0] + ih * xs[2] + iw * xs[3], (size_t)c * sizeof(float));
+          memcpy(row + j * c * (int64_t)es, src + (n * xs[0] + ih * xs[2] + iw * xs[3]) * (int64_t)es, (size_t)c * es);
       }
     }
   *f = *g;
@@ -1038,9 +1055,10 @@ dlua_status_t dlua_conv2d_backward_weights(dlua_tensor_t *grad_w, dlua_tensor_t 
 
   // The gradients land in the caller's tensors when they have the compute dtype and a layout
   // the kernels take; otherwise in fresh temporaries that are then added (or copied) in.
+  const dlua_dtype_t gct = grad_param_dtype(ct);
   int wf = act_format(grad_w);
-  int w_direct = grad_w->dtype == ct && wf != FMT_OTHER;
-  int b_direct = grad_bias && grad_bias->dtype == ct && (grad_bias->sizes[0] <= 1 || grad_bias->strides[0] == 1);
+  int w_direct = grad_w->dtype == gct && wf != FMT_OTHER;
+  int b_direct = grad_bias && grad_bias->dtype == gct && (grad_bias->sizes[0] <= 1 || grad_bias->strides[0] == 1);
   dlua_tensor_t *xv = NULL, *yv = NULL, *gwv = NULL, *gbv = NULL;
   dlua_status_t s = operand4(x, ct, &xv);
   if (s == DLUA_OK) s = operand4(grad_y, ct, &yv);
@@ -1049,7 +1067,7 @@ dlua_status_t dlua_conv2d_backward_weights(dlua_tensor_t *grad_w, dlua_tensor_t 
       gwv = dlua_tensor_alias(grad_w);
       if (!gwv) s = dlua_last_status();
     } else {
-      s = act_alloc(&gwv, 4, grad_w->sizes, ct, wf == FMT_OTHER ? FMT_NCHW : wf);
+      s = act_alloc(&gwv, 4, grad_w->sizes, gct, wf == FMT_OTHER ? FMT_NCHW : wf);
     }
   }
   if (s == DLUA_OK && grad_bias) {
@@ -1057,7 +1075,7 @@ dlua_status_t dlua_conv2d_backward_weights(dlua_tensor_t *grad_w, dlua_tensor_t 
       gbv = dlua_tensor_alias(grad_bias);
       if (!gbv) s = dlua_last_status();
     } else {
-      s = dlua_tensor_empty(&gbv, 1, grad_bias->sizes, ct, DLUA_CPU);
+      s = dlua_tensor_empty(&gbv, 1, grad_bias->sizes, gct, DLUA_CPU);
     }
   }
   if (s == DLUA_OK && dlua_tensor_numel(gwv) + (gbv ? dlua_tensor_numel(gbv) : 0) > 0) {
@@ -1074,6 +1092,7 @@ dlua_status_t dlua_conv2d_backward_weights(dlua_tensor_t *grad_w, dlua_tensor_t 
       conv_key_t k = make_key(DIR_BWD_WEIGHTS, &f, act_format(xin), act_format(yv), act_format(gwv), gbv != NULL);
       k.acc_w = w_direct && accumulate;
       k.acc_b = b_direct && accumulate;
+      k.lowp = ct == DLUA_DTYPE_BF16;
       void *ptrs[4] = {dlua_tensor_ptr(xin), dlua_tensor_ptr(yv), dlua_tensor_ptr(gwv), gbv ? dlua_tensor_ptr(gbv) : NULL};
       if (s == DLUA_OK) s = onednn_run(op, &k, ptrs);
       dlua_tensor_free(xg);

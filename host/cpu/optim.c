@@ -9,7 +9,9 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/tensor.h"
+#include "core/copy.h"
 #include "cpu/elementwise_ops.h"
+#include "cpu/optim_lowp.h"
 #include "cpu/optim_ops.h"
 #include "cuda/kernels.h" /* plain C: only CUDA builds call into it */
 #include "cuda/loss_cuda.h"
@@ -200,18 +202,48 @@ static dlua_status_t cuda_step(const char *op, int kind, const dlua_tensor_t *pa
 #endif
 }
 
+/* Mixed precision's master weights: the 16-bit copy of the parameters a layer computes with, written
+   chunk by chunk right after the chunk's update, while it is in cache (no pass of its own). lowp:
+   NULL, or a contiguous float16/bfloat16 tensor of param's element count on the CPU. */
+static dlua_status_t check_lowp(const char *op, const dlua_tensor_t *lowp, const dlua_tensor_t *p) {
+  char b1[200], b2[200];
+  if (!lowp) return DLUA_OK;
+  if (!lowp->storage) return DLUA_ERR(DLUA_ERR_ARG, "%s: lowp copy is freed", op);
+  if (lowp->device != DLUA_CPU || p->device != DLUA_CPU)
+    return DLUA_ERR(DLUA_ERR_ARG, "%s: a 16-bit copy is written on the CPU only, got param %s and copy %s", op,
+                    dlua_tensor_describe(p, b2, sizeof b2), dlua_tensor_describe(lowp, b1, sizeof b1));
+  if ((lowp->dtype != DLUA_DTYPE_BF16 && lowp->dtype != DLUA_DTYPE_F16) || p->dtype != DLUA_DTYPE_F32 ||
+      dlua_tensor_numel(lowp) != dlua_tensor_numel(p) || !dlua_tensor_is_contiguous(lowp))
+    return DLUA_ERR(DLUA_ERR_ARG, "%s: the 16-bit copy %s must be a contiguous bfloat16 or float16 tensor of param's "
+                    "element count, param float32 (param %s)", op, dlua_tensor_describe(lowp, b1, sizeof b1),
+                    dlua_tensor_describe(p, b2, sizeof b2));
+  return DLUA_OK;
+}
+
+/* run_chunks, then each chunk's parameters converted into lp (pre-offset, dtype lpdt) while in cache. */
+static void run_chunks_lowp(chunk_fn fn, const step_args_t *a, int64_t length, char *lp, dlua_dtype_t lpdt) {
+  int64_t nc = (length + OPT_CHUNK - 1) / OPT_CHUNK;
+#pragma omp parallel for schedule(static) if (nc > 1)
+  for (int64_t c = 0; c < nc; c++) {
+    int64_t lo = c * OPT_CHUNK, hi = lo + OPT_CHUNK < length ? lo + OPT_CHUNK : length;
+    fn(a, lo, hi);
+    dlua_convert(lp + lo * 2, lpdt, (const float *)a->p + lo, DLUA_DTYPE_F32, hi - lo);
+  }
+}
+
 static void *at(const dlua_tensor_t *t, int64_t offset) {
   return t ? dlua_tensor_ptr(t) + offset * (int64_t)dlua_dtype_size(t->dtype) : NULL;
 }
 
 /* ---- SGD ------------------------------------------------------------------------------------------------ */
 
-dlua_status_t dlua_optim_sgd_step(dlua_tensor_t *param, const dlua_tensor_t *grad, dlua_tensor_t *momentum_buf,
-                                  int64_t offset, int64_t length, double lr, double momentum, double dampening,
-                                  double weight_decay, int nesterov, int maximize, int first_step,
-                                  double grad_scale) {
+static dlua_status_t sgd_step(dlua_tensor_t *param, const dlua_tensor_t *grad, dlua_tensor_t *momentum_buf,
+                              int64_t offset, int64_t length, double lr, double momentum, double dampening,
+                              double weight_decay, int nesterov, int maximize, int first_step, double grad_scale,
+                              dlua_tensor_t *lowp) {
   const char *op = "sgd_step";
   DLUA_TRY(check_param(op, param));
+  DLUA_TRY(check_lowp(op, lowp, param));
   DLUA_TRY(check_buffer(op, "grad", grad, param));
   DLUA_TRY(check_range(op, param, offset, length));
   DLUA_TRY(check_hyper(op, "lr", lr, 0, INFINITY, 0));
@@ -232,8 +264,27 @@ dlua_status_t dlua_optim_sgd_step(dlua_tensor_t *param, const dlua_tensor_t *gra
                    .grad_scale = grad_scale, .nesterov = nesterov != 0, .maximize = maximize != 0,
                    .first = first_step != 0};
   if (param->device != DLUA_CPU) return cuda_step(op, 0, param, &a, length);
-  run_chunks(param->dtype == DLUA_DTYPE_F64 ? sgd_d : sgd_f, &a, length);
+  if (lowp)
+    run_chunks_lowp(sgd_f, &a, length, at(lowp, offset), lowp->dtype);
+  else
+    run_chunks(param->dtype == DLUA_DTYPE_F64 ? sgd_d : sgd_f, &a, length);
   return DLUA_OK;
+}
+
+dlua_status_t dlua_optim_sgd_step(dlua_tensor_t *param, const dlua_tensor_t *grad, dlua_tensor_t *momentum_buf,
+                                  int64_t offset, int64_t length, double lr, double momentum, double dampening,
+                                  double weight_decay, int nesterov, int maximize, int first_step,
+                                  double grad_scale) {
+  return sgd_step(param, grad, momentum_buf, offset, length, lr, momentum, dampening, weight_decay, nesterov, maximize,
+                  first_step, grad_scale, NULL);
+}
+
+dlua_status_t dlua_optim_sgd_step_lowp(dlua_tensor_t *param, const dlua_tensor_t *grad, dlua_tensor_t *momentum_buf,
+                                       int64_t offset, int64_t length, double lr, double momentum, double dampening,
+                                       double weight_decay, int nesterov, int maximize, int first_step,
+                                       double grad_scale, dlua_tensor_t *lowp) {
+  return sgd_step(param, grad, momentum_buf, offset, length, lr, momentum, dampening, weight_decay, nesterov, maximize,
+                  first_step, grad_scale, lowp);
 }
 
 /* ---- Adam, AdamW ----------------------------------------------------------------------------------- */
@@ -242,8 +293,10 @@ dlua_status_t dlua_optim_sgd_step(dlua_tensor_t *param, const dlua_tensor_t *gra
 static dlua_status_t adam_step(const char *op, int decoupled, dlua_tensor_t *param, const dlua_tensor_t *grad,
                                dlua_tensor_t *exp_avg, dlua_tensor_t *exp_avg_sq, dlua_tensor_t *max_exp_avg_sq,
                                int64_t offset, int64_t length, double lr, double beta1, double beta2, double eps,
-                               double weight_decay, int64_t step, int amsgrad, int maximize, double grad_scale) {
+                               double weight_decay, int64_t step, int amsgrad, int maximize, double grad_scale,
+                               dlua_tensor_t *lowp) {
   DLUA_TRY(check_param(op, param));
+  DLUA_TRY(check_lowp(op, lowp, param));
   DLUA_TRY(check_buffer(op, "grad", grad, param));
   DLUA_TRY(check_buffer(op, "exp_avg", exp_avg, param));
   DLUA_TRY(check_buffer(op, "exp_avg_sq", exp_avg_sq, param));
@@ -272,7 +325,10 @@ static dlua_status_t adam_step(const char *op, int decoupled, dlua_tensor_t *par
                    .decoupled = decoupled, .bc1 = 1.0 - pow(beta1, (double)step),
                    .bc2 = 1.0 - pow(beta2, (double)step)};
   if (param->device != DLUA_CPU) return cuda_step(op, 1, param, &a, length);
-  run_chunks(param->dtype == DLUA_DTYPE_F64 ? adam_d : adam_f, &a, length);
+  if (lowp)
+    run_chunks_lowp(adam_f, &a, length, at(lowp, offset), lowp->dtype);
+  else
+    run_chunks(param->dtype == DLUA_DTYPE_F64 ? adam_d : adam_f, &a, length);
   return DLUA_OK;
 }
 
@@ -281,7 +337,7 @@ dlua_status_t dlua_optim_adamw_step(dlua_tensor_t *param, const dlua_tensor_t *g
                                     int64_t length, double lr, double beta1, double beta2, double eps,
                                     double weight_decay, int64_t step, int amsgrad, int maximize, double grad_scale) {
   return adam_step("adamw_step", 1, param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, offset, length, lr, beta1,
-                   beta2, eps, weight_decay, step, amsgrad, maximize, grad_scale);
+                   beta2, eps, weight_decay, step, amsgrad, maximize, grad_scale, NULL);
 }
 
 dlua_status_t dlua_optim_adam_step(dlua_tensor_t *param, const dlua_tensor_t *grad, dlua_tensor_t *exp_avg,
@@ -289,7 +345,18 @@ dlua_status_t dlua_optim_adam_step(dlua_tensor_t *param, const dlua_tensor_t *gr
                                    int64_t length, double lr, double beta1, double beta2, double eps,
                                    double weight_decay, int64_t step, int amsgrad, int maximize, double grad_scale) {
   return adam_step("adam_step", 0, param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, offset, length, lr, beta1,
-                   beta2, eps, weight_decay, step, amsgrad, maximize, grad_scale);
+                   beta2, eps, weight_decay, step, amsgrad, maximize, grad_scale, NULL);
+}
+
+/* Adam and AdamW writing the 16-bit copy in the same pass (decoupled 1: AdamW). */
+dlua_status_t dlua_optim_adam_step_lowp(int decoupled, dlua_tensor_t *param, const dlua_tensor_t *grad,
+                                        dlua_tensor_t *exp_avg, dlua_tensor_t *exp_avg_sq,
+                                        dlua_tensor_t *max_exp_avg_sq, int64_t offset, int64_t length, double lr,
+                                        double beta1, double beta2, double eps, double weight_decay, int64_t step,
+                                        int amsgrad, int maximize, double grad_scale, dlua_tensor_t *lowp) {
+  return adam_step(decoupled ? "adamw_step" : "adam_step", decoupled != 0, param, grad, exp_avg, exp_avg_sq,
+                   max_exp_avg_sq, offset, length, lr, beta1, beta2, eps, weight_decay, step, amsgrad, maximize,
+                   grad_scale, lowp);
 }
 
 /* ---- per-parameter blocks (LARS, LAMB) ------------------------------------------------------------------ */

@@ -15,9 +15,9 @@ dlua.root = require('dlua.host').root
 for name, value in pairs(tensor) do dlua[name] = value end
 
 -- Submodules loaded on first use (dlua.nn, dlua.optim, dlua.data, dlua.lr, dlua.cli, dlua.dist, dlua.ckpt, dlua.monitor,
--- dlua.flight, dlua.json, dlua.metrics, dlua.recipe): `require 'dlua'` stays cheap, and a submodule may itself require 'dlua'.
+-- dlua.flight, dlua.json, dlua.metrics, dlua.recipe, dlua.amp): `require 'dlua'` stays cheap, and a submodule may itself require 'dlua'.
 local lazy = { data = true, lr = true, cli = true, nn = true, optim = true, dist = true, cuda = true, ckpt = true,
-  monitor = true, flight = true, json = true, metrics = true, recipe = true }
+  monitor = true, flight = true, json = true, metrics = true, recipe = true, amp = true }
 setmetatable(dlua, { __index = function(t, k)
   if not lazy[k] then return nil end
   local m = require('dlua.' .. k)

@@ -4,6 +4,11 @@ local K = require 'bindings.nn'
 
 local optim = {}
 
+-- Mixed precision's master weights (dlua.amp): parameter tensor -> {opt, dt, offset, numel} for the
+-- optimizers whose fused step can write a 16-bit twin of the arena in the same pass (SGD, Adam, AdamW
+-- on the CPU, not under ZeRO, whose step covers a shard only). Weak: a dropped model takes its entries.
+optim.lowp_owner = setmetatable({}, { __mode = 'k' })
+
 -- Splits the model's flat layout into ranges that share a parameter group. Groups are
 -- tried in order: the first whose `filter(name, param)` returns true takes the parameter;
 -- the rest go to the default group (the options themselves). Returns {dtype = {ranges}} with
@@ -110,7 +115,39 @@ local function new_optimizer(cls, name, model, opts, defaults)
     end
     self.arena.zero:attach(self)
   end
+  if cls._lowp_kernels and not self.arena.zero then
+    local named = {}
+    for _, e in ipairs(model:named_parameters()) do named[e.name] = e.param end
+    for _, en in ipairs(self.arena.entries) do
+      local prm = named[en.name]
+      if prm and en.dtype == 'float32' and self.arena.params[en.dtype].device == 'cpu' then
+        optim.lowp_owner[prm] = { opt = self, dt = en.dtype, offset = en.offset, numel = en.numel }
+      end
+    end
+  end
   return self
+end
+
+-- The arena's 16-bit twin for autocast (dlua.amp): {tensor, dtype, fresh}, made on first use; fresh while
+-- the last step wrote it. Nil where the step cannot write one.
+function Optimizer:lowp_twin(dt, lowdt)
+  if not self._lowp_kernels then return nil end
+  self._lowp = self._lowp or {}
+  local tw = self._lowp[dt]
+  if not tw or tw.dtype ~= lowdt or tw.tensor.p == nil then
+    tw = { dtype = lowdt, tensor = dlua.empty(self.state[dt].numel, { dtype = lowdt }), fresh = false }
+    self._lowp[dt] = tw
+  end
+  return tw
+end
+
+-- The twin the fused kernel writes this step (nil: none), and its marking once written.
+local function twin_of(self, dt)
+  local tw = self._lowp and self._lowp[dt]
+  return tw and tw.tensor.p ~= nil and tw.tensor or nil
+end
+local function twins_written(self)
+  for _, tw in pairs(self._lowp or {}) do tw.fresh = true end
 end
 
 -- Sets the learning rate (schedules call this each step); groups scale it by their lr_mult.
@@ -155,7 +192,7 @@ end
 -- SGD(model, {lr, momentum = 0, dampening = 0, weight_decay = 0, nesterov = false,
 -- maximize = false, groups = {{filter = fn, weight_decay = 0}, ...}}), as torch.optim.SGD.
 
-local SGD = setmetatable({}, { __index = Optimizer })
+local SGD = setmetatable({ _lowp_kernels = true }, { __index = Optimizer })
 SGD.__index, SGD.__tostring = SGD, Optimizer.__tostring
 
 function optim.SGD(model, opts)
@@ -174,15 +211,17 @@ function SGD:step(opts)
   local first = self.steps == 0
   for dt, ranges in pairs(self.ranges) do
     local p, g = self.arena.params[dt], self.arena.grads[dt]
+    local lp = twin_of(self, dt)
     for _, r in ipairs(ranges) do
       local grp = r.group
       local buf = grp.momentum ~= 0 and self:buffer(dt, 'momentum') or nil
       for off, len in pieces(self, dt, r) do
         K.sgd_step(p, g, buf, off, len, self.lr * grp.lr_mult, grp.momentum, grp.dampening, grp.weight_decay,
-          grp.nesterov, grp.maximize, first, scale)
+          grp.nesterov, grp.maximize, first, scale, lp)
       end
     end
   end
+  twins_written(self)
   self.steps = self.steps + 1
   after_step(self)
 end
@@ -199,7 +238,7 @@ end
 -- amsgrad = false, maximize = false, groups = ...}), as torch.optim.AdamW (decoupled decay), and
 -- Adam(model, {... weight_decay = 0 ...}), as torch.optim.Adam (L2: weight_decay * p joins the gradient).
 
-local AdamW = setmetatable({}, { __index = Optimizer })
+local AdamW = setmetatable({ _lowp_kernels = true }, { __index = Optimizer })
 AdamW.__index, AdamW.__tostring = AdamW, Optimizer.__tostring
 AdamW._kernel = 'adamw_step'
 local Adam = setmetatable({ _kernel = 'adam_step' }, { __index = AdamW })
@@ -221,15 +260,17 @@ function AdamW:step(opts)
   for dt, ranges in pairs(self.ranges) do
     local p, g = self.arena.params[dt], self.arena.grads[dt]
     local m, v = self:buffer(dt, 'exp_avg'), self:buffer(dt, 'exp_avg_sq')
+    local lp = twin_of(self, dt)
     for _, r in ipairs(ranges) do
       local grp = r.group
       local vmax = grp.amsgrad and self:buffer(dt, 'max_exp_avg_sq') or nil
       for off, len in pieces(self, dt, r) do
         kernel(p, g, m, v, vmax, off, len, self.lr * grp.lr_mult, grp.betas[1], grp.betas[2], grp.eps,
-          grp.weight_decay, self.steps, grp.amsgrad, grp.maximize, scale)
+          grp.weight_decay, self.steps, grp.amsgrad, grp.maximize, scale, lp)
       end
     end
   end
+  twins_written(self)
   after_step(self)
 end
 

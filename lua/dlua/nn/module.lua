@@ -84,9 +84,27 @@ local function guarded(phase, fn)
   end
 end
 
+-- Mixed precision (dlua.amp fills in forward and backward): a forward goes through it while
+-- autocast is on, a backward when its module's forward did (it runs in the forward's precision).
+-- Off, each call costs one test.
+local amp = { on = false }
+Module._amp = amp
+local function autocasted(key, fn)
+  if key == 'forward' then
+    return function(self, ...)
+      if amp.on or rawget(self, '_amp') ~= nil then return amp.forward(fn, self, ...) end
+      return fn(self, ...)
+    end
+  end
+  return function(self, ...)
+    if rawget(self, '_amp') ~= nil then return amp.backward(fn, self, ...) end
+    return fn(self, ...)
+  end
+end
+
 -- A class's forward and backward are wrapped as they are defined (guarded above).
 local function define(cls, key, value)
-  if (key == 'forward' or key == 'backward') and type(value) == 'function' then value = guarded(key, value) end
+  if (key == 'forward' or key == 'backward') and type(value) == 'function' then value = guarded(key, autocasted(key, value)) end
   rawset(cls, key, value)
 end
 
@@ -380,6 +398,7 @@ function Module:load_state_dict(sd, strict)
   for name, t in pairs(targets) do
     if sd[name] ~= nil then t:copy_(sd[name]) end
   end
+  if amp.invalidate then amp.invalidate() end  -- mixed precision's 16-bit copies are stale now
   return { missing = missing, unexpected = unexpected }
 end
 

@@ -117,7 +117,7 @@ function M.trainer(c)
   self.ckpt = c.checkpoint or {}
   self.state = { model = self.model, optimizer = self.optimizer, schedule = self.schedule, sampler = self.sampler,
     rng = dlua.default_generator(), progress = self.progress, comm = not p.pipeline and self.model ~= net and ckpt.comm_state(self.model) or nil,
-    options = c.options }
+    options = c.options, scaler = self.scaler }  -- the loss scale and its counters resume too
   local print_fn = self.log and function(...) self.log:print('%s', table.concat({ ... }, '\t')) end or nil
   self.monitor = monitor.Monitor({ model = self.model, optimizer = self.optimizer, schedule = self.schedule,
     save = self.ckpt.dir and function() self:save() end or nil, scaler = self.scaler, nan_check = c.nan_check,
@@ -166,6 +166,7 @@ end
 function Trainer:_apply()
   local p = self.parallel
   if self.clip_grad > 0 then  -- after the reduction; under ZeRO over every rank's shard; a pipeline sums its stages' pieces
+    if self.scaler then self.scaler:unscale_(self.optimizer) end  -- clip the true gradients (step then skips its unscale)
     if (p.zero or 0) > 0 and not p.pipeline then
       self.grad_norm = self.model:clip_grad_norm_(self.clip_grad)
     else

@@ -201,9 +201,6 @@ function M.validate(spec, world, local_world)
     replicas = world / stages
   end
   c.replicas = replicas
-  if c.amp == 'f16' and c.clip_grad > 0 then
-    refuse('clip_grad with amp f16: the gradients are scaled until the scaler\'s step, and clipping them needs its unscale (not in #20\'s API)')
-  end
   -- batches: per rank per micro-batch, or the global batch (divided by replicas x accumulate)
   local per = stages > 0 and 1 or c.accumulate  -- a pipeline's batch is per pipeline per step
   if d.batch == 0 and d.global_batch == 0 then refuse('data.batch or data.global_batch: one is required') end
