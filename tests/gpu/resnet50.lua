@@ -117,17 +117,22 @@ if mode == 'check' then
   local rb, gb = ref.model.bn1.running_var, got.model.bn1.running_var
   expect('f32 step: bn1 running_var vs CPU', rel(gb, rb) < 1e-4, string.format('rel err %.2e', rel(gb, rb)))
 
-  -- 16-bit steps: the loss must fall on a fixed batch, and stay near the f32 loss at the first step.
+  -- 16-bit steps: the loss must fall on a fixed batch, and stay near the f32 loss at the first step. On the
+  -- emulator (the CUDA code run by the CPU, docs/cuda.md#emulator) over 3 steps, not 5: these 15 steps were most
+  -- of the check's work there, which ran past CTest's 900 s under load. (Measured 2026-12-02 and rejected: the
+  -- whole check at 32x32 and batch 4, a quarter of the work per step, fails it: logits 8.5e-4 from the CPU's,
+  -- gradients 4x the CPU's own spread, float16 NaN by step 3.)
+  local falling_steps = (on_gpu and dlua.cuda.is_emulated()) and 3 or 5
   for _, dt in ipairs({ 'float32', 'bfloat16', 'float16' }) do
     if on_gpu then dlua.cuda.reset_peak_memory_stats() end
     local s = setup(dev, dt, image, 1, 0.01)
     local x, y = batch_on(dev, dt, n, image, 7)
     local l1 = step(s, x, y, true)
     local l = l1
-    for _ = 1, 4 do l = step(s, x, y, true) end
+    for _ = 2, falling_steps do l = step(s, x, y, true) end
     local tol = dt == 'float32' and 1e-4 or 0.1
     expect(dt .. ' NHWC: first loss vs CPU f32', math.abs(l1 - lr_) <= tol * lr_, string.format('%.4f vs %.4f', l1, lr_))
-    expect(dt .. ' NHWC: loss falls over 5 steps on one batch', l < l1, string.format('%.4f -> %.4f', l1, l))
+    expect(dt .. ' NHWC: loss falls over ' .. falling_steps .. ' steps on one batch', l < l1, string.format('%.4f -> %.4f', l1, l))
     if on_gpu then
       local st = dlua.cuda.memory_stats()
       print(string.format('   memory: allocated %.0f MiB, peak %.0f MiB, reserved %.0f MiB, %d allocations', st.allocated / 2 ^ 20,

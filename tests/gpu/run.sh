@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks (DESIGN.md, tests/gpu): on a machine with an NVIDIA GPU and no network, builds dlua
 # if needed and runs every CUDA test, writing a report: the allocator suite, the CUDA spec, every CUDA op
-# against the CPU (tests/gpu/ops*.lua), ResNet-50 steps against the CPU (tests/gpu/resnet50.lua), then a table of
+# against the CPU (tests/backend/run.lua cuda), ResNet-50 steps against the CPU (tests/gpu/resnet50.lua), then a table of
 # ResNet-50 training img/s and GEMM TFLOP/s, dlua beside PyTorch on the same GPU (bench/gpu_resnet50.py).
 #   tests/gpu/run.sh [build-dir]      (report: $OUT/gpu-report.txt, or build-dir/gpu-report.txt)
 set -u
@@ -50,7 +50,8 @@ if [ -d "$build/lib" ] && [ -d "$build/sys" ]; then
     [ -e "$build/dlua.bin" ] || mv "$build/dlua" "$build/dlua.bin"
     # dlua's root is now the loader's ../ (= $build): the Lua tree and the specs' helpers must be seen there
     for d in lua bindings models recipes; do ln -sfn "$root/$d" "$build/$d"; done
-    mkdir -p "$build/tests" && ln -sfn "$root/tests/lua" "$build/tests/lua" && ln -sfn "$root/tests/gpu" "$build/tests/gpu"
+    mkdir -p "$build/tests" && ln -sfn "$root/tests/lua" "$build/tests/lua" && ln -sfn "$root/tests/gpu" "$build/tests/gpu" \
+      && ln -sfn "$root/tests/backend" "$build/tests/backend"
     cat >"$build/dlua" <<WRAP
 #!/bin/sh
 exec "$build/sys/ld-linux-x86-64.so.2" --library-path "$build/sys:$LD_LIBRARY_PATH" "$build/dlua.bin" "\$@"
@@ -84,11 +85,12 @@ else
 fi
 ( cd "$build" && "$build/dlua" "$root/tests/lua/busted.lua" "$root/tests/lua/dlua/cuda_spec.lua" ) || status=1
 
-say "every CUDA op against the CPU backend, then GEMM / bandwidth numbers (tests/gpu/ops*.lua)"
-# The CPU references run on all cores; the comparisons print a table per op and each failure.
-for f in "$root"/tests/gpu/ops*.lua; do
-  ( cd "$build" && timeout 240 "$build/dlua" "$f" cuda ) || { echo "FAIL: $(basename "$f")"; status=1; }
-done
+say "every CUDA op against the CPU backend (tests/backend/run.lua cuda: the backend test table)"
+# The CPU references run on all cores; the runner prints a table per op and dtype, and each failure.
+( cd "$build" && timeout 300 "$build/dlua" "$root/tests/backend/run.lua" cuda ) || { echo "FAIL: backend table"; status=1; }
+
+say "TF32, then GEMM / bandwidth / convolution / batch-norm / sort timings (tests/gpu/timings.lua)"
+( cd "$build" && timeout 240 "$build/dlua" "$root/tests/gpu/timings.lua" cuda ) || { echo "FAIL: timings"; status=1; }
 
 say "ResNet-50 training steps on CUDA: f32 against the CPU, f32/bf16/f16 channels-last (tests/gpu/resnet50.lua)"
 ( cd "$build" && timeout 300 "$build/dlua" "$root/tests/gpu/resnet50.lua" check cuda ) || { echo "FAIL: resnet50 check"; status=1; }

@@ -1,7 +1,7 @@
 /* The fake cuBLASLt (fake_cublaslt.c) against a naive reference, with stand-ins for the emulator's hooks:
    cuemu_enqueue queues a copy of the work, which runs only at flush(), after the test has destroyed the descriptors
    and scribbled over alpha and beta; cuemu_memory_kind knows the buffers the test registered.
-     gcc -std=c11 -O1 -Wall -Wextra -I/usr/local/cuda/include host/cuemu/test_fake_cublaslt.c \
+     gcc -std=c11 -O1 -Wall -Wextra -I/usr/local/cuda/include -Ihost/cuemu tests/emu/test_fake_cublaslt.c \
          host/cuemu/fake_cublaslt.c -lm -o /tmp/t_lt && /tmp/t_lt */
 #include <cublasLt.h>
 #include <math.h>

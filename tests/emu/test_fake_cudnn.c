@@ -1,5 +1,5 @@
 /* Tests of the emulator's fake cuDNN (fake_cudnn.c), linked in directly:
-     gcc -std=c11 -O1 -Wall -Wextra -I/usr/local/cuda/include host/cuemu/test_fake_cudnn.c host/cuemu/fake_cudnn.c \
+     gcc -std=c11 -O1 -Wall -Wextra -I/usr/local/cuda/include -Ihost/cuemu tests/emu/test_fake_cudnn.c host/cuemu/fake_cudnn.c \
          -lm -o /tmp/t_dnn && /tmp/t_dnn
    The emulator's hooks are stand-ins here: cuemu_enqueue queues a copy of the work, which runs only at drain()
    (after the test has destroyed the call's descriptors and spoiled its alpha and beta), so the tests also show
