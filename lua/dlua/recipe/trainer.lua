@@ -69,7 +69,8 @@ local function wrap(self, net, p, c)
     if type(h) == 'table' then hook, hook_state = h.hook, h.state else hook = h end
   end
   if zero > 0 then
-    return dist.ZeRO(net, { stage = zero, offload = p.offload, accumulate = c.accumulate, bucket_mb = p.bucket_mb })
+    return dist.ZeRO(net, { stage = zero, offload = p.offload, accumulate = c.accumulate, bucket_mb = p.bucket_mb,
+      hook = hook, hook_state = hook_state })  -- (a hook only with stage 1: validate refuses 2 and 3)
   end
   if not p.ddp then return net end
   return dist.DDP(net, { accumulate = c.accumulate, bucket_mb = p.bucket_mb, hook = hook, hook_state = hook_state })

@@ -180,8 +180,8 @@ function M.validate(spec, world, local_world)
     refuse("parallel.ddp.bucket_mb = %s: expected a number of MB or 'auto'", tostring(bmb))
   end
   if bmb == 'auto' and p.zero > 0 then refuse("parallel.ddp.bucket_mb = 'auto' with parallel.zero: DDP only (give ZeRO a number of MB)") end
-  if p.compress ~= 'none' and p.zero > 0 then
-    refuse('parallel.compress with parallel.zero %d: a compression hook replaces DDP\'s all-reduce; ZeRO reduce-scatters its shards, which no compressor supports yet', p.zero)
+  if p.compress ~= 'none' and p.zero > 1 then
+    refuse('parallel.compress with parallel.zero %d: ZeRO-%d reduce-scatters gradient buckets and keeps only each rank\'s shard, which a compression hook (all-reduce or all-gather of whole buckets) does not give; use zero 1 or 0', p.zero, p.zero)
   end
   -- pipelines
   local stages = p.pipeline.stages

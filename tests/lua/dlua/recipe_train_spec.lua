@@ -63,8 +63,8 @@ describe('recipe.train validation', function()
       assert.truthy(tostring(err):find('train: device = cuda: no CUDA device available', 1, true))
     end
     if pcall(require, 'dlua.dist.compress') then
-      refused(spec({ parallel = { compress = 'powersgd:2', zero = 1 } }),
-        "parallel.compress with parallel.zero 1: a compression hook replaces DDP's all-reduce; ZeRO reduce-scatters its shards, which no compressor supports yet", 2)
+      refused(spec({ parallel = { compress = 'powersgd:2', zero = 2 } }),
+        "parallel.compress with parallel.zero 2: ZeRO-2 reduce-scatters gradient buckets and keeps only each rank's shard, which a compression hook (all-reduce or all-gather of whole buckets) does not give; use zero 1 or 0", 2)
     end
   end)
 
