@@ -103,12 +103,7 @@ local function convert(key, kind, v, default)
   return r
 end
 
-local function sorted_keys(t)
-  local keys = {}
-  for k in pairs(t) do keys[#keys + 1] = k end
-  table.sort(keys)
-  return keys
-end
+local sorted_keys = require('dlua.options').sorted_keys
 
 -- The --help text.
 function cli.help(defaults, spec, program)

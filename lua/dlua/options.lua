@@ -2,6 +2,14 @@
 local M = {}
 local format, concat, sort = string.format, table.concat, table.sort
 
+-- The keys of a table, sorted (keys of one type: names, or numbers).
+function M.sorted_keys(t)
+  local keys = {}
+  for k in pairs(t) do keys[#keys + 1] = k end
+  sort(keys)
+  return keys
+end
+
 -- check(op, opts, allowed, level) -> opts ({} for nil). allowed: a set {name = true}; level as for error(), counted
 -- from the caller of check (2: the function that called the one calling check).
 function M.check(op, opts, allowed, level)
@@ -9,10 +17,7 @@ function M.check(op, opts, allowed, level)
   if type(opts) ~= 'table' then error(format('%s: expected an options table, got %s', op, type(opts)), level + 1) end
   for k in pairs(opts) do
     if not allowed[k] then
-      local names = {}
-      for name in pairs(allowed) do names[#names + 1] = name end
-      sort(names)
-      error(format("%s: unknown option '%s' (expected %s)", op, tostring(k), concat(names, ', ')), level + 1)
+      error(format("%s: unknown option '%s' (expected %s)", op, tostring(k), concat(M.sorted_keys(allowed), ', ')), level + 1)
     end
   end
   return opts

@@ -80,12 +80,7 @@ M.SCHEMA = SCHEMA
 
 local function is_leaf(s) return s[1] ~= nil or next(s) == nil end
 
-local function keys_of(schema)
-  local ks = {}
-  for k in pairs(schema) do ks[#ks + 1] = k end
-  table.sort(ks)
-  return ks
-end
+local keys_of = require('dlua.options').sorted_keys
 
 local function refuse(fmt, ...) error(format('train: ' .. fmt, ...), 0) end
 M.refuse = refuse
