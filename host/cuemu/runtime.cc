@@ -14,6 +14,8 @@
    - A block's threads run as fibers, one at a time, each until it finishes or waits at __syncthreads or a warp
      operation; the order rotates between launches (forward, reverse, shuffled), so a missing barrier shows up
      as a wrong result. Blocks run one after another in the same order. */
+/* One file, over 900 lines: the emulated devices' memory protection, streams, events and launches share one
+   allocation table and one lock (mu), which the fault handler guarding device memory reads too. */
 #include <cuda_runtime_api.h>
 #include <errno.h>
 #include <signal.h>

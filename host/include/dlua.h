@@ -1,6 +1,8 @@
 /* dlua's public C API: every function Lua may call. Plain declarations only (no macros,
    no includes): the build embeds this text and bindings/ hands it to ffi.cdef verbatim.
    C files include <stdint.h> and <stddef.h> before this header. */
+/* One file, over 900 lines: it is the single text handed to ffi.cdef (embedded by the build), so every
+   declaration Lua may call lives here; split headers would need a second embedding and load order. */
 
 /* Every fallible function returns a status; the message is in dlua_last_error(). */
 typedef enum {
