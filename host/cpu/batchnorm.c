@@ -9,8 +9,8 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/tensor.h"
-#include "cpu/act_layout.h"
-#include "cpu/clones.h"
+#include "kernels/act_layout.h"
+#include "kernels/clones.h"
 #include "cuda/nn_cuda.h"  /* plain C: only CUDA builds call into it */
 
 /* Below this many elements a pass runs on one thread: waking the pool costs more. */

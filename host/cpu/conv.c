@@ -10,7 +10,7 @@
 #include "core/api.h"
 #include "core/error.h"
 #include "core/tensor.h"
-#include "cpu/act_layout.h"
+#include "kernels/act_layout.h"
 #include "cpu/conv.h"
 #include "cpu/conv_impl.h"
 #ifdef DLUA_HAVE_CUDA

@@ -5,7 +5,7 @@
 #include <stdint.h>
 
 #include "core/error.h"
-#include "cpu/act_layout.h"
+#include "kernels/act_layout.h"
 
 typedef struct {
   int64_t n, c, h, w;  /* input (N, C, H, W) */

@@ -9,7 +9,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/tensor.h"
-#include "cpu/elementwise_ops.h"
+#include "kernels/elementwise_ops.h"
 #include "cuda/kernels.h" /* plain C: the launch descriptor; only CUDA builds call into it */
 
 /* ---- op tables derived from the X-macro lists ----------------------------------------------- */

@@ -10,63 +10,7 @@
 #include "core/tensor.h"
 #include "cuda/index_cuda.h" /* plain C: only CUDA builds call into it */
 
-/* ---- helpers shared with sort.c and linalg.c ---------------------------------------------- */
-
-dlua_status_t dlua_cpu_out_begin(const char *op, dlua_tensor_t **out, int ndim, const int64_t *sizes,
-                                 dlua_dtype_t dtype, const dlua_tensor_t *const *inputs, int ninputs,
-                                 dlua_cpu_out_t *plan) {
-  return dlua_cpu_out_begin_on(op, out, ndim, sizes, dtype, inputs, ninputs, DLUA_CPU, plan);
-}
-
-dlua_status_t dlua_cpu_out_begin_on(const char *op, dlua_tensor_t **out, int ndim, const int64_t *sizes,
-                                    dlua_dtype_t dtype, const dlua_tensor_t *const *inputs, int ninputs, int device,
-                                    dlua_cpu_out_t *plan) {
-  plan->dst = NULL;
-  plan->allocated = 0;
-  if (!out) return DLUA_ERR(DLUA_ERR_ARG, "%s: out is NULL", op);
-  if (*out && device == DLUA_CPU) DLUA_TRY(dlua_require_cpu(op, *out));
-  DLUA_TRY(dlua_prepare_out_on(op, out, ndim, sizes, dtype, device, &plan->allocated));
-  dlua_tensor_t *o = *out;
-  int direct = plan->allocated || (o->dtype == dtype && dlua_tensor_is_contiguous(o));
-  for (int i = 0; direct && !plan->allocated && i < ninputs; i++)
-    if (inputs[i] && dlua_tensor_same_storage(o, inputs[i])) direct = 0;
-  if (direct) {
-    plan->dst = o;
-    return DLUA_OK;
-  }
-  dlua_status_t s = dlua_tensor_empty(&plan->dst, ndim, sizes, dtype, device);
-  if (s != DLUA_OK) plan->dst = NULL;
-  return s;
-}
-
-dlua_status_t dlua_cpu_out_finish(dlua_tensor_t **out, dlua_cpu_out_t *plan, dlua_status_t status) {
-  if (status == DLUA_OK && plan->dst && plan->dst != *out) status = dlua_tensor_copy_(*out, plan->dst);
-  if (plan->dst && plan->dst != *out) dlua_tensor_free(plan->dst);
-  plan->dst = NULL;
-  if (status != DLUA_OK && plan->allocated) {
-    dlua_tensor_free(*out);
-    *out = NULL;
-  }
-  return status;
-}
-
-dlua_status_t dlua_cpu_index_contiguous(const char *op, const char *what, const dlua_tensor_t *index,
-                                        dlua_tensor_t **contig) {
-  return dlua_index_contiguous_on(op, what, index, DLUA_CPU, contig);
-}
-
-dlua_status_t dlua_index_contiguous_on(const char *op, const char *what, const dlua_tensor_t *index, int device,
-                                       dlua_tensor_t **contig) {
-  *contig = NULL;
-  if (!index) return DLUA_ERR(DLUA_ERR_ARG, "%s: %s is NULL", op, what);
-  DLUA_TRY(dlua_require_device(op, index, device));
-  if (index->dtype != DLUA_DTYPE_I32 && index->dtype != DLUA_DTYPE_I64) {
-    char b[200];
-    return DLUA_ERR(DLUA_ERR_ARG, "%s: %s must be int32 or int64, got %s", op, what,
-                    dlua_tensor_describe(index, b, sizeof b));
-  }
-  return dlua_tensor_contiguous(contig, index);
-}
+/* ---- helpers shared with sort.c and compress.c ---------------------------------------------- */
 
 dlua_status_t dlua_cpu_check_indices(const char *op, const dlua_tensor_t *index, int64_t size, int64_t base,
                                      const char *what) {
@@ -199,7 +143,7 @@ dlua_status_t dlua_tensor_index_select(dlua_tensor_t **out, const dlua_tensor_t 
   DLUA_TRY(check_dim(op, a, dim, nd > 0 ? nd : 1));
   DLUA_TRY(dlua_same_device(op, a, index));
   dlua_tensor_t *idx = NULL;
-  DLUA_TRY(dlua_index_contiguous_on(op, "index", index, a->device, &idx));
+  DLUA_TRY(dlua_ops_index_contiguous_on(op, "index", index, a->device, &idx));
   char b1[200], b2[200];
   if (idx->ndim > 1) {
     dlua_status_t s = DLUA_ERR(DLUA_ERR_ARG, "%s: index must be 1-D, got %s", op,
@@ -233,9 +177,9 @@ dlua_status_t dlua_tensor_index_select(dlua_tensor_t **out, const dlua_tensor_t 
   int64_t osizes[DLUA_MAX_DIMS];
   memcpy(osizes, sizes, sizeof osizes);
   osizes[dim] = n;
-  dlua_cpu_out_t plan;
+  dlua_ops_out_t plan;
   const dlua_tensor_t *ins[2] = {a, index};
-  s = dlua_cpu_out_begin_on(op, out, nd, osizes, a->dtype, ins, 2, a->device, &plan);
+  s = dlua_ops_out_begin_on(op, out, nd, osizes, a->dtype, ins, 2, a->device, &plan);
   if (s != DLUA_OK) {
     dlua_tensor_free(idx);
     return s;
@@ -248,7 +192,7 @@ dlua_status_t dlua_tensor_index_select(dlua_tensor_t **out, const dlua_tensor_t 
     s = dlua_cuda_index_gather(op, 0, (int)es, dlua_tensor_ptr(plan.dst), dlua_tensor_ptr(a), &lay, dim,
                                dlua_tensor_ptr(idx), idx->dtype == DLUA_DTYPE_I64, index_base, a->device);
     dlua_tensor_free(idx);
-    return dlua_cpu_out_finish(out, &plan, s);
+    return dlua_ops_out_finish(out, &plan, s);
   }
 #endif
   int64_t outer = dlua_shape_numel(dim, sizes);
@@ -272,7 +216,7 @@ dlua_status_t dlua_tensor_index_select(dlua_tensor_t **out, const dlua_tensor_t 
     }
   }
   dlua_tensor_free(idx);
-  return dlua_cpu_out_finish(out, &plan, DLUA_OK);
+  return dlua_ops_out_finish(out, &plan, DLUA_OK);
 }
 
 /* ---- gather ------------------------------------------------------------------------------- */
@@ -306,12 +250,12 @@ dlua_status_t dlua_tensor_gather(dlua_tensor_t **out, const dlua_tensor_t *a, in
                       dlua_tensor_describe(index, b1, sizeof b1), dlua_tensor_describe(a, b2, sizeof b2), d);
   DLUA_TRY(dlua_same_device(op, a, index));
   dlua_tensor_t *idx = NULL;
-  DLUA_TRY(dlua_index_contiguous_on(op, "index", index, a->device, &idx));
+  DLUA_TRY(dlua_ops_index_contiguous_on(op, "index", index, a->device, &idx));
   snprintf(b1, sizeof b1, "dimension %" PRId64, (int64_t)dim + index_base);
   dlua_status_t s = dlua_cpu_check_indices(op, idx, av.sizes[dim], index_base, b1);
-  dlua_cpu_out_t plan = {0};
+  dlua_ops_out_t plan = {0};
   const dlua_tensor_t *ins[2] = {a, index};
-  if (s == DLUA_OK) s = dlua_cpu_out_begin_on(op, out, index->ndim, index->sizes, a->dtype, ins, 2, a->device, &plan);
+  if (s == DLUA_OK) s = dlua_ops_out_begin_on(op, out, index->ndim, index->sizes, a->dtype, ins, 2, a->device, &plan);
   if (s != DLUA_OK) {
     dlua_tensor_free(idx);
     return s;
@@ -325,7 +269,7 @@ dlua_status_t dlua_tensor_gather(dlua_tensor_t **out, const dlua_tensor_t *a, in
     s = dlua_cuda_index_gather(op, 1, (int)dlua_dtype_size(a->dtype), dlua_tensor_ptr(plan.dst), dlua_tensor_ptr(a),
                                &lay, dim, dlua_tensor_ptr(idx), idx->dtype == DLUA_DTYPE_I64, index_base, a->device);
     dlua_tensor_free(idx);
-    return dlua_cpu_out_finish(out, &plan, s);
+    return dlua_ops_out_finish(out, &plan, s);
   }
 #endif
   // a's strides with the gathered dim zeroed: the index value supplies that coordinate.
@@ -351,7 +295,7 @@ dlua_status_t dlua_tensor_gather(dlua_tensor_t **out, const dlua_tensor_t *a, in
     }
   }
   dlua_tensor_free(idx);
-  return dlua_cpu_out_finish(out, &plan, DLUA_OK);
+  return dlua_ops_out_finish(out, &plan, DLUA_OK);
 }
 
 /* ---- scatter_add_ ------------------------------------------------------------------------- */
@@ -423,7 +367,7 @@ dlua_status_t dlua_tensor_scatter_add_(dlua_tensor_t *t, int dim, const dlua_ten
                       dlua_tensor_describe(index, b1, sizeof b1), dlua_tensor_describe(src, b2, sizeof b2),
                       dlua_tensor_describe(t, b3, sizeof b3), d);
   dlua_tensor_t *idx = NULL, *stmp = NULL;
-  DLUA_TRY(dlua_index_contiguous_on(op, "index", index, t->device, &idx));
+  DLUA_TRY(dlua_ops_index_contiguous_on(op, "index", index, t->device, &idx));
   snprintf(b1, sizeof b1, "dimension %" PRId64, (int64_t)dim + index_base);
   dlua_status_t s = dlua_cpu_check_indices(op, idx, tv.sizes[dim], index_base, b1);
   // src in t's dtype, and never aliasing t (the adds would read what they wrote).
@@ -517,8 +461,8 @@ dlua_status_t dlua_tensor_cat(dlua_tensor_t **out, int n, dlua_tensor_t *const *
                       i + 1, dlua_tensor_describe(t, b1, sizeof b1), dlua_tensor_describe(ref, b2, sizeof b2), dim - nd);
     osizes[dim] += t->sizes[dim];
   }
-  dlua_cpu_out_t plan;
-  DLUA_TRY(dlua_cpu_out_begin_on(op, out, nd, osizes, dtype, (const dlua_tensor_t *const *)ts, n, ref->device, &plan));
+  dlua_ops_out_t plan;
+  DLUA_TRY(dlua_ops_out_begin_on(op, out, nd, osizes, dtype, (const dlua_tensor_t *const *)ts, n, ref->device, &plan));
   dlua_tensor_t *dst = plan.dst;
   size_t es = dlua_dtype_size(dtype);
   int64_t outer = dlua_shape_numel(dim, osizes), inner = dlua_shape_numel(nd - dim - 1, osizes + dim + 1);
@@ -548,7 +492,7 @@ dlua_status_t dlua_tensor_cat(dlua_tensor_t **out, int n, dlua_tensor_t *const *
     }
     at += len;
   }
-  return dlua_cpu_out_finish(out, &plan, s);
+  return dlua_ops_out_finish(out, &plan, s);
 }
 
 // ts[i]: all the same shape S  ->  out: S with n inserted at dim
@@ -610,7 +554,7 @@ dlua_status_t dlua_tensor_one_hot(dlua_tensor_t **out, const dlua_tensor_t *labe
   if ((int)dtype < 0 || dtype >= DLUA_DTYPE_COUNT) return DLUA_ERR(DLUA_ERR_ARG, "%s: invalid dtype %d", op, (int)dtype);
   dlua_tensor_t *lab = NULL;
   const int device = labels && labels->storage ? labels->device : DLUA_CPU;
-  DLUA_TRY(dlua_index_contiguous_on(op, "labels", labels, device, &lab));
+  DLUA_TRY(dlua_ops_index_contiguous_on(op, "labels", labels, device, &lab));
   if (lab->ndim >= DLUA_MAX_DIMS) {
     dlua_tensor_free(lab);
     return DLUA_ERR(DLUA_ERR_ARG, "%s: labels %s already have %d dimensions", op,
@@ -648,9 +592,9 @@ dlua_status_t dlua_tensor_one_hot(dlua_tensor_t **out, const dlua_tensor_t *labe
   int64_t osizes[DLUA_MAX_DIMS];
   memcpy(osizes, lab->sizes, sizeof(int64_t) * (size_t)lab->ndim);
   osizes[lab->ndim] = num_classes;
-  dlua_cpu_out_t plan = {0};
+  dlua_ops_out_t plan = {0};
   const dlua_tensor_t *ins[1] = {labels};
-  if (s == DLUA_OK) s = dlua_cpu_out_begin_on(op, out, lab->ndim + 1, osizes, dtype, ins, 1, device, &plan);
+  if (s == DLUA_OK) s = dlua_ops_out_begin_on(op, out, lab->ndim + 1, osizes, dtype, ins, 1, device, &plan);
   if (s != DLUA_OK) {
     dlua_tensor_free(lab);
     return s;
@@ -673,7 +617,7 @@ dlua_status_t dlua_tensor_one_hot(dlua_tensor_t **out, const dlua_tensor_t *labe
     memcpy(&bits, one, es);
     s = dlua_cuda_one_hot(op, (int)es, bits, dst, lp, is64, n, num_classes, index_base, device);
     dlua_tensor_free(lab);
-    return dlua_cpu_out_finish(out, &plan, s);
+    return dlua_ops_out_finish(out, &plan, s);
   }
 #endif
   size_t row = (size_t)num_classes * es;
@@ -684,5 +628,5 @@ dlua_status_t dlua_tensor_one_hot(dlua_tensor_t **out, const dlua_tensor_t *labe
     copy_elem(r + (size_t)(dlua_cpu_index_at(lp, is64, i) - index_base) * es, one, es);
   }
   dlua_tensor_free(lab);
-  return dlua_cpu_out_finish(out, &plan, DLUA_OK);
+  return dlua_ops_out_finish(out, &plan, DLUA_OK);
 }

@@ -508,9 +508,9 @@ static dlua_status_t product(const char *op, dlua_tensor_t **out, const dlua_ten
     allocated = 1;
   }
   dlua_tensor_t *ta = NULL, *tb = NULL, *tc = NULL;
-  dlua_cpu_out_t plan = {0};
+  dlua_ops_out_t plan = {0};
   const dlua_tensor_t *ins[2] = {a, b};
-  dlua_status_t s = dlua_cpu_out_begin(op, out, ond, osizes, ct, ins, 2, &plan);
+  dlua_status_t s = dlua_ops_out_begin(op, out, ond, osizes, ct, ins, 2, &plan);
   if (s == DLUA_OK) s = to_compute(a, ct, &ta, &av);
   if (s == DLUA_OK) s = to_compute(b, ct, &tb, &bv);
   if (s == DLUA_OK) {
@@ -549,7 +549,7 @@ static dlua_status_t product(const char *op, dlua_tensor_t **out, const dlua_ten
   dlua_tensor_free(ta);
   dlua_tensor_free(tb);
   dlua_tensor_free(tc);
-  s = dlua_cpu_out_finish(out, &plan, s);
+  s = dlua_ops_out_finish(out, &plan, s);
   if (s != DLUA_OK && allocated) {
     dlua_tensor_free(*out);
     *out = NULL;

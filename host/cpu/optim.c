@@ -10,9 +10,9 @@
 #include "core/error.h"
 #include "core/tensor.h"
 #include "core/copy.h"
-#include "cpu/elementwise_ops.h"
+#include "kernels/elementwise_ops.h"
 #include "cpu/optim_lowp.h"
-#include "cpu/optim_ops.h"
+#include "kernels/optim_ops.h"
 #include "cuda/kernels.h" /* plain C: only CUDA builds call into it */
 #include "cuda/loss_cuda.h"
 
@@ -93,7 +93,7 @@ static dlua_status_t check_grad_scale(const char *op, double s) {
 
 /* ---- kernels ------------------------------------------------------------------------------------------ */
 
-typedef dlua_opt_args_t step_args_t; /* host/cpu/optim_ops.h */
+typedef dlua_opt_args_t step_args_t; /* host/kernels/optim_ops.h */
 
 typedef void (*chunk_fn)(const step_args_t *a, int64_t lo, int64_t hi);
 
@@ -124,7 +124,7 @@ typedef void (*chunk_fn)(const step_args_t *a, int64_t lo, int64_t hi);
                         neg_step, bc2_sqrt, eps, maximize, amsgrad);                                            \
   }                                                                                                             \
                                                                                                                 \
-  /* host/cpu/optim_ops.h's LARC step with this parameter's trust ratio. */                                    \
+  /* host/kernels/optim_ops.h's LARC step with this parameter's trust ratio. */                                    \
   static DLUA_CPU_CLONES void lars_##S(const step_args_t *a, int64_t lo, int64_t hi) {                          \
     T *p = a->p, *buf = a->s1;                                                                                  \
     const T *g = a->g;                                                                                          \

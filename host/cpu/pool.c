@@ -8,7 +8,7 @@
 #include "core/api.h"
 #include "core/error.h"
 #include "core/tensor.h"
-#include "cpu/act_layout.h"
+#include "kernels/act_layout.h"
 #include "cuda/nn_cuda.h" /* plain C: only CUDA builds call into it */
 
 /* Below this much work a loop runs on one thread: waking the pool costs more. */

@@ -9,7 +9,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/tensor.h"
-#include "cpu/elementwise_ops.h"
+#include "kernels/elementwise_ops.h"
 #include "cuda/index_cuda.h" /* plain C: only CUDA builds call into it */
 #include "cuda/kernels.h"
 

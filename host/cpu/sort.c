@@ -7,10 +7,10 @@
 #include "core/error.h"
 #include "core/tensor.h"
 #include "cpu/index.h"
-#include "cpu/sort_keys.h"
+#include "kernels/sort_keys.h"
 #include "cuda/index_cuda.h" /* plain C: only CUDA builds call into it */
 
-/* ---- keys (host/cpu/sort_keys.h): read an element's bits, map them ------------------------- */
+/* ---- keys (host/kernels/sort_keys.h): read an element's bits, map them ------------------------- */
 
 static inline uint64_t key_f32v(const char *p) {
   uint32_t u;
@@ -345,19 +345,19 @@ static void rows_init(rows_t *rw, const dlua_tensor_t *a, int dim, int64_t *size
 
 /* Opens the values/indices outputs (either pointer may be NULL: not wanted). */
 static dlua_status_t open_outputs(const char *op, dlua_tensor_t **values, dlua_tensor_t **indices,
-                                  const dlua_tensor_t *a, int dim, int64_t len, dlua_cpu_out_t *pv,
-                                  dlua_cpu_out_t *pi) {
+                                  const dlua_tensor_t *a, int dim, int64_t len, dlua_ops_out_t *pv,
+                                  dlua_ops_out_t *pi) {
   int64_t osizes[DLUA_MAX_DIMS];
   memcpy(osizes, a->sizes, sizeof osizes);
   if (a->ndim > 0) osizes[dim] = len;
   const dlua_tensor_t *ins[1] = {a};
   pv->dst = pi->dst = NULL;
   pv->allocated = pi->allocated = 0;
-  if (values) DLUA_TRY(dlua_cpu_out_begin_on(op, values, a->ndim, osizes, a->dtype, ins, 1, a->device, pv));
+  if (values) DLUA_TRY(dlua_ops_out_begin_on(op, values, a->ndim, osizes, a->dtype, ins, 1, a->device, pv));
   if (indices) {
-    dlua_status_t s = dlua_cpu_out_begin_on(op, indices, a->ndim, osizes, DLUA_DTYPE_I64, ins, 1, a->device, pi);
+    dlua_status_t s = dlua_ops_out_begin_on(op, indices, a->ndim, osizes, DLUA_DTYPE_I64, ins, 1, a->device, pi);
     if (s != DLUA_OK) {
-      if (values) dlua_cpu_out_finish(values, pv, s);
+      if (values) dlua_ops_out_finish(values, pv, s);
       return s;
     }
   }
@@ -383,10 +383,10 @@ static dlua_status_t cuda_rows(const char *op, int topk, const dlua_tensor_t *a,
 #endif
 }
 
-static dlua_status_t close_outputs(dlua_tensor_t **values, dlua_tensor_t **indices, dlua_cpu_out_t *pv,
-                                   dlua_cpu_out_t *pi, dlua_status_t s) {
-  dlua_status_t sv = values ? dlua_cpu_out_finish(values, pv, s) : s;
-  dlua_status_t si = indices ? dlua_cpu_out_finish(indices, pi, sv) : sv;
+static dlua_status_t close_outputs(dlua_tensor_t **values, dlua_tensor_t **indices, dlua_ops_out_t *pv,
+                                   dlua_ops_out_t *pi, dlua_status_t s) {
+  dlua_status_t sv = values ? dlua_ops_out_finish(values, pv, s) : s;
+  dlua_status_t si = indices ? dlua_ops_out_finish(indices, pi, sv) : sv;
   // A failed index copy after a good value copy: leave neither output half-made.
   if (si != DLUA_OK && sv == DLUA_OK && values && pv->allocated) {
     dlua_tensor_free(*values);
@@ -408,7 +408,7 @@ dlua_status_t dlua_tensor_topk(dlua_tensor_t **values, dlua_tensor_t **indices, 
     return DLUA_ERR(DLUA_ERR_ARG, "%s: k = %" PRId64 " is out of range for dimension %d of %s (valid: 0..%" PRId64 ")",
                     op, k, dim, dlua_tensor_describe(a, b, sizeof b), rw.n);
   if (!values && !indices) return DLUA_OK;
-  dlua_cpu_out_t pv, pi;
+  dlua_ops_out_t pv, pi;
   DLUA_TRY(open_outputs(op, values, indices, a, dim, k, &pv, &pi));
   char *vals = pv.dst ? (char *)dlua_tensor_ptr(pv.dst) : NULL;
   int64_t *idx = pi.dst ? (int64_t *)dlua_tensor_ptr(pi.dst) : NULL;
@@ -496,7 +496,7 @@ dlua_status_t dlua_tensor_sort(dlua_tensor_t **values, dlua_tensor_t **indices, 
   rows_t rw;
   rows_init(&rw, a, dim, sizes, strides);
   if (!values && !indices) return DLUA_OK;
-  dlua_cpu_out_t pv, pi;
+  dlua_ops_out_t pv, pi;
   DLUA_TRY(open_outputs(op, values, indices, a, dim, rw.n, &pv, &pi));
   char *vals = pv.dst ? (char *)dlua_tensor_ptr(pv.dst) : NULL;
   int64_t *idx = pi.dst ? (int64_t *)dlua_tensor_ptr(pi.dst) : NULL;

@@ -9,12 +9,12 @@
 #include "core/api.h"
 #include "core/error.h"
 #include "core/tensor.h"
-#include "cpu/act_layout.h"
+#include "kernels/act_layout.h"
 #include "cuda/conv_cuda.h"
 #include "cuda/cudnn_api.h"
 
 /* ---- memory formats ---------------------------------------------------------------------------------------------
-   The CPU's two (host/cpu/act_layout.h, as host/cpu/conv.c names them): NCHW, and channels-last NHWC for a logically (N, C, H, W) tensor; weights
+   The CPU's two (host/kernels/act_layout.h, as host/cpu/conv.c names them): NCHW, and channels-last NHWC for a logically (N, C, H, W) tensor; weights
    (O, C/groups, kH, kW) use the same patterns (OIHW, OHWI). cuDNN's filter descriptors only take those packed
    layouts, and its fast kernels want activations and weights in the same one, so each call computes in one format
    (its input's, as PyTorch does) and copies any operand that is not in it. */

@@ -13,7 +13,7 @@ extern "C" {  // the runtime's headers are C without guards of their own
 #include "core/error.h"
 #include "cuda/kernels.h"
 }
-#include "cpu/elementwise_ops.h"
+#include "kernels/elementwise_ops.h"
 
 namespace dlua_cu {
 

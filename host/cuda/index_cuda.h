@@ -42,7 +42,7 @@ dlua_status_t dlua_cuda_one_hot(const char *op, int elsize, uint64_t one, void *
                                 int64_t n, int64_t classes, int64_t base, int device);
 
 /* Sort (topk = 0) or top-k (topk = 1) of every row of `a` (layout `lay`, dtype) along dim, with
-   host/cpu/sort_keys.h's keys: values (a's dtype) and int64 indices (position + base), contiguous with
+   host/kernels/sort_keys.h's keys: values (a's dtype) and int64 indices (position + base), contiguous with
    the shape of `a` where dim has `len` entries; either output may be NULL. Sort: len = n, ascending or
    (descending) descending, stable. Top-k: len = k, the k largest (or smallest) keys by value or
    magnitude, ties to the lower position; sorted by key (ties by position) or, unsorted, by position. */

@@ -9,7 +9,7 @@ extern "C" {
 #endif
 
 /* What an element-wise launch does. Positions (`op`) are those of the X-macro lists in
-   host/cpu/elementwise_ops.h, so the CPU and CUDA number ops alike. */
+   host/kernels/elementwise_ops.h, so the CPU and CUDA number ops alike. */
 enum {
   DLUA_CUDA_EW_UNARY,   /* o = f(a, p1, p2);                 ops: o, a */
   DLUA_CUDA_EW_BINARY,  /* o = f(a, b, alpha) (mode 0), f(a, s) (1), f(s, a) (2); ops: o, a[, b] */
@@ -61,7 +61,7 @@ dlua_status_t dlua_cuda_gemm(const char *op, int dtype, int ta, int tb, int64_t 
                              const void *a, int64_t lda, int64_t sa, const void *b, int64_t ldb, int64_t sb, double beta,
                              void *c, int64_t ldc, int64_t sc, int64_t batch, int device);
 
-/* Fused optimizer steps on CUDA over `length` elements of f32/f64 arenas (args as host/cpu/optim_ops.h's
+/* Fused optimizer steps on CUDA over `length` elements of f32/f64 arenas (args as host/kernels/optim_ops.h's
    dlua_opt_args_t, device pointers): kind 0 SGD, 1 Adam/AdamW (args->decoupled); the per-element code is
    the CPU's. */
 dlua_status_t dlua_cuda_optim_step(const char *op, int kind, int dtype, const void *args, int64_t length, int device);

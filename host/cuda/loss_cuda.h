@@ -76,7 +76,7 @@ dlua_status_t dlua_cuda_random_fill(const char *op, const dlua_cuda_fill_t *f, i
 
 /* n_ranges parameters of the f32/f64 arena at p/g/buf (device), host arrays offsets/lengths/exclude. Norms are
    summed per parameter in a fixed tree (no atomics), trust ratios computed on the device as the CPU does, then
-   one fused update; args carries lr, momentum, weight_decay, grad_scale, first (host/cpu/optim_ops.h). */
+   one fused update; args carries lr, momentum, weight_decay, grad_scale, first (host/kernels/optim_ops.h). */
 dlua_status_t dlua_cuda_lars_step(const char *op, int dtype, const void *args, int n_ranges, const int64_t *offsets,
                                   const int64_t *lengths, const int32_t *exclude, double trust_coefficient, double eps,
                                   int device);

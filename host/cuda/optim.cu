@@ -1,8 +1,8 @@
 /* Fused optimizer steps (SGD, Adam/AdamW, LARS and LAMB with deterministic per-parameter norms), AMP unscaling and
    clip_grad_norm_'s partial norms on CUDA: kernels over flat arena ranges whose per-element code is the CPU's
-   (host/cpu/optim_ops.h). */
+   (host/kernels/optim_ops.h). */
 #include "cuda/ew_common.cuh"
-#include "cpu/optim_ops.h"
+#include "kernels/optim_ops.h"
 #include "cuda/device_guard.cuh"
 #include "cuda/loss_cuda.h"
 

@@ -1,8 +1,8 @@
-/* CUDA sort and top-k along any dim: host/cpu/sort_keys.h's keys, then a stable radix sort (index.cu's
+/* CUDA sort and top-k along any dim: host/kernels/sort_keys.h's keys, then a stable radix sort (index.cu's
    sort_pairs, CUB) of (row, key) pairs. */
 #include "cuda/ew_common.cuh"
 #include "cuda/index_cuda.h" /* after ew_common.cuh: core/api.h is already in as C */
-#include "cpu/sort_keys.h"
+#include "kernels/sort_keys.h"
 
 namespace dlua_cu {
 

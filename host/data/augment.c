@@ -70,7 +70,7 @@ dlua_status_t dlua_data_augment(dlua_tensor_t **out, const dlua_tensor_t *x, con
   dlua_tensor_t *ix = NULL;
   int64_t B = N;
   if (index) {
-    DLUA_TRY(dlua_cpu_index_contiguous(op, "index", index, &ix));
+    DLUA_TRY(dlua_ops_index_contiguous(op, "index", index, &ix));
     dlua_status_t s = DLUA_OK;
     if (ix->ndim != 1)
       s = DLUA_ERR(DLUA_ERR_ARG, "%s: index must be 1-D (B), got %s", op, dlua_tensor_describe(index, b, sizeof b));
@@ -87,8 +87,8 @@ dlua_status_t dlua_data_augment(dlua_tensor_t **out, const dlua_tensor_t *x, con
   dlua_dtype_t wd = x->dtype;
   if (out && *out && (*out)->dtype == DLUA_DTYPE_F32) wd = DLUA_DTYPE_F32;
   const int64_t osz[4] = {B, C, H, W};
-  dlua_cpu_out_t plan;
-  dlua_status_t s = dlua_cpu_out_begin(op, out, 4, osz, wd, &x, 1, &plan);
+  dlua_ops_out_t plan;
+  dlua_status_t s = dlua_ops_out_begin(op, out, 4, osz, wd, &x, 1, &plan);
   if (s != DLUA_OK) {
     dlua_tensor_free(ix);
     return s;
@@ -117,7 +117,7 @@ dlua_status_t dlua_data_augment(dlua_tensor_t **out, const dlua_tensor_t *x, con
       crop_u8_u8((uint8_t *)dst, (const uint8_t *)src, C, H, W, sc, sh, sw, dy - pad, dx - pad, flip);
   }
   dlua_tensor_free(ix);
-  return dlua_cpu_out_finish(out, &plan, DLUA_OK);
+  return dlua_ops_out_finish(out, &plan, DLUA_OK);
 }
 
 #define DEFINE_NORMALIZE(NAME, TIN)                                                                            \
@@ -175,8 +175,8 @@ dlua_status_t dlua_data_normalize(dlua_tensor_t **out, const dlua_tensor_t *x, d
   }
   // In place (out == x, contiguous float32) is safe: each element is read before it is written.
   int inplace = out && *out == x && xc->storage == x->storage && xc->offset == x->offset && x->dtype == DLUA_DTYPE_F32;
-  dlua_cpu_out_t plan;
-  s = dlua_cpu_out_begin(op, out, x->ndim, x->sizes, DLUA_DTYPE_F32, inplace ? NULL : (const dlua_tensor_t *const *)&xc,
+  dlua_ops_out_t plan;
+  s = dlua_ops_out_begin(op, out, x->ndim, x->sizes, DLUA_DTYPE_F32, inplace ? NULL : (const dlua_tensor_t *const *)&xc,
                          inplace ? 0 : 1, &plan);
   if (s == DLUA_OK) {
     int64_t numel = dlua_tensor_numel(xc);
@@ -185,7 +185,7 @@ dlua_status_t dlua_data_normalize(dlua_tensor_t **out, const dlua_tensor_t *x, d
       normalize_u8(dlua_tensor_data(plan.dst), dlua_tensor_data(xc), rows, C, inner, coef, coef + C);
     else
       normalize_f32(dlua_tensor_data(plan.dst), dlua_tensor_data(xc), rows, C, inner, coef, coef + C);
-    s = dlua_cpu_out_finish(out, &plan, DLUA_OK);
+    s = dlua_ops_out_finish(out, &plan, DLUA_OK);
   }
   dlua_tensor_free(xc);
   free(coef);

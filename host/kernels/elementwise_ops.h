@@ -11,7 +11,7 @@
 #define DLUA_HD
 #endif
 
-#include "cpu/clones.h"
+#include "kernels/clones.h"
 
 /* Compute types: f (float: f32, f16, bf16 compute in it), d (double: f64), i (int64_t: every
    integer dtype and bool; the iterator truncates into narrower storage, which wraps like
