@@ -688,4 +688,101 @@ add { op = 'random views and ranges', dtypes = { 'float32' }, exact = true, mode
       dlua.empty(1031, { dtype = 'int64', device = d }):random_(5, 17, { generator = g }) }
   end }
 
+---------------------------------------------------------------------------------------------
+-- what the old per-family GPU scripts checked beyond the cases above: average pooling's options,
+-- SyncBatchNorm's halves with a residual input, more ops refusing two devices, nn modules on the device
+
+-- c = {kh, kw, sh, sw, ph, pw, ceil_mode, count_include_pad, divisor_override}
+local AVG_OPTIONS = {
+  { 'ceil no-pad-count', { 3, 3, 2, 2, 1, 1, true, false, 0 } },
+  { 'divisor 5', { 3, 3, 1, 1, 1, 1, false, true, 5 } },
+  { '4x3 s3,2 p2,1 ceil', { 4, 3, 3, 2, 2, 1, true, true, 0 } },
+  { '2x2 no-pad-count', { 2, 2, 2, 2, 1, 1, false, false, 0 } },
+}
+add { op = 'avg_pool2d options', dtypes = FLOATS, ulps = 4, outputs = { 'out', 'grad_input' }, instances = function()
+  local r = {}
+  for _, P in ipairs(AVG_OPTIONS) do
+    for _, v in ipairs({ { 'nchw' }, { 'nhwc', cl } }) do
+      r[#r + 1] = { tag = P[1] .. ' ' .. v[1], pool = P[2], K = P[2][1] * P[2][2], inputs = { { shape = { 2, 3, 9, 8 }, view = v[2] } } }
+    end
+  end
+  return r
+end, fn = function(i, x)
+  local y = K.avg_pool2d(x, i.pool)
+  local g = (y * 0.5 + 0.25):contiguous()
+  return { y, K.avg_pool2d_backward(g, x, i.pool) }
+end }
+
+add { op = 'sync batch_norm skip', dtypes = FLOATS, ulps = 8, c = 4, eps_of_input = true,
+  outputs = { 'out', 'running_mean', 'running_var', 'grad_input', 'grad_skip' }, instances = function()
+    return { { tag = '(4,3,5,7) relu+skip', K = 4 * 5 * 7, inputs = { { shape = { 4, 3, 5, 7 } }, { shape = { 4, 3, 5, 7 } },
+      { shape = { 3 } }, { shape = { 3 } }, { shape = { 4, 3, 5, 7 } } } },
+      { tag = '(2,8,5,5) nhwc relu+skip', K = 2 * 5 * 5, inputs = { { shape = { 2, 8, 5, 5 }, view = cl },
+        { shape = { 2, 8, 5, 5 }, view = cl }, { shape = { 8 } }, { shape = { 8 } }, { shape = { 2, 8, 5, 5 }, view = cl } } } }
+  end, fn = function(_, x, skip, gamma, beta, gy)
+    local C = x:size(2)
+    local st = K.batch_norm_stats(x)
+    local rm = dlua.zeros({ C }, { dtype = x.dtype, device = x.device })
+    local rv = dlua.ones({ C }, { dtype = x.dtype, device = x.device })
+    local y, mean, invstd = K.batch_norm_apply(x, gamma, beta, skip, st, rm, rv, 0.1, 1e-5, true)
+    local sums = K.batch_norm_backward_reduce(gy, x, y, gamma, nil, mean, invstd, nil, nil, true)
+    local gi, gs = K.batch_norm_backward_apply(gy, x, y, gamma, nil, mean, invstd, sums, true, true)
+    return { y, rm, rv, gi, gs }
+  end }
+
+add { op = 'mixed devices more', dtypes = { 'float32' }, rejects = true, modes = { emu = true, cuda = true }, instances = function()
+  local r = {}
+  for _, name in ipairs({ 'bn gamma', 'bn skip', 'bn backward', 'gather', 'scatter_add_', 'mse_loss', 'softmax_backward',
+    'where', 'addcmul_', 'masked_fill_' }) do
+    r[#r + 1] = { tag = name, which = name, inputs = { { shape = { 2, 4, 5, 5 } }, { shape = { 4 } },
+      { shape = { 2, 4, 5, 5 }, dtype = 'int64', gen = 'index', lo = 1, hi = 3 } } }
+  end
+  return r
+end, fn = function(i, c, d)
+  local w = i.which
+  if w == 'bn gamma' then return K.batch_norm(d[1], c[2], nil, nil, nil, nil, true, 0.1, 1e-5, false, true) end
+  if w == 'bn skip' then return K.batch_norm(d[1], nil, nil, c[1], nil, nil, true, 0.1, 1e-5, false, true) end
+  if w == 'bn backward' then
+    local _, sm, si = K.batch_norm(d[1], nil, nil, nil, nil, nil, true, 0.1, 1e-5, false, true)
+    return K.batch_norm_backward(c[1], d[1], nil, nil, nil, sm, si, nil, nil, true, false, false)
+  end
+  if w == 'gather' then return d[1]:gather(1, c[3]) end
+  if w == 'scatter_add_' then return d[1]:clone():scatter_add_(1, d[3], c[1]) end
+  if w == 'mse_loss' then return K.mse_loss(d[1], c[1], 'mean') end
+  if w == 'softmax_backward' then return K.softmax_backward(c[1], K.softmax(d[1], 1, false), 1, false) end
+  if w == 'where' then return dlua.where(c[1]:gt(0), d[1], d[1]) end
+  if w == 'addcmul_' then return d[1]:clone():addcmul_(c[1], d[1], 0.5) end
+  return d[1]:clone():masked_fill_(c[1]:gt(0), 1)
+end }
+
+-- nn modules moved with Module:to: forward and backward on the device against the same module on the CPU (the
+-- runner seeds the generator before each side, so both build the same parameters)
+local MODULES = {
+  { 'BatchNorm2d relu', function(nn) return nn.BatchNorm2d(8, { relu = true }) end, 81 * 4 },
+  { 'MaxPool2d', function(nn) return nn.MaxPool2d(3, { stride = 2, padding = 1 }) end, 1 },
+  { 'AvgPool2d ceil', function(nn) return nn.AvgPool2d(3, { stride = 2, padding = 1, ceil_mode = true }) end, 9 },
+  { 'AdaptiveAvgPool2d', function(nn) return nn.AdaptiveAvgPool2d(1) end, 81 },
+  { 'ReLU', function(nn) return nn.ReLU() end, 1 },
+  { 'Conv2d', function(nn) return nn.Conv2d(8, 6, 3, { padding = 1, bias = true }) end, 72 * 4 * 9 },
+  { 'BasicBlock', function(nn) return nn.BasicBlock(8, 8) end, 72 * 4 * 81 },
+}
+add { op = 'nn modules', dtypes = { 'float32' }, ulps = 8, c = 4, modes = { emu = true, cuda = true },
+  outputs = { 'output', 'grad_input', 'first parameter', 'its gradient' }, instances = function()
+    local r = {}
+    for _, m in ipairs(MODULES) do
+      r[#r + 1] = { tag = m[1], make = m[2], K = m[3], inputs = { { shape = { 4, 8, 9, 9 }, view = cl } } }
+    end
+    return r
+  end, fn = function(i, x)
+    local m = i.make(dlua.nn)
+    if x.device ~= 'cpu' then m:to(x.device) end
+    m:train()
+    local y = m:forward(x)
+    local gi = m:backward(x, (y * 0.5 + 0.25):contiguous())
+    local ps, gs = m:parameters()
+    local p = ps and ps[1] or dlua.zeros({ 1 }, { device = x.device })
+    local g = gs and gs[1] or dlua.zeros({ 1 }, { device = x.device })
+    return { y, gi, p, g }
+  end }
+
 return cases
