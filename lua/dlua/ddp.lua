@@ -120,12 +120,16 @@ M.verify_same_model = verify_same_model  -- ZeRO checks the same way
 -- Construction
 
 -- dist.DDP(model, {bucket_mb = 25 (or 'auto'), first_bucket_mb = 1, accumulate = 1, group = g,
--- hook = fn, hook_state = s, broadcast = true, broadcast_buffers = true, auto = {candidates =, steps =, warmup =}})
+-- hook = fn, hook_state = s, grad_dtype = 'float32', broadcast = true, broadcast_buffers = true,
+-- auto = {candidates =, steps =, warmup =}})
+-- grad_dtype = 'bfloat16' | 'float16' reduces the float32 gradient buckets in 16 bits (DeepSpeed's
+-- communication_data_type): each rank sends gradient / world as 16 bits and casts the sum back; it is the
+-- bf16 / fp16 compression hook, so it cannot be given together with a hook.
 function M.new(dist, model, opts)
   opts = opts or {}
   if type(model) ~= 'table' or model.flatten == nil then fail(3, 'DDP: expected a dlua.nn module, got %s', type(model)) end
   local allowed = { bucket_mb = true, first_bucket_mb = true, accumulate = true, group = true, hook = true,
-                    hook_state = true, broadcast = true, broadcast_buffers = true, auto = true }
+                    hook_state = true, grad_dtype = true, broadcast = true, broadcast_buffers = true, auto = true }
   for k in pairs(opts) do
     if not allowed[k] then fail(3, "DDP: unknown option '%s'", tostring(k)) end
   end
@@ -144,7 +148,19 @@ function M.new(dist, model, opts)
                  comm_counters = { bytes = 0, dense_bytes = 0, compress_s = 0 },
                  bucket_mb = bucket_mb, first_bucket_mb = first_mb, steps_synced = 0, comm_wait_s = 0,
                  broadcast_buffers = opts.broadcast_buffers ~= false }
-  self.hook, self.hook_state = M.resolve_hook(opts.hook, opts.hook_state, 'DDP')
+  local hook = opts.hook
+  local gd = opts.grad_dtype
+  if gd ~= nil and gd ~= 'float32' then
+    local spec = ({ bfloat16 = 'bf16', float16 = 'fp16' })[gd]
+    if not spec then
+      fail(3, "DDP: grad_dtype must be 'float32', 'bfloat16' or 'float16', got %s", tostring(gd))
+    end
+    if hook ~= nil or opts.hook_state ~= nil then
+      fail(3, "DDP: grad_dtype = '%s' is the %s compression hook; give grad_dtype or hook, not both", gd, spec)
+    end
+    hook = require('dlua.compress').from_spec(spec)
+  end
+  self.hook, self.hook_state = M.resolve_hook(hook, opts.hook_state, 'DDP')
   self.rank = dist.rank()
   self.world = opts.group and opts.group:size() or dist.world_size()
   -- Same model everywhere? Checked first: the arena's allocation below is itself collective.

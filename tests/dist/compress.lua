@@ -74,6 +74,19 @@ do
       max_abs(got - want))
     local st = ddp:comm_stats()
     check(st.ratio == 2 and st.bytes_per_step == got:numel() * 2, '%s comm_stats: ratio %g, %g bytes', spec, st.ratio, st.bytes_per_step)
+    -- DDP{grad_dtype = ...} is the same reduction
+    local ddp2 = dist.DDP(net(), { grad_dtype = dt, first_bucket_mb = 0.01 })
+    backward(ddp2, 1)
+    local got2 = grads(ddp2)
+    check(bits_equal(got2, want), 'grad_dtype %s: gradients differ from the hand-computed 16-bit reduction by %g', dt,
+      max_abs(got2 - want))
+    check(ddp2:comm_stats().hook == spec, 'grad_dtype %s: comm_stats names hook %s', dt, tostring(ddp2:comm_stats().hook))
+  end
+  for _, bad in ipairs({ { { grad_dtype = 'int8' }, "grad_dtype must be 'float32', 'bfloat16' or 'float16', got int8" },
+    { { grad_dtype = 'bfloat16', hook = compress.fp16() }, "give grad_dtype or hook, not both" } }) do
+    local ok, e = pcall(dist.DDP, net(), bad[1])
+    check(not ok and tostring(e):find(bad[2], 1, true), 'DDP%s: expected the error %q, got %s', bad[1].grad_dtype, bad[2],
+      ok and 'success' or tostring(e))
   end
   say('fp16/bf16 hooks: bit-identical to the hand-computed 16-bit reduction (%d buckets)', 0 + #dist.DDP(net(), { first_bucket_mb = 0.01 }).buckets)
 end
