@@ -327,12 +327,12 @@ dlua_status_t cuda_first_bad(const char *op, const dlua_index_check_t *c, int64_
 }
 
 /* index_select (mode 0) and gather (mode 1). */
-dlua_status_t gather_rows(const char *op, int mode, const dlua_index_gather_t *g) {
-  const int elsize = g->elsize, dim = g->dim, is64 = g->is64, device = g->device;
-  void *out = g->out;
-  const void *src = g->src, *index = g->index;
-  const int64_t base = g->base;
-  const dlua_index_layout_t *lay = &g->lay;
+dlua_status_t gather_rows(const char *op, int mode, const dlua_index_gather_t *gd) {
+  const int elsize = gd->elsize, dim = gd->dim, is64 = gd->is64, device = gd->device;
+  void *out = gd->out;
+  const void *src = gd->src, *index = gd->index;
+  const int64_t base = gd->base;
+  const dlua_index_layout_t *lay = &gd->lay;
   int64_t numel = 1;
   for (int d = 0; d < lay->ndim; d++) numel *= lay->sizes[d];
   if (numel <= 0) return DLUA_OK;
@@ -351,8 +351,8 @@ dlua_status_t gather_rows(const char *op, int mode, const dlua_index_gather_t *g
   return launched(op);
 }
 
-dlua_status_t cuda_index_select(const char *op, const dlua_index_gather_t *g) { return gather_rows(op, 0, g); }
-dlua_status_t cuda_gather(const char *op, const dlua_index_gather_t *g) { return gather_rows(op, 1, g); }
+dlua_status_t cuda_index_select(const char *op, const dlua_index_gather_t *gd) { return gather_rows(op, 0, gd); }
+dlua_status_t cuda_gather(const char *op, const dlua_index_gather_t *gd) { return gather_rows(op, 1, gd); }
 
 dlua_status_t cuda_scatter_add(const char *op, const dlua_index_scatter_t *sc) {
   const int dtype = sc->dtype, ndim = sc->ndim, dim = sc->dim, is64 = sc->is64, device = sc->device;
