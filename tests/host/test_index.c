@@ -1,4 +1,4 @@
-/* Check suite for host/cpu/index.c: index_select, gather, scatter_add_, cat, stack, one_hot. */
+/* Check suite for host/ops/index.c and host/cpu/index.c: index_select, gather, scatter_add_, cat, stack, one_hot, the index table. */
 #include <check.h>
 #include <math.h>
 #include <stdint.h>

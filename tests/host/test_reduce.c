@@ -1,4 +1,4 @@
-/* Check suite for host/cpu/reduce.c: every reduction against a double-precision reference. */
+/* Check suite for host/ops/reduce.c and host/cpu/reduce.c: every reduction against a double-precision reference. */
 #include <check.h>
 #include <math.h>
 #include <omp.h>
