@@ -1,4 +1,5 @@
-/* CPU reductions (sum, mean, prod, max/min, arg*, norm, var/std, any/all, non-finite count) over any set of dims. */
+/* The CPU kernel of the reduce family (host/kernels/reduce.h): sum, mean, prod, max/min, arg*, norm, var/std,
+   any/all, non-finite count over any set of dims of a strided input. The front door is host/ops/reduce.c. */
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -10,8 +11,7 @@
 #include "core/error.h"
 #include "core/tensor.h"
 #include "kernels/elementwise_ops.h"
-#include "cuda/index_cuda.h" /* plain C: only CUDA builds call into it */
-#include "cuda/kernels.h"
+#include "kernels/reduce.h"
 
 /* Reduced elements are folded in blocks of RED_BLOCK (positions in the reduced index space,
    fixed by the shape alone) and block results are combined in block order, so a result is the
@@ -488,9 +488,10 @@ static int coalesce(int n, const int64_t *sizes, const int64_t *strides, int64_t
   return m;
 }
 
-static void plan_build(red_plan_t *pl, const dlua_tensor_t *a, const int *reduced, int memory_order) {
+static void plan_build(red_plan_t *pl, const dlua_reduce_desc_t *a, int memory_order) {
+  const int *reduced = a->reduced;
   memset(pl, 0, sizeof *pl);
-  pl->base = dlua_tensor_ptr(a);
+  pl->base = a->x;
   int64_t ks[DLUA_MAX_DIMS], kt[DLUA_MAX_DIMS], rs[DLUA_MAX_DIMS], rt[DLUA_MAX_DIMS];
   int nk = 0, nr = 0;
   pl->O = 1;
@@ -525,9 +526,6 @@ static void plan_build(red_plan_t *pl, const dlua_tensor_t *a, const int *reduce
 
 /* ---- the entry point ------------------------------------------------------------------------ */
 
-static const char *const red_names[DLUA_REDUCE_COUNT] = {
-    "sum", "mean", "prod", "max", "min", "argmax", "argmin", "norm", "var", "std", "any", "all", "count_nonfinite"};
-
 /* Writes res (O values: .d when dtype is floating, else .i) into contiguous dst. */
 static void store_values(void *dst, dlua_dtype_t dt, const acc_t *res, int64_t O) {
   switch (dt) {
@@ -546,195 +544,16 @@ static void store_values(void *dst, dlua_dtype_t dt, const acc_t *res, int64_t O
   }
 }
 
-/* Delivers the O results to *dst under the `out` convention (a temporary when the caller's
-   tensor has another dtype or is not contiguous). */
-static dlua_status_t deliver(const char *op, dlua_tensor_t **dst, int nd, const int64_t *shape, dlua_dtype_t dt,
-                             const acc_t *res, int64_t O, int as_index, int64_t base) {
-  int allocated = 0;
-  DLUA_TRY(dlua_prepare_out(op, dst, nd, shape, dt, &allocated));
-  dlua_tensor_t *t = *dst, *tmp = NULL;
-  dlua_status_t s = DLUA_OK;
-  if (!allocated && (t->dtype != dt || !dlua_tensor_is_contiguous(t))) {
-    s = dlua_tensor_empty(&tmp, nd, shape, dt, DLUA_CPU);
-    t = tmp;
-  }
-  if (s == DLUA_OK) {
-    if (as_index) {
-      int64_t *p = (int64_t *)dlua_tensor_ptr(t);
-      for (int64_t o = 0; o < O; o++) p[o] = res[o].idx + base;
-    } else {
-      store_values(dlua_tensor_ptr(t), dt, res, O);
-    }
-    if (tmp) s = dlua_tensor_copy_(*dst, tmp);
-  }
-  dlua_tensor_free(tmp);
-  if (s != DLUA_OK && allocated) {
-    dlua_tensor_free(*dst);
-    *dst = NULL;
-  }
-  return s;
-}
-
-#ifdef DLUA_HAVE_CUDA
-/* One result of a CUDA reduction into *dst (the `out` convention): written in place when the tensor is
-   new or already contiguous with the result's dtype, else through a temporary copied over at the end. */
-typedef struct {
-  dlua_tensor_t **dst, *tmp;
-  int allocated;
-} cuda_target_t;
-
-static dlua_status_t cuda_target_open(const char *op, cuda_target_t *tg, dlua_tensor_t **dst, int nd,
-                                      const int64_t *shape, dlua_dtype_t dt, int device, void **ptr) {
-  tg->dst = dst;
-  tg->tmp = NULL;
-  tg->allocated = 0;
-  DLUA_TRY(dlua_prepare_out_on(op, dst, nd, shape, dt, device, &tg->allocated));
-  dlua_tensor_t *t = *dst;
-  if (!tg->allocated && (t->dtype != dt || !dlua_tensor_is_contiguous(t))) {
-    DLUA_TRY(dlua_tensor_empty(&tg->tmp, nd, shape, dt, device));
-    t = tg->tmp;
-  }
-  *ptr = dlua_tensor_ptr(t);
-  return DLUA_OK;
-}
-
-static dlua_status_t cuda_target_close(cuda_target_t *tg, dlua_status_t s) {
-  if (!tg->dst) return s;
-  if (s == DLUA_OK && tg->tmp) s = dlua_tensor_copy_(*tg->dst, tg->tmp);
-  dlua_tensor_free(tg->tmp);
-  if (s != DLUA_OK && tg->allocated) {
-    dlua_tensor_free(*tg->dst);
-    *tg->dst = NULL;
-  }
-  return s;
-}
-#endif
-
-/* The CUDA path: kept dims first and reduced dims last in a permuted view, made contiguous (the copy
-   kernel; a no-op when already so), is (outer, n) for host/cuda/reduce.cu. */
-static dlua_status_t cuda_reduce(const char *name, dlua_reduce_op_t op, dlua_tensor_t **out, dlua_tensor_t **indices,
-                                 const dlua_tensor_t *a, const int *reduced, int nd, const int64_t *shape,
-                                 dlua_dtype_t rdt, double p, int64_t index_base) {
-  char desc[200];
-  int kind;
-  switch (op) {
-    case DLUA_REDUCE_SUM: kind = 0; break;
-    case DLUA_REDUCE_MEAN: kind = 1; break;
-    case DLUA_REDUCE_MAX: kind = 2; break;
-    case DLUA_REDUCE_MIN: kind = 3; break;
-    case DLUA_REDUCE_ARGMAX: kind = 4; break;
-    case DLUA_REDUCE_ARGMIN: kind = 5; break;
-    case DLUA_REDUCE_ANY: kind = 6; break;
-    case DLUA_REDUCE_ALL: kind = 7; break;
-    case DLUA_REDUCE_PROD: kind = 8; break;
-    case DLUA_REDUCE_NORM: kind = 9; break;
-    case DLUA_REDUCE_VAR: kind = 10; break;
-    case DLUA_REDUCE_STD: kind = 11; break;
-    case DLUA_REDUCE_COUNT_NONFINITE: kind = 12; break;
-    default:
-      return DLUA_ERR(DLUA_ERR_ARG, "%s: not implemented on cuda:%d yet (got %s)", name, a->device,
-                      dlua_tensor_describe(a, desc, sizeof desc));
-  }
-#ifdef DLUA_HAVE_CUDA
-  dlua_tensor_t v = *a;  // a view header on the stack: same storage, permuted dims
-  int k = 0;
-  int64_t outer = 1, n = 1;
-  for (int pass = 0; pass < 2; pass++)
-    for (int d = 0; d < a->ndim; d++) {
-      if (reduced[d] != pass) continue;
-      v.sizes[k] = a->sizes[d];
-      v.strides[k] = a->strides[d];
-      if (pass) n *= a->sizes[d];
-      else outer *= a->sizes[d];
-      k++;
-    }
-  dlua_tensor_t *c = NULL;
-  DLUA_TRY(dlua_tensor_contiguous(&c, &v));
-  const int is_arg = kind == 4 || kind == 5;
-  const int with_idx = is_arg || (indices && (kind == 2 || kind == 3));
-  cuda_target_t t1 = {NULL, NULL, 0}, t2 = {NULL, NULL, 0};
-  void *p1 = NULL, *p2 = NULL;
-  dlua_status_t s = cuda_target_open(name, &t1, out, nd, shape, is_arg ? DLUA_DTYPE_I64 : rdt, a->device, &p1);
-  if (s == DLUA_OK && with_idx && !is_arg)
-    s = cuda_target_open(name, &t2, indices, nd, shape, DLUA_DTYPE_I64, a->device, &p2);
-  if (s == DLUA_OK)
-    s = dlua_cuda_reduce_p(name, kind, (int)a->dtype, (int)rdt, dlua_tensor_ptr(c), is_arg ? NULL : p1,
-                           (int64_t *)(is_arg ? p1 : p2), outer, n, index_base, p, a->device);
-  s = cuda_target_close(&t2, s);
-  s = cuda_target_close(&t1, s);
-  dlua_tensor_free(c);
-  return s;
-#else
-  (void)out, (void)indices, (void)reduced, (void)nd, (void)shape, (void)rdt, (void)p, (void)index_base, (void)kind;
-  return dlua_require_cpu(name, a);
-#endif
-}
-
-dlua_status_t dlua_tensor_reduce(dlua_tensor_t **out, dlua_tensor_t **indices, const dlua_tensor_t *a,
-                                 dlua_reduce_op_t op, int ndims, const int *dims, int keepdim, double p,
-                                 int64_t index_base) {
-  if ((int)op < 0 || op >= DLUA_REDUCE_COUNT) return DLUA_ERR(DLUA_ERR_ARG, "reduce: unknown op %d", (int)op);
-  const char *name = red_names[op];
-  if (!a || !a->storage) return DLUA_ERR(DLUA_ERR_ARG, "%s: the tensor is NULL (freed, or never created)", name);
-  if (!out) return DLUA_ERR(DLUA_ERR_ARG, "%s: out is NULL", name);
-  char desc[200];
-  const dlua_dtype_t dt = a->dtype;
+/* The reduce slot: r->kind over the dims r->reduced of the strided r->x, into r->y / r->idx. */
+static dlua_status_t cpu_reduce(const char *name, const dlua_reduce_desc_t *r) {
+  const dlua_reduce_op_t op = (dlua_reduce_op_t)r->kind;
+  const dlua_dtype_t dt = (dlua_dtype_t)r->dtype;
   const int fl = dlua_dtype_is_floating(dt);
-  int needs_float = op == DLUA_REDUCE_MEAN || op == DLUA_REDUCE_NORM || op == DLUA_REDUCE_VAR || op == DLUA_REDUCE_STD;
-  if (needs_float && !fl)
-    return DLUA_ERR(DLUA_ERR_ARG, "%s: expected a floating-point tensor, got %s (convert it first)", name,
-                    dlua_tensor_describe(a, desc, sizeof desc));
-  if (op == DLUA_REDUCE_NORM && !(p >= 0))
-    return DLUA_ERR(DLUA_ERR_ARG, "norm: p must be >= 0 (or inf), got %g", p);
-  if ((op == DLUA_REDUCE_VAR || op == DLUA_REDUCE_STD) && !isfinite(p))
-    return DLUA_ERR(DLUA_ERR_ARG, "%s: correction must be finite, got %g", name, p);
-
-  // Which dims are reduced; a 0-d tensor accepts dim 0 as PyTorch does.
-  int reduced[DLUA_MAX_DIMS] = {0};
-  if (ndims < 0 || ndims > DLUA_MAX_DIMS || (ndims > 0 && !dims))
-    return DLUA_ERR(DLUA_ERR_ARG, "%s: invalid list of %d dims", name, ndims);
-  for (int i = 0; i < ndims; i++) {
-    int d = dims[i];
-    if (a->ndim == 0 && d == 0) continue;
-    if (d < 0 || d >= a->ndim)
-      return DLUA_ERR(DLUA_ERR_ARG, "%s: dim %d out of range for %s (0-based, expected 0..%d)", name, d,
-                      dlua_tensor_describe(a, desc, sizeof desc), a->ndim - 1);
-    if (reduced[d])
-      return DLUA_ERR(DLUA_ERR_ARG, "%s: dim %d appears twice in the list of dims", name, d);
-    reduced[d] = 1;
-  }
-  if (ndims == 0)
-    for (int d = 0; d < a->ndim; d++) reduced[d] = 1;
-
-  int nd = 0;
-  int64_t shape[DLUA_MAX_DIMS];
-  for (int d = 0; d < a->ndim; d++) {
-    if (!reduced[d]) shape[nd++] = a->sizes[d];
-    else if (keepdim) shape[nd++] = 1;
-  }
-
-  // Result dtype, PyTorch's: integer sums and products widen to int64.
-  dlua_dtype_t rdt = dt;
-  switch (op) {
-    case DLUA_REDUCE_SUM:
-    case DLUA_REDUCE_PROD: rdt = fl ? dt : DLUA_DTYPE_I64; break;
-    case DLUA_REDUCE_ARGMAX:
-    case DLUA_REDUCE_ARGMIN:
-    case DLUA_REDUCE_COUNT_NONFINITE: rdt = DLUA_DTYPE_I64; break;
-    case DLUA_REDUCE_ANY:
-    case DLUA_REDUCE_ALL: rdt = DLUA_DTYPE_BOOL; break;
-    default: break;
-  }
-
+  const double p = r->p;
   int is_index = op == DLUA_REDUCE_MAX || op == DLUA_REDUCE_MIN || op == DLUA_REDUCE_ARGMAX || op == DLUA_REDUCE_ARGMIN;
   red_plan_t pl;
-  plan_build(&pl, a, reduced, !is_index);
+  plan_build(&pl, r, !is_index);
   pl.p = p;
-  int no_identity = is_index || (op == DLUA_REDUCE_NORM && isinf(p));
-  if (no_identity && pl.R == 0 && pl.O > 0)
-    return DLUA_ERR(DLUA_ERR_ARG, "%s: cannot reduce %s over dims with no elements (the op has no identity)", name,
-                    dlua_tensor_describe(a, desc, sizeof desc));
-  if (a->device != DLUA_CPU) return cuda_reduce(name, op, out, indices, a, reduced, nd, shape, rdt, p, index_base);
 
   int f;
   switch (op) {
@@ -791,16 +610,15 @@ dlua_status_t dlua_tensor_reduce(dlua_tensor_t **out, dlua_tensor_t **indices, c
       else if (f == F_NORM2) res[o].v.d = sqrt(res[o].v.d);
       else if (f == F_NORMP) res[o].v.d = pow(res[o].v.d, 1.0 / p);
     }
-    if (op == DLUA_REDUCE_ARGMAX || op == DLUA_REDUCE_ARGMIN) {
-      s = deliver(name, out, nd, shape, DLUA_DTYPE_I64, res, pl.O, 1, index_base);
-    } else {
-      s = deliver(name, out, nd, shape, rdt, res, pl.O, 0, 0);
-      if (s == DLUA_OK && indices && (op == DLUA_REDUCE_MAX || op == DLUA_REDUCE_MIN)) {
-        s = deliver(name, indices, nd, shape, DLUA_DTYPE_I64, res, pl.O, 1, index_base);
-      }
-    }
+    if (r->y) store_values(r->y, (dlua_dtype_t)r->out_dtype, res, pl.O);
+    if (r->idx)
+      for (int64_t o = 0; o < pl.O; o++) r->idx[o] = res[o].idx + r->index_base;
   }
   free(mean);
   free(res);
   return s;
 }
+
+const struct dlua_reduce_ops dlua_cpu_reduce_ops = {
+    .reduce = cpu_reduce,
+};

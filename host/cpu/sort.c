@@ -1,5 +1,6 @@
-/* Sort and top-k: on the CPU, radix sort and radix selection on order-preserving integer keys; CUDA tensors take
-   the same checks, then host/cuda/sort.cu (the same keys, CUB's stable radix sort). */
+/* The CPU sort and top-k kernels (the sort and topk slots of the index family, host/kernels/index.h): radix sort
+   and radix selection on order-preserving integer keys (host/kernels/sort_keys.h, shared with host/cuda/sort.cu).
+   The front doors are host/ops/sort.c. */
 #include <inttypes.h>
 #include <omp.h>
 #include <stdlib.h>
@@ -8,7 +9,6 @@
 #include "core/tensor.h"
 #include "cpu/index.h"
 #include "kernels/sort_keys.h"
-#include "cuda/index_cuda.h" /* plain C: only CUDA builds call into it */
 
 /* ---- keys (host/kernels/sort_keys.h): read an element's bits, map them ------------------------- */
 
@@ -305,117 +305,30 @@ static dlua_status_t oom(const char *op, size_t bytes) {
   return DLUA_ERR(DLUA_ERR_OOM, "%s: out of memory allocating %zu bytes of scratch", op, bytes);
 }
 
-static dlua_status_t check_input(const char *op, const dlua_tensor_t *a, int dim) {
-  if (!a) return DLUA_ERR(DLUA_ERR_ARG, "%s: input is NULL", op);
-#ifdef DLUA_HAVE_CUDA
-  DLUA_TRY(dlua_require_device(op, a, a->device));  // a live tensor, on the CPU or a CUDA device
-#else
-  DLUA_TRY(dlua_require_cpu(op, a));
-#endif
-  int nd = a->ndim > 0 ? a->ndim : 1;
-  if (dim < 0 || dim >= nd) {
-    char b[200];
-    return DLUA_ERR(DLUA_ERR_ARG, "%s: dimension %d is out of range for %s (valid: 0..%d)", op, dim,
-                    dlua_tensor_describe(a, b, sizeof b), nd - 1);
-  }
-  return DLUA_OK;
+/* Sets up the walk over the rows of s->a along s->dim (s->lay: 0-d tensors already act as (1)). */
+static void rows_init(rows_t *rw, const dlua_sort_t *s) {
+  rw->dim = s->dim;
+  rw->nd = s->lay.ndim;
+  rw->n = s->lay.sizes[s->dim];
+  rw->outer = dlua_shape_numel(s->dim, s->lay.sizes);
+  rw->inner = dlua_shape_numel(rw->nd - s->dim - 1, s->lay.sizes + s->dim + 1);
+  rw->sizes = s->lay.sizes;
+  rw->strides = s->lay.strides;
+  rw->base = s->a;
+  rw->es = dlua_dtype_size((dlua_dtype_t)s->dtype);
 }
 
-/* Sets up the walk over a's rows along dim; 0-d tensors act as (1). */
-static void rows_init(rows_t *rw, const dlua_tensor_t *a, int dim, int64_t *sizes, int64_t *strides) {
-  int nd = a->ndim;
-  if (nd == 0) {
-    sizes[0] = 1;
-    strides[0] = 1;
-    nd = 1;
-  } else {
-    memcpy(sizes, a->sizes, sizeof(int64_t) * (size_t)nd);
-    memcpy(strides, a->strides, sizeof(int64_t) * (size_t)nd);
-  }
-  rw->dim = dim;
-  rw->nd = nd;
-  rw->n = sizes[dim];
-  rw->outer = dlua_shape_numel(dim, sizes);
-  rw->inner = dlua_shape_numel(nd - dim - 1, sizes + dim + 1);
-  rw->sizes = sizes;
-  rw->strides = strides;
-  rw->base = dlua_tensor_ptr(a);
-  rw->es = dlua_dtype_size(a->dtype);
-}
-
-/* Opens the values/indices outputs (either pointer may be NULL: not wanted). */
-static dlua_status_t open_outputs(const char *op, dlua_tensor_t **values, dlua_tensor_t **indices,
-                                  const dlua_tensor_t *a, int dim, int64_t len, dlua_ops_out_t *pv,
-                                  dlua_ops_out_t *pi) {
-  int64_t osizes[DLUA_MAX_DIMS];
-  memcpy(osizes, a->sizes, sizeof osizes);
-  if (a->ndim > 0) osizes[dim] = len;
-  const dlua_tensor_t *ins[1] = {a};
-  pv->dst = pi->dst = NULL;
-  pv->allocated = pi->allocated = 0;
-  if (values) DLUA_TRY(dlua_ops_out_begin_on(op, values, a->ndim, osizes, a->dtype, ins, 1, a->device, pv));
-  if (indices) {
-    dlua_status_t s = dlua_ops_out_begin_on(op, indices, a->ndim, osizes, DLUA_DTYPE_I64, ins, 1, a->device, pi);
-    if (s != DLUA_OK) {
-      if (values) dlua_ops_out_finish(values, pv, s);
-      return s;
-    }
-  }
-  return DLUA_OK;
-}
-
-/* The CUDA path of sort (topk 0) and topk (1), into the opened outputs. */
-static dlua_status_t cuda_rows(const char *op, int topk, const dlua_tensor_t *a, const rows_t *rw, int64_t len,
-                               int desc_or_largest, int by_magnitude, int sorted, char *vals, int64_t *idx,
-                               int64_t index_base) {
-#ifdef DLUA_HAVE_CUDA
-  dlua_cuda_layout_t lay;
-  memset(&lay, 0, sizeof lay);
-  lay.ndim = rw->nd;
-  memcpy(lay.sizes, rw->sizes, sizeof(int64_t) * (size_t)rw->nd);
-  memcpy(lay.strides, rw->strides, sizeof(int64_t) * (size_t)rw->nd);
-  return dlua_cuda_sort(op, topk, (int)a->dtype, dlua_tensor_ptr(a), &lay, rw->dim, len, desc_or_largest, by_magnitude,
-                        sorted, vals, idx, index_base, a->device);
-#else
-  (void)topk, (void)rw, (void)len, (void)desc_or_largest, (void)by_magnitude, (void)sorted, (void)vals, (void)idx,
-      (void)index_base;
-  return dlua_require_cpu(op, a);
-#endif
-}
-
-static dlua_status_t close_outputs(dlua_tensor_t **values, dlua_tensor_t **indices, dlua_ops_out_t *pv,
-                                   dlua_ops_out_t *pi, dlua_status_t s) {
-  dlua_status_t sv = values ? dlua_ops_out_finish(values, pv, s) : s;
-  dlua_status_t si = indices ? dlua_ops_out_finish(indices, pi, sv) : sv;
-  // A failed index copy after a good value copy: leave neither output half-made.
-  if (si != DLUA_OK && sv == DLUA_OK && values && pv->allocated) {
-    dlua_tensor_free(*values);
-    *values = NULL;
-  }
-  return si;
-}
-
-// a: (..., n, ...) at dim  ->  values: a's dtype, indices: int64; both (..., k, ...)
-dlua_status_t dlua_tensor_topk(dlua_tensor_t **values, dlua_tensor_t **indices, const dlua_tensor_t *a, int64_t k,
-                               int dim, int largest, int by_magnitude, int sorted, int64_t index_base) {
-  const char *op = "topk";
-  char b[200];
-  DLUA_TRY(check_input(op, a, dim));
-  int64_t sizes[DLUA_MAX_DIMS], strides[DLUA_MAX_DIMS];
+/* The topk slot: the k = s->len largest (or smallest) of every row. */
+dlua_status_t dlua_cpu_topk(const char *op, const dlua_sort_t *s) {
   rows_t rw;
-  rows_init(&rw, a, dim, sizes, strides);
-  if (k < 0 || k > rw.n)
-    return DLUA_ERR(DLUA_ERR_ARG, "%s: k = %" PRId64 " is out of range for dimension %d of %s (valid: 0..%" PRId64 ")",
-                    op, k, dim, dlua_tensor_describe(a, b, sizeof b), rw.n);
-  if (!values && !indices) return DLUA_OK;
-  dlua_ops_out_t pv, pi;
-  DLUA_TRY(open_outputs(op, values, indices, a, dim, k, &pv, &pi));
-  char *vals = pv.dst ? (char *)dlua_tensor_ptr(pv.dst) : NULL;
-  int64_t *idx = pi.dst ? (int64_t *)dlua_tensor_ptr(pi.dst) : NULL;
-  if (a->device != DLUA_CPU)
-    return close_outputs(values, indices, &pv, &pi,
-                         cuda_rows(op, 1, a, &rw, k, largest, by_magnitude, sorted, vals, idx, index_base));
-  key_kind_t kk = key_kind(a->dtype, by_magnitude);
+  rows_init(&rw, s);
+  const int64_t k = s->len, index_base = s->index_base;
+  const int largest = s->descending_or_largest, sorted = s->sorted;
+  const int64_t *strides = rw.strides;
+  const int dim = rw.dim;
+  char *vals = s->values;
+  int64_t *idx = s->indices;
+  key_kind_t kk = key_kind((dlua_dtype_t)s->dtype, s->by_magnitude);
   uint64_t mask = width_mask(kk.bits);
   uint64_t flip = largest ? 0 : mask;
   int64_t rows = rw.outer * rw.inner, n = rw.n;
@@ -428,14 +341,14 @@ dlua_status_t dlua_tensor_topk(dlua_tensor_t **values, dlua_tensor_t **indices, 
   int nchunks = (int)(want < threads ? want : threads);
   if (nchunks > TOPK_MAX_CHUNKS) nchunks = TOPK_MAX_CHUNKS;
   size_t nb = (size_t)1 << (kk.bits >= 16 && n > 4096 ? 16 : 8);
-  dlua_status_t s = DLUA_OK;
+  dlua_status_t status = DLUA_OK;
   if (rows > 0 && k > 0) {
     int nscratch = per_row ? threads : 1;
     size_t per = (size_t)nchunks * (nb * sizeof(uint32_t) + 2 * sizeof(int64_t)) +
                  (size_t)k * (sizeof(int64_t) * 3 + sizeof(uint64_t) * 2);
     char *mem = malloc(per * (size_t)nscratch);
     if (!mem) {
-      s = oom(op, per * (size_t)nscratch);
+      status = oom(op, per * (size_t)nscratch);
     } else {
 #pragma omp parallel for schedule(static) if (per_row && rows > 1)
       for (int64_t r = 0; r < rows; r++) {
@@ -458,7 +371,7 @@ dlua_status_t dlua_tensor_topk(dlua_tensor_t **values, dlua_tensor_t **indices, 
       free(mem);
     }
   }
-  return close_outputs(values, indices, &pv, &pi, s);
+  return status;
 }
 
 /* Gradient compression (host/cpu/compress.c): the positions, in increasing order, of the k largest |x| of n
@@ -487,33 +400,28 @@ dlua_status_t dlua_cpu_topk_abs_f32(const float *x, int64_t n, int64_t k, int64_
   return DLUA_OK;
 }
 
-// a: (..., n, ...) at dim  ->  values: a's dtype, indices: int64; both a's shape
-dlua_status_t dlua_tensor_sort(dlua_tensor_t **values, dlua_tensor_t **indices, const dlua_tensor_t *a, int dim,
-                               int descending, int64_t index_base) {
-  const char *op = "sort";
-  DLUA_TRY(check_input(op, a, dim));
-  int64_t sizes[DLUA_MAX_DIMS], strides[DLUA_MAX_DIMS];
+/* The sort slot: every row, stable, ascending or (s->descending_or_largest) descending. */
+dlua_status_t dlua_cpu_sort(const char *op, const dlua_sort_t *s) {
   rows_t rw;
-  rows_init(&rw, a, dim, sizes, strides);
-  if (!values && !indices) return DLUA_OK;
-  dlua_ops_out_t pv, pi;
-  DLUA_TRY(open_outputs(op, values, indices, a, dim, rw.n, &pv, &pi));
-  char *vals = pv.dst ? (char *)dlua_tensor_ptr(pv.dst) : NULL;
-  int64_t *idx = pi.dst ? (int64_t *)dlua_tensor_ptr(pi.dst) : NULL;
-  if (a->device != DLUA_CPU)
-    return close_outputs(values, indices, &pv, &pi, cuda_rows(op, 0, a, &rw, rw.n, descending, 0, 1, vals, idx, index_base));
-  key_kind_t kk = key_kind(a->dtype, 0);
+  rows_init(&rw, s);
+  const int descending = s->descending_or_largest;
+  const int64_t index_base = s->index_base;
+  const int64_t *strides = rw.strides;
+  const int dim = rw.dim;
+  char *vals = s->values;
+  int64_t *idx = s->indices;
+  key_kind_t kk = key_kind((dlua_dtype_t)s->dtype, 0);
   uint64_t flip = descending ? width_mask(kk.bits) : 0;
   int64_t rows = rw.outer * rw.inner, n = rw.n;
   int64_t st = strides[dim] * (int64_t)rw.es;
   int threads = omp_get_max_threads();
-  dlua_status_t s = DLUA_OK;
+  dlua_status_t status = DLUA_OK;
   if (rows > 0 && n > 0) {
     size_t per = (size_t)n * 2 * (sizeof(uint64_t) + sizeof(int64_t));
     int nscratch = rows < threads ? (int)rows : threads;
     char *mem = malloc(per * (size_t)nscratch);
     if (!mem) {
-      s = oom(op, per * (size_t)nscratch);
+      status = oom(op, per * (size_t)nscratch);
     } else {
 #pragma omp parallel for schedule(static) if (rows > 1 && rows * n > 4096)
       for (int64_t r = 0; r < rows; r++) {
@@ -529,5 +437,5 @@ dlua_status_t dlua_tensor_sort(dlua_tensor_t **values, dlua_tensor_t **indices, 
       free(mem);
     }
   }
-  return close_outputs(values, indices, &pv, &pi, s);
+  return status;
 }

@@ -1,8 +1,10 @@
-/* CUDA indexing kernels: index bounds checks, index_select / gather, deterministic scatter_add_, one_hot; and the
-   stable radix sorts (CUB) that scatter_add_ and sort.cu use. */
+/* The CUDA kernels of the index family (host/kernels/index.h): index bounds checks, index_select / gather,
+   deterministic scatter_add_, one_hot, cat's row copies (sort and top-k: sort.cu); and the stable radix sorts
+   (CUB) that scatter_add_ and sort.cu use. */
 #include <cub/device/device_radix_sort.cuh>
 #include "cuda/ew_common.cuh"
 #include "cuda/index_cuda.h" /* after ew_common.cuh: core/api.h is already in as C */
+#include "kernels/index.h"
 
 namespace dlua_cu {
 
@@ -58,7 +60,7 @@ struct Lay {
   int64_t sizes[DLUA_MAX_DIMS], strides[DLUA_MAX_DIMS];
 };
 
-Lay make_lay(const dlua_cuda_layout_t *l) {
+Lay make_lay(const dlua_index_layout_t *l) {
   Lay y;
   memset(&y, 0, sizeof y);
   y.ndim = l->ndim;
@@ -261,6 +263,24 @@ void launch_one_hot(void *out, uint64_t one, const void *lab, int is64, int64_t 
   k_one_hot<ES><<<grid_for(n * classes), kThreads, 0, s>>>((T *)out, (T)one, lab, is64, n, classes, base);
 }
 
+/* ---- cat's row copies: outer rows of `row` elements, contiguous in src, to dst + o * pitch ------------- */
+
+template <int ES>
+__global__ void k_copy_rows(typename Bits<ES>::T *dst, const typename Bits<ES>::T *src, int64_t outer, int64_t row,
+                            int64_t pitch) {
+  const int64_t total = outer * row, stride = (int64_t)gridDim.x * blockDim.x;
+  for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += stride) {
+    const int64_t o = e / row, j = e - o * row;
+    dst[o * pitch + j] = src[e];
+  }
+}
+
+template <int ES>
+void launch_copy_rows(void *dst, const void *src, int64_t outer, int64_t row, int64_t pitch, cudaStream_t s) {
+  typedef typename Bits<ES>::T T;
+  k_copy_rows<ES><<<grid_for(outer * row), kThreads, 0, s>>>((T *)dst, (const T *)src, outer, row, pitch);
+}
+
 dlua_status_t cuda_failed(const char *op, cudaError_t e) {
   cudaGetLastError();
   return DLUA_ERR(DLUA_ERR_BACKEND, "%s: %s (CUDA error %d)", op, cudaGetErrorString(e), (int)e);
@@ -271,8 +291,12 @@ dlua_status_t cuda_failed(const char *op, cudaError_t e) {
 
 using namespace dlua_cu;
 
-extern "C" dlua_status_t dlua_cuda_index_first_bad(const char *op, const void *index, int is64, int64_t n, int64_t size,
-                                                   int64_t base, int64_t *first, int64_t *value, int device) {
+namespace {
+
+dlua_status_t cuda_first_bad(const char *op, const dlua_index_check_t *c, int64_t *first, int64_t *value) {
+  const void *index = c->index;
+  const int is64 = c->is64, device = c->device;
+  const int64_t n = c->n, size = c->size, base = c->base;
   *first = -1;
   *value = 0;
   if (n <= 0) return DLUA_OK;
@@ -302,9 +326,13 @@ extern "C" dlua_status_t dlua_cuda_index_first_bad(const char *op, const void *i
   return st;
 }
 
-extern "C" dlua_status_t dlua_cuda_index_gather(const char *op, int mode, int elsize, void *out, const void *src,
-                                                const dlua_cuda_layout_t *lay, int dim, const void *index, int is64,
-                                                int64_t base, int device) {
+/* index_select (mode 0) and gather (mode 1). */
+dlua_status_t gather_rows(const char *op, int mode, const dlua_index_gather_t *gd) {
+  const int elsize = gd->elsize, dim = gd->dim, is64 = gd->is64, device = gd->device;
+  void *out = gd->out;
+  const void *src = gd->src, *index = gd->index;
+  const int64_t base = gd->base;
+  const dlua_index_layout_t *lay = &gd->lay;
   int64_t numel = 1;
   for (int d = 0; d < lay->ndim; d++) numel *= lay->sizes[d];
   if (numel <= 0) return DLUA_OK;
@@ -323,10 +351,15 @@ extern "C" dlua_status_t dlua_cuda_index_gather(const char *op, int mode, int el
   return launched(op);
 }
 
-extern "C" dlua_status_t dlua_cuda_scatter_add(const char *op, int dtype, void *t, const int64_t *t_strides,
-                                               int64_t t_dim_size, const void *src, const int64_t *s_strides, int ndim,
-                                               const int64_t *idx_sizes, int dim, const void *index, int is64,
-                                               int64_t base, int device) {
+dlua_status_t cuda_index_select(const char *op, const dlua_index_gather_t *gd) { return gather_rows(op, 0, gd); }
+dlua_status_t cuda_gather(const char *op, const dlua_index_gather_t *gd) { return gather_rows(op, 1, gd); }
+
+dlua_status_t cuda_scatter_add(const char *op, const dlua_index_scatter_t *sc) {
+  const int dtype = sc->dtype, ndim = sc->ndim, dim = sc->dim, is64 = sc->is64, device = sc->device;
+  void *t = sc->t;
+  const void *src = sc->src, *index = sc->index;
+  const int64_t *t_strides = sc->t_strides, *s_strides = sc->s_strides, *idx_sizes = sc->idx_sizes;
+  const int64_t t_dim_size = sc->t_dim_size, base = sc->base;
   if (ndim < 1 || ndim > DLUA_MAX_DIMS || dim < 0 || dim >= ndim)
     return DLUA_ERR(DLUA_ERR_INTERNAL, "%s: malformed CUDA scatter", op);
   Fibers fb;
@@ -362,8 +395,12 @@ extern "C" dlua_status_t dlua_cuda_scatter_add(const char *op, int dtype, void *
   }
 }
 
-extern "C" dlua_status_t dlua_cuda_one_hot(const char *op, int elsize, uint64_t one, void *out, const void *labels,
-                                           int is64, int64_t n, int64_t classes, int64_t base, int device) {
+dlua_status_t cuda_one_hot(const char *op, const dlua_index_one_hot_t *h) {
+  const int elsize = h->elsize, is64 = h->is64, device = h->device;
+  const uint64_t one = h->one;
+  void *out = h->out;
+  const void *labels = h->labels;
+  const int64_t n = h->n, classes = h->classes, base = h->base;
   if (n <= 0 || classes <= 0) return DLUA_OK;
   DLUA_CU_SELECT(g, op, device);
   cudaStream_t s = (cudaStream_t)dlua_cuda_raw_stream(device);
@@ -376,3 +413,30 @@ extern "C" dlua_status_t dlua_cuda_one_hot(const char *op, int elsize, uint64_t 
   }
   return launched(op);
 }
+
+dlua_status_t cuda_copy_rows(const char *op, const dlua_index_rows_t *r) {
+  if (r->outer <= 0 || r->row <= 0) return DLUA_OK;
+  DLUA_CU_SELECT(g, op, r->device);
+  cudaStream_t s = (cudaStream_t)dlua_cuda_raw_stream(r->device);
+  switch (r->elsize) {
+    case 1: launch_copy_rows<1>(r->dst, r->src, r->outer, r->row, r->pitch, s); break;
+    case 2: launch_copy_rows<2>(r->dst, r->src, r->outer, r->row, r->pitch, s); break;
+    case 4: launch_copy_rows<4>(r->dst, r->src, r->outer, r->row, r->pitch, s); break;
+    case 8: launch_copy_rows<8>(r->dst, r->src, r->outer, r->row, r->pitch, s); break;
+    default: return DLUA_ERR(DLUA_ERR_INTERNAL, "%s: element size %d", op, r->elsize);
+  }
+  return launched(op);
+}
+
+}  // namespace
+
+extern "C" const struct dlua_index_ops dlua_cuda_index_ops = {
+    cuda_first_bad,    /* first_bad */
+    cuda_index_select, /* index_select */
+    cuda_gather,       /* gather */
+    cuda_scatter_add,  /* scatter_add */
+    cuda_one_hot,      /* one_hot */
+    cuda_copy_rows,    /* copy_rows */
+    dlua_cuda_sort,    /* sort (sort.cu) */
+    dlua_cuda_topk,    /* topk (sort.cu) */
+};

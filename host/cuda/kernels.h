@@ -46,14 +46,6 @@ dlua_status_t dlua_cuda_ew_run(const char *op, const dlua_cuda_ew_t *e);
 /* The raw cudaStream_t (as void *) that kernels for `device` queue on: its current stream. */
 void *dlua_cuda_raw_stream(int device);
 
-/* Reductions of a contiguous (outer, n) tensor x of `dtype` along n: y (outer) of out_dtype (NULL for
-   argmax/argmin), idx (outer) int64 positions + index_base (max/min/argmax/argmin; may be NULL).
-   kind: 0 sum, 1 mean, 2 max, 3 min, 4 argmax, 5 argmin, 6 any, 7 all, 8 prod, 9 norm, 10 var, 11 std,
-   12 count_nonfinite (a norm's order and var/std's correction: dlua_cuda_reduce_p, host/cuda/index_cuda.h).
-   Float inputs fold in double, as the CPU does. Deterministic: a fixed tree per shape, no atomics. */
-dlua_status_t dlua_cuda_reduce(const char *op, int kind, int dtype, int out_dtype, const void *x, void *y,
-                               int64_t *idx, int64_t outer, int64_t n, int64_t index_base, int device);
-
 /* Row-major C (m, n) = alpha * op(A) (m, k) x op(B) (k, n) + beta * C through cuBLASLt, `batch` times with
    element strides sa, sb, sc between the matrices (host/cuda/blaslt.c). ta/tb and lda/ldb as BLAS on the
    row-major view (see host/cpu/linalg.c's blas_form). dtype f32, f64, f16 or bf16 for A, B and C alike. */

@@ -2,12 +2,12 @@
    argmin, any, all, prod, norm, var, std, count_nonfinite. Each output row is folded by a fixed group of threads in
    a fixed order and combined by a fixed tree, so a result depends on the shape only: no atomics. */
 #include "cuda/ew_common.cuh"
-#include "cuda/index_cuda.h" /* after ew_common.cuh: core/api.h is already in as C */
+#include "kernels/reduce.h" /* after ew_common.cuh: core/api.h is already in as C */
 
 namespace dlua_cu {
 namespace {
 
-/* The kinds of kernels.h (0..12), then the folds that norm, var and std are made of. */
+/* The kinds of the kernels (0..12), then the folds that norm, var and std are made of. */
 enum { R_SUM, R_MEAN, R_MAX, R_MIN, R_ARGMAX, R_ARGMIN, R_ANY, R_ALL, R_PROD, R_NORM, R_VAR, R_STD, R_NONFINITE,
        R_NORM0, R_NORM1, R_NORM2, R_NORMP, R_NORMINF, R_SQDEV };
 
@@ -277,14 +277,13 @@ dlua_status_t finish_all(const char *op, int odt, bool fl, const Acc *res, void 
 }  // namespace
 }  // namespace dlua_cu
 
-extern "C" dlua_status_t dlua_cuda_reduce(const char *op, int kind, int dtype, int out_dtype, const void *x, void *y,
-                                          int64_t *idx, int64_t outer, int64_t n, int64_t index_base, int device) {
-  return dlua_cuda_reduce_p(op, kind, dtype, out_dtype, x, y, idx, outer, n, index_base, 0.0, device);
-}
+namespace {
 
-extern "C" dlua_status_t dlua_cuda_reduce_p(const char *op, int kind, int dtype, int out_dtype, const void *x, void *y,
-                                            int64_t *idx, int64_t outer, int64_t n, int64_t index_base, double p,
-                                            int device) {
+/* Reductions of a contiguous (outer, n) x of `dtype` along n: y (outer) of out_dtype (NULL for argmax/argmin),
+   idx (outer) int64 positions + index_base (max/min/argmax/argmin; may be NULL). Float inputs fold in double, as
+   the CPU does. Deterministic: a fixed tree per shape, no atomics. */
+dlua_status_t reduce_rows(const char *op, int kind, int dtype, int out_dtype, const void *x, void *y, int64_t *idx,
+                          int64_t outer, int64_t n, int64_t index_base, double p, int device) {
   using namespace dlua_cu;
   if (outer <= 0) return DLUA_OK;
   if (n < 0 || kind < R_SUM || kind > R_NONFINITE) return DLUA_ERR(DLUA_ERR_INTERNAL, "%s: malformed CUDA reduction", op);
@@ -329,3 +328,36 @@ extern "C" dlua_status_t dlua_cuda_reduce_p(const char *op, int kind, int dtype,
   if (prev != device) cudaSetDevice(prev);
   return st;
 }
+
+/* The kinds above from dlua_reduce_op_t. */
+int kind_of(int op) {
+  switch (op) {
+    case DLUA_REDUCE_SUM: return dlua_cu::R_SUM;
+    case DLUA_REDUCE_MEAN: return dlua_cu::R_MEAN;
+    case DLUA_REDUCE_MAX: return dlua_cu::R_MAX;
+    case DLUA_REDUCE_MIN: return dlua_cu::R_MIN;
+    case DLUA_REDUCE_ARGMAX: return dlua_cu::R_ARGMAX;
+    case DLUA_REDUCE_ARGMIN: return dlua_cu::R_ARGMIN;
+    case DLUA_REDUCE_ANY: return dlua_cu::R_ANY;
+    case DLUA_REDUCE_ALL: return dlua_cu::R_ALL;
+    case DLUA_REDUCE_PROD: return dlua_cu::R_PROD;
+    case DLUA_REDUCE_NORM: return dlua_cu::R_NORM;
+    case DLUA_REDUCE_VAR: return dlua_cu::R_VAR;
+    case DLUA_REDUCE_STD: return dlua_cu::R_STD;
+    case DLUA_REDUCE_COUNT_NONFINITE: return dlua_cu::R_NONFINITE;
+    default: return -1;
+  }
+}
+
+/* The reduce_rows slot: r->x is the contiguous (outer, n) rows. */
+dlua_status_t cuda_reduce_rows(const char *op, const dlua_reduce_desc_t *r) {
+  return reduce_rows(op, kind_of(r->kind), r->dtype, r->out_dtype, r->x, r->y, r->idx, r->outer, r->n, r->index_base,
+                     r->p, r->device);
+}
+
+}  // namespace
+
+extern "C" const struct dlua_reduce_ops dlua_cuda_reduce_ops = {
+    NULL,             /* reduce: strided inputs are staged as contiguous rows by the front door */
+    cuda_reduce_rows, /* reduce_rows */
+};

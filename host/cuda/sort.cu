@@ -214,10 +214,16 @@ dlua_status_t run(const char *op, int topk, int dtype, const void *a, const Lay 
 
 using namespace dlua_cu;
 
-extern "C" dlua_status_t dlua_cuda_sort(const char *op, int topk, int dtype, const void *a,
-                                        const dlua_cuda_layout_t *lay, int dim, int64_t len, int descending_or_largest,
-                                        int by_magnitude, int sorted, void *values, int64_t *indices,
-                                        int64_t index_base, int device) {
+namespace {
+
+dlua_status_t sort_rows(const char *op, int topk, const dlua_sort_t *sd) {
+  const int dtype = sd->dtype, dim = sd->dim, device = sd->device;
+  const int descending_or_largest = sd->descending_or_largest, by_magnitude = sd->by_magnitude, sorted = sd->sorted;
+  const void *a = sd->a;
+  const dlua_index_layout_t *lay = &sd->lay;
+  const int64_t len = sd->len, index_base = sd->index_base;
+  void *values = sd->values;
+  int64_t *indices = sd->indices;
   if (lay->ndim < 1 || lay->ndim > DLUA_MAX_DIMS || dim < 0 || dim >= lay->ndim)
     return DLUA_ERR(DLUA_ERR_INTERNAL, "%s: malformed CUDA sort", op);
   // Dims other than dim first (rows: outer then inner), dim last.
@@ -245,3 +251,8 @@ extern "C" dlua_status_t dlua_cuda_sort(const char *op, int topk, int dtype, con
   return run(op, topk, dtype, a, l, rows, n, inner, len, descending_or_largest, by_magnitude, sorted, values, indices,
              index_base, device, s);
 }
+
+}  // namespace
+
+extern "C" dlua_status_t dlua_cuda_sort(const char *op, const dlua_sort_t *s) { return sort_rows(op, 0, s); }
+extern "C" dlua_status_t dlua_cuda_topk(const char *op, const dlua_sort_t *s) { return sort_rows(op, 1, s); }

@@ -7,7 +7,8 @@
 #include "core/error.h"
 #include "core/random.h"
 #include "core/tensor.h"
-#include "cpu/index.h"
+#include "ops/common.h"
+#include "ops/index.h"
 
 /* Elements below which a batch is processed on one thread: a small-image batch (128 x 784)
    takes tens of microseconds, less than waking a team costs on a busy machine. */
@@ -74,7 +75,7 @@ dlua_status_t dlua_data_augment(dlua_tensor_t **out, const dlua_tensor_t *x, con
     dlua_status_t s = DLUA_OK;
     if (ix->ndim != 1)
       s = DLUA_ERR(DLUA_ERR_ARG, "%s: index must be 1-D (B), got %s", op, dlua_tensor_describe(index, b, sizeof b));
-    if (s == DLUA_OK) s = dlua_cpu_check_indices(op, ix, N, index_base, "the images' dim 0");
+    if (s == DLUA_OK) s = dlua_ops_check_indices(op, ix, N, index_base, "the images' dim 0");
     if (s != DLUA_OK) {
       dlua_tensor_free(ix);
       return s;
@@ -103,7 +104,7 @@ dlua_status_t dlua_data_augment(dlua_tensor_t **out, const dlua_tensor_t *x, con
   const int64_t per = C * H * W;
 #pragma omp parallel for schedule(static) if (B * per > PARALLEL_MIN_ELEMS)
   for (int64_t i = 0; i < B; i++) {
-    int64_t n = ix ? dlua_cpu_index_at(ip, is64, i) - index_base : i;
+    int64_t n = ix ? dlua_ops_index_at(ip, is64, i) - index_base : i;
     int64_t dy = 0, dx = 0;
     int flip = 0;
     if (pad > 0 || flip_p > 0) dlua_augment_draw(seed, epoch, n, pad, flip_p, &dy, &dx, &flip);

@@ -1,6 +1,6 @@
 /* The order-preserving integer keys that sort and top-k compare, shared by host/cpu/sort.c and host/cuda/sort.cu. */
-#ifndef DLUA_CPU_SORT_KEYS_H
-#define DLUA_CPU_SORT_KEYS_H
+#ifndef DLUA_KERNELS_SORT_KEYS_H
+#define DLUA_KERNELS_SORT_KEYS_H
 #include <stdint.h>
 
 #ifndef DLUA_HD

@@ -1,4 +1,4 @@
-/* Check suite for host/cpu/index.c: index_select, gather, scatter_add_, cat, stack, one_hot. */
+/* Check suite for host/ops/index.c and host/cpu/index.c: index_select, gather, scatter_add_, cat, stack, one_hot, the index table. */
 #include <check.h>
 #include <math.h>
 #include <stdint.h>
@@ -7,6 +7,9 @@
 
 #include "core/api.h"
 #include "core/tensor.h"
+#include "kernels/index.h"
+#include "ops/backend.h"
+#include "ops/index.h"
 
 #include "testutil.h"
 
@@ -439,6 +442,47 @@ START_TEST(test_one_hot) {
 }
 END_TEST
 
+/* The front doors reach the kernels through the backend table: the CPU's index family answers the range check
+   itself; ops on device 0 get the registry's one message when no CUDA device exists. */
+START_TEST(test_through_the_table) {
+  const struct dlua_index_ops *k = NULL;
+  ck_assert_int_eq(DLUA_BACKEND("gather", DLUA_CPU, index, gather, &k), DLUA_OK);
+  ck_assert_ptr_eq(k, &dlua_cpu_index_ops);
+  ck_assert(k->first_bad && k->index_select && k->scatter_add && k->one_hot && k->copy_rows && k->sort && k->topk);
+
+  int64_t iv[5] = {0, 2, 1, 3, 1}, first = 7, value = 7;
+  dlua_index_check_t c = {iv, 1, 5, 3, 0, DLUA_CPU};
+  ck_assert_int_eq(k->first_bad("probe", &c, &first, &value), DLUA_OK);
+  ck_assert(first == 3 && value == 3);
+  c.size = 4;
+  ck_assert_int_eq(k->first_bad("probe", &c, &first, &value), DLUA_OK);
+  ck_assert(first == -1);
+
+  int64_t n5 = 5;
+  double v[5] = {0, 2, 1, 3, 1};
+  dlua_tensor_t *idx = tu_make(1, &n5, DLUA_DTYPE_I64, v);
+  ck_assert_int_eq(dlua_ops_check_indices("probe", idx, 4, 0, "dimension 0"), DLUA_OK);
+  tu_expect_error_at(dlua_ops_check_indices("probe", idx, 3, 0, "dimension 0"), "probe",
+                     "index 3 is out of range for dimension 0 of size 3 (valid: 0..2)");
+
+  struct dlua_tensor on0 = *idx;  // the same header claiming device 0: never read unless a device exists
+  on0.device = 0;
+  if (dlua_cuda_device_count() == 0) {
+    dlua_tensor_t *out = NULL;
+    tu_expect_error_at(dlua_tensor_one_hot(&out, &on0, 4, 0, DLUA_DTYPE_F32), "one_hot", "no CUDA device available");
+    ck_assert_ptr_null(out);
+    tu_expect_error_at(dlua_tensor_sort(&out, NULL, &on0, 0, 0, 0), "sort", "sort: no CUDA device available");
+    tu_expect_error_at(dlua_tensor_index_select(&out, &on0, 0, &on0, 0), "index_select", "no CUDA device available");
+    ck_assert_ptr_null(out);
+  } else {
+    const struct dlua_index_ops *kc = NULL;
+    ck_assert_int_eq(DLUA_BACKEND("sort", 0, index, sort, &kc), DLUA_OK);
+    ck_assert_ptr_ne(kc, &dlua_cpu_index_ops);
+  }
+  dlua_tensor_free(idx);
+}
+END_TEST
+
 int main(void) {
   Suite *s = suite_create("index");
   TCase *tc = tcase_create("core");
@@ -453,6 +497,7 @@ int main(void) {
   tcase_add_test(tc, test_cat);
   tcase_add_test(tc, test_stack);
   tcase_add_test(tc, test_one_hot);
+  tcase_add_test(tc, test_through_the_table);
   suite_add_tcase(s, tc);
   return tu_run(s);
 }

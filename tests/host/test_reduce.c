@@ -1,4 +1,4 @@
-/* Check suite for host/cpu/reduce.c: every reduction against a double-precision reference. */
+/* Check suite for host/ops/reduce.c and host/cpu/reduce.c: every reduction against a double-precision reference. */
 #include <check.h>
 #include <math.h>
 #include <omp.h>
@@ -9,6 +9,8 @@
 
 #include "core/api.h"
 #include "core/tensor.h"
+#include "kernels/reduce.h"
+#include "ops/backend.h"
 
 #include "testutil.h"
 
@@ -554,6 +556,52 @@ START_TEST(test_specials) {
 }
 END_TEST
 
+/* The front door reaches the kernels through the backend table: the CPU's reduce family runs a strided
+   descriptor itself; a tensor on device 0 gets the registry's one message when no CUDA device exists, and the
+   CUDA table (strided inputs staged as contiguous rows) otherwise. */
+START_TEST(test_through_the_table) {
+  const struct dlua_reduce_ops *k = NULL;
+  ck_assert_int_eq(DLUA_BACKEND("sum", DLUA_CPU, reduce, reduce, &k), DLUA_OK);
+  ck_assert_ptr_eq(k, &dlua_cpu_reduce_ops);
+  ck_assert_ptr_null(k->reduce_rows);
+
+  // sum over dim 0 of a (2, 3) f64 view of x with strides (1, 2): column j is x[2j], x[2j + 1]
+  double x[6] = {1, 2, 3, 4, 5, 6}, y[3] = {0, 0, 0};
+  dlua_reduce_desc_t r;
+  memset(&r, 0, sizeof r);
+  r.kind = DLUA_REDUCE_SUM;
+  r.dtype = r.out_dtype = DLUA_DTYPE_F64;
+  r.x = x;
+  r.ndim = 2;
+  r.sizes[0] = 2, r.sizes[1] = 3;
+  r.strides[0] = 1, r.strides[1] = 2;
+  r.reduced[0] = 1;
+  r.outer = 3, r.n = 2;
+  r.y = y;
+  r.device = DLUA_CPU;
+  ck_assert_int_eq(k->reduce("sum", &r), DLUA_OK);
+  ck_assert(y[0] == 3 && y[1] == 7 && y[2] == 11);
+
+  int64_t sz[2] = {2, 3};
+  dlua_tensor_t *a = tu_make(2, sz, DLUA_DTYPE_F64, x), *out = NULL;
+  struct dlua_tensor on0 = *a;  // the same header claiming device 0: never read unless a device exists
+  on0.device = 0;
+  if (dlua_cuda_device_count() == 0) {
+    tu_expect_error_at(dlua_tensor_reduce(&out, NULL, &on0, DLUA_REDUCE_SUM, 0, NULL, 0, 0.0, 0), "sum",
+                       "sum: no CUDA device available");
+    ck_assert_ptr_null(out);
+    tu_expect_error_at(dlua_tensor_reduce(&out, NULL, &on0, DLUA_REDUCE_ARGMAX, 0, NULL, 0, 0.0, 0), "argmax",
+                       "no CUDA device available");
+  } else {
+    const struct dlua_reduce_ops *kc = NULL;
+    ck_assert_int_eq(DLUA_BACKEND("sum", 0, reduce, reduce_rows, &kc), DLUA_OK);
+    ck_assert_ptr_ne(kc, &dlua_cpu_reduce_ops);
+    tu_expect_error_at(DLUA_BACKEND("sum", 0, reduce, reduce, &kc), "sum", "sum: not supported on cuda");
+  }
+  dlua_tensor_free(a);
+}
+END_TEST
+
 int main(void) {
   Suite *s = suite_create("reduce");
   TCase *tc = tcase_create("core");
@@ -567,6 +615,7 @@ int main(void) {
   tcase_add_test(tc, test_max_min_ties_nan_base);
   tcase_add_test(tc, test_out_and_errors);
   tcase_add_test(tc, test_specials);
+  tcase_add_test(tc, test_through_the_table);
   suite_add_tcase(s, tc);
   return tu_run(s);
 }

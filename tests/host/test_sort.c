@@ -1,4 +1,4 @@
-/* Check suite for host/cpu/sort.c: stable sort and top-k (by value and magnitude) against reference loops. */
+/* Check suite for host/ops/sort.c and host/cpu/sort.c: stable sort and top-k (by value and magnitude) against reference loops. */
 #include <check.h>
 #include <math.h>
 #include <stdint.h>
