@@ -1,4 +1,4 @@
-/* The interface between the batch-norm and pooling dispatchers (host/cpu/batchnorm.c, pool.c) and their CUDA kernels. */
+/* The interface between the batch-norm dispatcher (host/cpu/batchnorm.c) and its CUDA kernels. */
 #ifndef DLUA_CUDA_NN_CUDA_H
 #define DLUA_CUDA_NN_CUDA_H
 #include <stddef.h>
@@ -61,23 +61,6 @@ dlua_status_t dlua_cuda_bn_backward(const char *op, const dlua_cuda_bn_bwd_t *a)
 
 /* Copies `bytes` of device memory to the host after the current stream's queued work (waits). */
 dlua_status_t dlua_cuda_nn_read(const char *op, void *host, const void *src, size_t bytes, int device);
-
-/* 2-D pooling of (N, C, H, W) activations of `dtype` in NCHW (cl 0) or channels-last (cl 1) memory.
-   kind 0 max (dilation dh, dw), 1 average (include_pad, div_override), 2 adaptive average. */
-typedef struct {
-  int kind, dtype, cl, device;
-  int64_t N, C, H, W, OH, OW;
-  int64_t kh, kw, sh, sw, ph, pw, dh, dw;
-  int include_pad;
-  int64_t div_override;
-} dlua_cuda_pool_t;
-
-/* y (N, C, OH, OW); ind (same shape, int64 positions ih * W + iw in the plane) for max, may be NULL. */
-dlua_status_t dlua_cuda_pool_forward(const char *op, const dlua_cuda_pool_t *p, const void *x, void *y, int64_t *ind);
-/* gx (N, C, H, W) from gy (N, C, OH, OW). Max pooling takes the positions `ind` and sets *bad when
-   one lies outside its plane (then gx is incomplete); it waits for that answer. */
-dlua_status_t dlua_cuda_pool_backward(const char *op, const dlua_cuda_pool_t *p, const void *gy, const int64_t *ind,
-                                      void *gx, int *bad);
 
 #ifdef __cplusplus
 }
