@@ -5,5 +5,6 @@
 
 const dlua_backend_t dlua_cpu_backend = {
     .name = "cpu",
+    .norm = &dlua_cpu_norm_ops,
     .pool = &dlua_cpu_pool_ops,
 };

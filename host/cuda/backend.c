@@ -6,5 +6,6 @@
 
 const dlua_backend_t dlua_cuda_backend = {
     .name = "cuda",
+    .norm = &dlua_cuda_norm_ops,
     .pool = &dlua_cuda_pool_ops,
 };
