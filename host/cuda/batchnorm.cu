@@ -4,7 +4,7 @@
    the residual gradient backward, and must be deterministic (a result depends on the shape only: fixed
    partitions, fixed trees, no atomics); PyTorch also runs its own kernels for channels-last batch-norm.
 
-   The arithmetic is the CPU's (host/cpu/batchnorm.c, batchnorm_impl.h): sums of (x - shift) and its
+   The arithmetic is the CPU backend's (its batchnorm.c, batchnorm_impl.h): sums of (x - shift) and its
    square in double, shift = the channel's first value; the backward's sum d and sum d (x - mean) in
    double with the product in the compute type; per-channel coefficients computed in double and rounded
    to the compute type (float for f32/f16/bf16, double for f64), elementwise passes in that type.

@@ -1,6 +1,6 @@
 /* The CUDA pool kernels (kernels/pool.h; front doors in host/ops/pool.c): max (with positions), average and adaptive average, forward and backward, NCHW or channels-last. */
 /* Each output (forward) and each input gradient (backward) is computed by one thread alone, in the CPU's order
-   (host/cpu/pool_impl.h), so results are deterministic and agree with the CPU: the backward passes gather
+   (the CPU backend's pool_impl.h), so results are deterministic and agree with the CPU: the backward passes gather
    over the outputs whose windows hold the position, ascending, instead of scattering with atomics.
 
    Max-pooling's backward gets only the positions, not the window geometry; a first pass bounds how far
