@@ -1,10 +1,10 @@
-/* CUDA batch normalisation for host/cpu/batchnorm.c: statistics, normalisation fused with a residual add and ReLU, backward reduce and apply, NCHW or channels-last. */
+/* The CUDA batch-norm kernels (kernels/norm.h; front doors in host/ops/batchnorm.c): statistics, normalisation fused with a residual add and ReLU, backward reduce and apply, NCHW or channels-last. */
 /* Our own kernels rather than cuDNN's: the C API splits statistics from normalisation (SyncBatchNorm
    all-reduces between the halves, forward and backward), fuses the residual add and the ReLU forward and
    the residual gradient backward, and must be deterministic (a result depends on the shape only: fixed
    partitions, fixed trees, no atomics); PyTorch also runs its own kernels for channels-last batch-norm.
 
-   The arithmetic is the CPU's (host/cpu/batchnorm.c, batchnorm_impl.h): sums of (x - shift) and its
+   The arithmetic is the CPU backend's (its batchnorm.c, batchnorm_impl.h): sums of (x - shift) and its
    square in double, shift = the channel's first value; the backward's sum d and sum d (x - mean) in
    double with the product in the compute type; per-channel coefficients computed in double and rounded
    to the compute type (float for f32/f16/bf16, double for f64), elementwise passes in that type.
@@ -16,7 +16,7 @@
    each channel's partials in a fixed tree and computes the statistics. */
 #include "cuda/ew_common.cuh"
 #include "cuda/device_guard.cuh"
-#include "cuda/nn_cuda.h"
+#include "kernels/norm.h"
 
 namespace dlua_cu {
 namespace {
@@ -31,7 +31,7 @@ template <int DT> struct Ty {
 
 /* ---- per-channel vectors of any floating dtype and stride -------------------------------------------------- */
 
-__device__ __forceinline__ double vget(const dlua_cuda_vec_t &v, int64_t i, double dflt) {
+__device__ __forceinline__ double vget(const dlua_bn_vec_t &v, int64_t i, double dflt) {
   if (!v.p) return dflt;
   const int64_t k = i * v.stride;
   switch (v.dtype) {
@@ -42,7 +42,7 @@ __device__ __forceinline__ double vget(const dlua_cuda_vec_t &v, int64_t i, doub
   }
 }
 
-__device__ __forceinline__ void vset(const dlua_cuda_vec_t &v, int64_t i, double x) {
+__device__ __forceinline__ void vset(const dlua_bn_vec_t &v, int64_t i, double x) {
   if (!v.p) return;
   const int64_t k = i * v.stride;
   switch (v.dtype) {
@@ -91,7 +91,7 @@ template <int DT, int MODE> struct RedOp {
   typedef typename Ty<DT>::C Cc;
   static constexpr int V = Ty<DT>::V;
   const S *x, *dy, *y;
-  dlua_cuda_vec_t mean;
+  dlua_bn_vec_t mean;
   int64_t C, S_;
   int rows;
   struct Ch {
@@ -349,7 +349,7 @@ __global__ void __launch_bounds__(kBlk) k_final(Fin f, int64_t C, const double *
 template <int DT> struct FwdFin {
   typedef typename Ty<DT>::S S;
   typedef typename Ty<DT>::C Cc;
-  dlua_cuda_bn_fwd_t a;
+  dlua_bn_fwd_t a;
   Cc *coef;
   __device__ void once() const {
     if (a.stats_out) a.stats_out[2 * a.g.C] = (double)a.M;
@@ -401,7 +401,7 @@ template <int DT> struct FwdFin {
 /* Backward sums -> sums_out, grad_gamma/grad_beta, coefficients (m, A, B, D). As bn_backward. */
 template <int DT> struct BwdFin {
   typedef typename Ty<DT>::C Cc;
-  dlua_cuda_bn_bwd_t a;
+  dlua_bn_bwd_t a;
   Cc *coef;
   __device__ void once() const {
     if (a.sums_out) a.sums_out[2 * a.g.C] = (double)a.M;
@@ -461,7 +461,7 @@ inline unsigned blocks_for(int64_t work) { return grid_for(work); }
 
 inline bool al16(const void *p) { return p == nullptr || ((uintptr_t)p & 15) == 0; }
 
-template <typename Op> dlua_status_t elementwise(const char *op, const Op &o, const dlua_cuda_bn_geom_t &g, bool vec_ok,
+template <typename Op> dlua_status_t elementwise(const char *op, const Op &o, const dlua_bn_geom_t &g, bool vec_ok,
                                                  cudaStream_t st) {
   constexpr int V = Op::V;
   if (g.rows) {
@@ -486,7 +486,7 @@ template <typename Op> dlua_status_t elementwise(const char *op, const Op &o, co
 }
 
 /* Partials of op over the whole input into ps/pq ((nparts, C) each); nparts as reduce_parts. */
-template <typename Op> dlua_status_t reduce(const char *op, const Op &o, const dlua_cuda_bn_geom_t &g, bool vec_ok,
+template <typename Op> dlua_status_t reduce(const char *op, const Op &o, const dlua_bn_geom_t &g, bool vec_ok,
                                             double *ps, double *pq, cudaStream_t st) {
   constexpr int V = Op::V;
   if (g.rows) {
@@ -504,7 +504,7 @@ template <typename Op> dlua_status_t reduce(const char *op, const Op &o, const d
   return launched(op);
 }
 
-int64_t reduce_parts(const dlua_cuda_bn_geom_t &g, int V) { return g.rows ? rows_geom(g.N * g.S, g.C, V).RC : g.N; }
+int64_t reduce_parts(const dlua_bn_geom_t &g, int V) { return g.rows ? rows_geom(g.N * g.S, g.C, V).RC : g.N; }
 
 template <typename Fin> dlua_status_t finalize(const char *op, const Fin &f, int64_t C, const double *ps,
                                                const double *pq, int64_t nparts, cudaStream_t st) {
@@ -540,11 +540,11 @@ struct Scratch {
 
 /* ---- forward and backward per dtype ------------------------------------------------------------------------------ */
 
-template <int DT> dlua_status_t forward(const char *op, const dlua_cuda_bn_fwd_t &a, cudaStream_t st) {
+template <int DT> dlua_status_t forward(const char *op, const dlua_bn_fwd_t &a, cudaStream_t st) {
   typedef typename Ty<DT>::S S;
   typedef typename Ty<DT>::C Cc;
   constexpr int V = Ty<DT>::V;
-  const dlua_cuda_bn_geom_t &g = a.g;
+  const dlua_bn_geom_t &g = a.g;
   const int64_t C = g.C, numel = g.N * g.C * g.S;
   const bool local = a.stats_out || (a.train && !a.stats);
   const bool red = local && numel > 0;
@@ -554,7 +554,7 @@ template <int DT> dlua_status_t forward(const char *op, const dlua_cuda_bn_fwd_t
   DLUA_TRY(sc.get(g.device, nparts, C, sizeof(Cc)));
   dlua_status_t s = DLUA_OK;
   if (red) {
-    RedOp<DT, 0> r{(const S *)a.x, nullptr, nullptr, dlua_cuda_vec_t{}, C, g.S, g.rows};
+    RedOp<DT, 0> r{(const S *)a.x, nullptr, nullptr, dlua_bn_vec_t{}, C, g.S, g.rows};
     s = reduce(op, r, g, vec_ok, sc.ps, sc.pq, st);
   }
   if (s == DLUA_OK) s = finalize(op, FwdFin<DT>{a, (Cc *)sc.coef}, C, red ? sc.ps : nullptr, sc.pq, nparts, st);
@@ -575,11 +575,11 @@ template <int DT> dlua_status_t forward(const char *op, const dlua_cuda_bn_fwd_t
   return sc.put(s);
 }
 
-template <int DT> dlua_status_t backward(const char *op, const dlua_cuda_bn_bwd_t &a, cudaStream_t st) {
+template <int DT> dlua_status_t backward(const char *op, const dlua_bn_bwd_t &a, cudaStream_t st) {
   typedef typename Ty<DT>::S S;
   typedef typename Ty<DT>::C Cc;
   constexpr int V = Ty<DT>::V;
-  const dlua_cuda_bn_geom_t &g = a.g;
+  const dlua_bn_geom_t &g = a.g;
   const int64_t C = g.C, numel = g.N * g.C * g.S;
   const bool red = a.reduce && numel > 0;
   const bool vec_ok = al16(a.x) && al16(a.dy) && al16(a.y) && al16(a.dx) && al16(a.dskip);
@@ -618,7 +618,9 @@ template <int DT> dlua_status_t backward(const char *op, const dlua_cuda_bn_bwd_
   DLUA_CU_SELECT(guard, op, dev); \
   cudaStream_t st = (cudaStream_t)dlua_cuda_raw_stream(dev)
 
-extern "C" dlua_status_t dlua_cuda_bn_forward(const char *op, const dlua_cuda_bn_fwd_t *a) {
+namespace {
+
+dlua_status_t cuda_bn_forward(const char *op, const dlua_bn_fwd_t *a) {
   using namespace dlua_cu;
   BN_SELECT(op, a->g.device);
 #define BN_FWD_DT(DT) forward<DT>(op, *a, st)
@@ -626,7 +628,7 @@ extern "C" dlua_status_t dlua_cuda_bn_forward(const char *op, const dlua_cuda_bn
 #undef BN_FWD_DT
 }
 
-extern "C" dlua_status_t dlua_cuda_bn_backward(const char *op, const dlua_cuda_bn_bwd_t *a) {
+dlua_status_t cuda_bn_backward(const char *op, const dlua_bn_bwd_t *a) {
   using namespace dlua_cu;
   BN_SELECT(op, a->g.device);
 #define BN_BWD_DT(DT) backward<DT>(op, *a, st)
@@ -634,16 +636,8 @@ extern "C" dlua_status_t dlua_cuda_bn_backward(const char *op, const dlua_cuda_b
 #undef BN_BWD_DT
 }
 
-extern "C" dlua_status_t dlua_cuda_nn_read(const char *op, void *host, const void *src, size_t bytes, int device) {
-  using namespace dlua_cu;
-  if (bytes == 0) return DLUA_OK;
-  BN_SELECT(op, device);
-  cudaError_t e = cudaMemcpyAsync(host, src, bytes, cudaMemcpyDeviceToHost, st);
-  if (e == cudaSuccess) e = cudaStreamSynchronize(st);
-  if (e != cudaSuccess) {
-    cudaGetLastError();
-    return DLUA_ERR(DLUA_ERR_BACKEND, "%s: reading %zu bytes from cuda:%d failed: %s (CUDA error %d)", op, bytes, device,
-                    cudaGetErrorString(e), (int)e);
-  }
-  return DLUA_OK;
-}
+}  // namespace
+
+/* The kernels read and write the activations' own dtype when they agree (16-bit ones converted in
+   registers); they always read the forward's output for a fused ReLU's mask (y_exact unused). */
+extern "C" const struct dlua_norm_ops dlua_cuda_norm_ops = {1, cuda_bn_forward, cuda_bn_backward};

@@ -1,6 +1,6 @@
-/* CUDA 2-D pooling for host/cpu/pool.c: max (with positions), average and adaptive average, forward and backward, NCHW or channels-last. */
+/* The CUDA pool kernels (kernels/pool.h; front doors in host/ops/pool.c): max (with positions), average and adaptive average, forward and backward, NCHW or channels-last. */
 /* Each output (forward) and each input gradient (backward) is computed by one thread alone, in the CPU's order
-   (host/cpu/pool_impl.h), so results are deterministic and agree with the CPU: the backward passes gather
+   (the CPU backend's pool_impl.h), so results are deterministic and agree with the CPU: the backward passes gather
    over the outputs whose windows hold the position, ascending, instead of scattering with atomics.
 
    Max-pooling's backward gets only the positions, not the window geometry; a first pass bounds how far
@@ -8,12 +8,12 @@
    within that distance (the window's own extent for positions that came from a forward). */
 #include "cuda/ew_common.cuh"
 #include "cuda/device_guard.cuh"
-#include "cuda/nn_cuda.h"
+#include "kernels/pool.h"
 
 namespace dlua_cu {
 namespace {
 
-typedef dlua_cuda_pool_t Pool;
+typedef dlua_pool_geom_t Pool;
 
 /* Output or input element i (its offset in memory) as (n, c, h, w), for a (N, C, Hh, Ww) tensor. */
 __device__ __forceinline__ void unravel(int64_t i, const Pool &p, int64_t Hh, int64_t Ww, int64_t &n, int64_t &c,
@@ -263,23 +263,31 @@ template <int DT> dlua_status_t backward(const char *op, const Pool &p, const vo
 }  // namespace
 }  // namespace dlua_cu
 
-extern "C" dlua_status_t dlua_cuda_pool_forward(const char *op, const dlua_cuda_pool_t *p, const void *x, void *y,
-                                                int64_t *ind) {
+namespace {
+
+dlua_status_t cuda_pool_forward(const char *op, const dlua_pool_fwd_t *a) {
   using namespace dlua_cu;
+  const dlua_pool_geom_t *p = &a->p;
   DLUA_CU_SELECT(g, op, p->device);
   cudaStream_t st = (cudaStream_t)dlua_cuda_raw_stream(p->device);
-#define POOL_FWD(DT) forward<DT>(op, *p, x, y, ind, st)
+#define POOL_FWD(DT) forward<DT>(op, *p, a->x, a->y, a->ind, st)
   DLUA_CU_FLOAT_DISPATCH(p->dtype, POOL_FWD, op, "pooling")
 #undef POOL_FWD
 }
 
-extern "C" dlua_status_t dlua_cuda_pool_backward(const char *op, const dlua_cuda_pool_t *p, const void *gy,
-                                                 const int64_t *ind, void *gx, int *bad) {
+dlua_status_t cuda_pool_backward(const char *op, const dlua_pool_bwd_t *a) {
   using namespace dlua_cu;
+  const dlua_pool_geom_t *p = &a->p;
+  int *bad = a->bad;
   *bad = 0;
   DLUA_CU_SELECT(g, op, p->device);
   cudaStream_t st = (cudaStream_t)dlua_cuda_raw_stream(p->device);
-#define POOL_BWD(DT) backward<DT>(op, *p, gy, ind, gx, bad, st)
+#define POOL_BWD(DT) backward<DT>(op, *p, a->gy, a->ind, a->gx, bad, st)
   DLUA_CU_FLOAT_DISPATCH(p->dtype, POOL_BWD, op, "pooling")
 #undef POOL_BWD
 }
+
+}  // namespace
+
+/* The kernels read and write the activations' own dtype (16-bit ones computed in float). */
+extern "C" const struct dlua_pool_ops dlua_cuda_pool_ops = {1, cuda_pool_forward, cuda_pool_backward};

@@ -1,4 +1,4 @@
-/* Check suite for host/cpu/batchnorm.c: batch-norm (+ReLU, +residual) forward/backward against double references, finite differences and hand-computed running statistics. */
+/* Check suite for host/ops/batchnorm.c and host/cpu/batchnorm.c: batch-norm (+ReLU, +residual) forward/backward against double references, finite differences and hand-computed running statistics. */
 #include <check.h>
 #include <math.h>
 #include <omp.h>
@@ -9,6 +9,8 @@
 
 #include "core/api.h"
 #include "core/tensor.h"
+#include "kernels/norm.h"
+#include "ops/backend.h"
 
 #include "testutil.h"
 
@@ -521,6 +523,52 @@ START_TEST(test_errors) {
 }
 END_TEST
 
+/* The front doors reach the kernels through the norm table (kernels/norm.h): the CPU's is dlua_cpu_norm_ops,
+   its forward slot runs on a descriptor alone, and a tensor on device 0 without a CUDA device gets the
+   registry's one message from every front door of the family. */
+START_TEST(test_backend_table) {
+  const struct dlua_norm_ops *k = NULL;
+  ck_assert_int_eq(DLUA_BACKEND("batch_norm", DLUA_CPU, norm, forward, &k), DLUA_OK);
+  ck_assert_ptr_eq(k, &dlua_cpu_norm_ops);
+  ck_assert_ptr_nonnull(k->backward);
+  ck_assert_int_eq(k->native_16bit, 0);
+  // batch_norm_stats through the slot: (2, 1) input {1, 3}, sums [4, 10, 2].
+  const double xv[2] = {1, 3};
+  double st[3] = {-1, -1, -1};
+  const dlua_bn_fwd_t a = {.g = {.dtype = DLUA_DTYPE_F64, .rows = 1, .device = DLUA_CPU, .N = 2, .C = 1, .S = 1},
+                           .x = xv, .stats_out = st, .M = 2, .train = 1};
+  ck_assert_int_eq(k->forward("batch_norm_stats", &a), DLUA_OK);
+  ck_assert(st[0] == 4 && st[1] == 10 && st[2] == 2);
+
+  const int64_t sz[2] = {2, 1};
+  dlua_tensor_t *x = mk(DLUA_DTYPE_F32, 2, sz, xv, 0), *out = NULL, *m = NULL, *is = NULL, *sums = NULL;
+  if (dlua_cuda_device_count() > 0) {
+    const dlua_backend_t *be = NULL;
+    ck_assert_int_eq(dlua_backend_for("batch_norm", 0, &be), DLUA_OK);
+    ck_assert_int_eq(DLUA_BACKEND("batch_norm", 0, norm, backward, &k), DLUA_OK);
+    ck_assert_ptr_eq(k, be->norm);
+    ck_assert_int_eq(k->native_16bit, 1);
+  } else {
+    // A handle claiming device 0 (never dereferenced: the registry answers before any kernel runs).
+    dlua_tensor_t on0 = *x, v0 = *x;
+    on0.device = 0;
+    v0.device = 0;
+    v0.ndim = 1;  // (1): one entry for the one channel, as save_mean and save_invstd
+    v0.sizes[0] = 1;
+    tu_expect_error_at(dlua_nn_batch_norm_forward(&out, &m, &is, &on0, NULL, NULL, NULL, NULL, NULL, 1, 0.1, 1e-5, 0),
+                       "batch_norm:", "no CUDA device available (");
+    tu_expect_error_at(dlua_nn_batch_norm_stats(&sums, &on0), "batch_norm_stats:", "no CUDA device available (");
+    tu_expect_error_at(dlua_nn_batch_norm_backward(&out, NULL, NULL, NULL, &on0, &on0, NULL, NULL, NULL, &v0, &v0, 1, 0,
+                                                   0),
+                       "batch_norm_backward:", "no CUDA device available (");
+    ck_assert_ptr_null(out);
+    ck_assert_ptr_null(m);
+    ck_assert_ptr_null(sums);
+  }
+  dlua_tensor_free(x);
+}
+END_TEST
+
 int main(void) {
   Suite *s = suite_create("batchnorm");
   TCase *tc = tcase_create("core");
@@ -534,6 +582,7 @@ int main(void) {
   tcase_add_test(tc, test_dtypes_views_and_outputs);
   tcase_add_test(tc, test_relu_mask_from_input);
   tcase_add_test(tc, test_errors);
+  tcase_add_test(tc, test_backend_table);
   suite_add_tcase(s, tc);
   return tu_run(s);
 }

@@ -1,4 +1,4 @@
-/* Check suite for host/cpu/pool.c: max, average and adaptive average 2-D pooling against naive double loops and finite differences, in both memory formats. */
+/* Check suite for host/ops/pool.c and host/cpu/pool.c: max, average and adaptive average 2-D pooling against naive double loops and finite differences, in both memory formats. */
 #include <check.h>
 #include <math.h>
 #include <stdint.h>
@@ -8,6 +8,8 @@
 
 #include "core/api.h"
 #include "core/tensor.h"
+#include "kernels/pool.h"
+#include "ops/backend.h"
 
 #include "testutil.h"
 
@@ -458,6 +460,54 @@ START_TEST(test_output_size_and_errors) {
 }
 END_TEST
 
+/* The front doors reach the kernels through the pool table (kernels/pool.h): the CPU's is dlua_cpu_pool_ops,
+   its slots run on a descriptor alone, and a tensor on device 0 without a CUDA device gets the registry's one message. */
+START_TEST(test_backend_table) {
+  const struct dlua_pool_ops *k = NULL;
+  ck_assert_int_eq(DLUA_BACKEND("max_pool2d", DLUA_CPU, pool, forward, &k), DLUA_OK);
+  ck_assert_ptr_eq(k, &dlua_cpu_pool_ops);
+  ck_assert_ptr_nonnull(k->backward);
+  ck_assert_int_eq(k->native_16bit, 0);
+  // The forward slot on a descriptor: one 2 x 2 window over a 1 x 1 x 2 x 2 plane.
+  const double xv[4] = {1, 4, -2, 3};
+  double y = 0;
+  int64_t ind = -1;
+  const dlua_pool_fwd_t a = {.p = {.kind = DLUA_POOL_MAX, .dtype = DLUA_DTYPE_F64, .device = DLUA_CPU, .N = 1, .C = 1,
+                                   .H = 2, .W = 2, .OH = 1, .OW = 1, .kh = 2, .kw = 2, .sh = 2, .sw = 2, .dh = 1, .dw = 1},
+                             .x = xv, .y = &y, .ind = &ind};
+  ck_assert_int_eq(k->forward("max_pool2d", &a), DLUA_OK);
+  ck_assert(y == 4 && ind == 1);
+  // The backward slot reports a position outside the plane through *bad.
+  const double gy = 1;
+  double gx[4] = {0};
+  int64_t far = 9;
+  int bad = 0;
+  const dlua_pool_bwd_t b = {.p = a.p, .gy = &gy, .ind = &far, .gx = gx, .bad = &bad};
+  ck_assert_int_eq(k->backward("max_pool2d_backward", &b), DLUA_OK);
+  ck_assert_int_eq(bad, 1);
+
+  const int64_t sz[4] = {1, 1, 2, 2};
+  dlua_tensor_t *x = mk(DLUA_DTYPE_F32, sz, xv, 0), *out = NULL;
+  if (dlua_cuda_device_count() > 0) {
+    const dlua_backend_t *be = NULL;
+    ck_assert_int_eq(dlua_backend_for("max_pool2d", 0, &be), DLUA_OK);
+    ck_assert_int_eq(DLUA_BACKEND("max_pool2d", 0, pool, forward, &k), DLUA_OK);
+    ck_assert_ptr_eq(k, be->pool);
+    ck_assert_int_eq(k->native_16bit, 1);
+  } else {
+    // A handle claiming device 0 (never dereferenced: the registry answers before any kernel runs).
+    dlua_tensor_t on0 = *x;
+    on0.device = 0;
+    tu_expect_error_at(dlua_nn_max_pool2d_forward(&out, NULL, &on0, 2, 2, 2, 2, 0, 0, 1, 1, 0), "max_pool2d:",
+                       "no CUDA device available (");
+    tu_expect_error_at(dlua_nn_adaptive_avg_pool2d_backward(&out, &on0, sz), "adaptive_avg_pool2d_backward:",
+                       "no CUDA device available (");
+    ck_assert_ptr_null(out);
+  }
+  dlua_tensor_free(x);
+}
+END_TEST
+
 int main(void) {
   Suite *s = suite_create("pool");
   TCase *tc = tcase_create("core");
@@ -469,6 +519,7 @@ int main(void) {
   tcase_add_test(tc, test_adaptive);
   tcase_add_test(tc, test_threads_dtypes_views);
   tcase_add_test(tc, test_output_size_and_errors);
+  tcase_add_test(tc, test_backend_table);
   suite_add_tcase(s, tc);
   return tu_run(s);
 }
