@@ -1,8 +1,10 @@
 /* The CPU backend's table (ops/backend.h): one family per line, each filled by the file that runs it. */
 #include "ops/backend.h"
 #include "kernels/index.h"
+#include "kernels/loss.h"
 #include "kernels/norm.h"
 #include "kernels/pool.h"
+#include "kernels/random.h"
 #include "kernels/reduce.h"
 
 const dlua_backend_t dlua_cpu_backend = {
@@ -11,4 +13,6 @@ const dlua_backend_t dlua_cpu_backend = {
     .index = &dlua_cpu_index_ops,
     .norm = &dlua_cpu_norm_ops,
     .pool = &dlua_cpu_pool_ops,
+    .loss = &dlua_cpu_loss_ops,
+    .random = &dlua_cpu_random_ops,
 };

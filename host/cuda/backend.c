@@ -2,8 +2,10 @@
    Built only with CUDA; host/ops/backend.c hands it out while a device exists. */
 #include "ops/backend.h"
 #include "kernels/index.h"
+#include "kernels/loss.h"
 #include "kernels/norm.h"
 #include "kernels/pool.h"
+#include "kernels/random.h"
 #include "kernels/reduce.h"
 
 const dlua_backend_t dlua_cuda_backend = {
@@ -12,4 +14,6 @@ const dlua_backend_t dlua_cuda_backend = {
     .index = &dlua_cuda_index_ops,
     .norm = &dlua_cuda_norm_ops,
     .pool = &dlua_cuda_pool_ops,
+    .loss = &dlua_cuda_loss_ops,
+    .random = &dlua_cuda_random_ops,
 };

@@ -1,10 +1,10 @@
-/* Losses and activation gradients on CUDA: softmax/log-softmax, cross-entropy, MSE, threshold/ReLU backward and
-   dropout's mask, over host/cpu/loss.c's staged contiguous buffers of the compute type (float or double), with the
-   CPU kernels' arithmetic. Row reductions run in one group per row (a thread, a warp or a block, chosen by the
-   shape) and loss sums in two fixed passes: no atomics, so a result depends on the shape only. */
+/* The CUDA backend's loss family (kernels/loss.h): softmax/log-softmax, cross-entropy, MSE, threshold/ReLU backward
+   and dropout's mask, over the contiguous buffers of the compute type (float or double) that host/ops stages, with
+   the arithmetic of the CPU kernels. Row reductions run in one group per row (a thread, a warp or a block, chosen
+   by the shape) and loss sums in two fixed passes: no atomics, so a result depends on the shape only. */
 #include "cuda/ew_common.cuh"
 #include "cuda/device_guard.cuh"
-#include "cuda/loss_cuda.h"
+#include "kernels/loss.h"
 
 namespace dlua_cu {
 namespace {
@@ -146,7 +146,7 @@ __global__ void k_softmax_bwd(const T *gy, const T *y, T *gx, int64_t rows, int6
    computed in double from the logits row; part[i] gets l_i for a reduced loss. */
 
 template <typename T, int G>
-__global__ void k_ce_fwd(dlua_cuda_ce_t pl, const T *x, T *lp, T *loss_none, double *part) {
+__global__ void k_ce_fwd(dlua_loss_ce_t pl, const T *x, T *lp, T *loss_none, double *part) {
   const int lane = Sched<G>::lane();
   const int64_t K = pl.K, inner = pl.inner;
   const double e_k = K ? pl.eps / (double)K : 0.0;
@@ -183,7 +183,7 @@ __global__ void k_ce_fwd(dlua_cuda_ce_t pl, const T *x, T *lp, T *loss_none, dou
 /* dl_i/dx_c = g_i (p_c S_i - q_ic), q_ic = (1 - e) w_y [c == y] + (e / K) w_c, S_i = sum_c q_ic; one thread per
    element of the (N, K, inner) gradient. g_i = gy[i], else (*gs or 1) / div. */
 template <typename T>
-__global__ void k_ce_bwd(dlua_cuda_ce_t pl, const T *lp, const T *gy, const double *gs, double div, T *gx,
+__global__ void k_ce_bwd(dlua_loss_ce_t pl, const T *lp, const T *gy, const double *gs, double div, T *gx,
                          int64_t total) {
   const int64_t K = pl.K, inner = pl.inner;
   const double e_k = K ? pl.eps / (double)K : 0.0;
@@ -270,7 +270,7 @@ struct TermArray {
   __device__ __forceinline__ double operator()(int64_t i) const { return v[i]; }
 };
 
-/* host/cpu/loss.c's mse_fwd: the square in T, summed in double. */
+/* The CPU kernels' mse_fwd: the square in T, summed in double. */
 template <typename T> struct TermMse {
   const T *x, *t;
   __device__ __forceinline__ double operator()(int64_t i) const {
@@ -346,7 +346,7 @@ struct Scratch {
 };
 
 template <typename T>
-dlua_status_t ce_fwd(const char *op, const dlua_cuda_ce_t &pl, const void *x, void *lp, void *loss_none, double *sum,
+dlua_status_t ce_fwd(const char *op, const dlua_loss_ce_t &pl, const void *x, void *lp, void *loss_none, double *sum,
                      double div, int device, cudaStream_t s) {
   Scratch scratch(device);
   double *per_target = nullptr, *part = nullptr;
@@ -363,7 +363,7 @@ dlua_status_t ce_fwd(const char *op, const dlua_cuda_ce_t &pl, const void *x, vo
 }
 
 template <typename T>
-dlua_status_t ce_bwd(const char *op, const dlua_cuda_ce_t &pl, const void *lp, const void *gy, const double *gs,
+dlua_status_t ce_bwd(const char *op, const dlua_loss_ce_t &pl, const void *lp, const void *gy, const double *gs,
                      double div, void *gx, cudaStream_t s) {
   const int64_t total = pl.P * pl.K;
   if (total <= 0) return DLUA_OK;
@@ -400,79 +400,97 @@ using namespace dlua_cu;
   DLUA_CU_SELECT(guard, op, device);    \
   cudaStream_t s = (cudaStream_t)dlua_cuda_raw_stream(device)
 
-extern "C" dlua_status_t dlua_cuda_softmax_fwd(const char *op, int ct, const void *x, void *y, int64_t outer, int64_t K,
-                                               int64_t inner, int log, int device) {
-  if (outer * K * inner == 0) return DLUA_OK;
-  LOSS_PROLOGUE(op, device);
-  return by_type(op, ct, [&](auto v) { return softmax_fwd<decltype(v)>(op, x, y, outer, K, inner, log, s); });
+static dlua_status_t cuda_softmax(const char *op, const dlua_loss_softmax_t *d) {
+  if (d->outer * d->K * d->inner == 0) return DLUA_OK;
+  LOSS_PROLOGUE(op, d->device);
+  return by_type(op, d->ct, [&](auto v) {
+    return softmax_fwd<decltype(v)>(op, d->x, d->y, d->outer, d->K, d->inner, d->log, s);
+  });
 }
 
-extern "C" dlua_status_t dlua_cuda_softmax_bwd(const char *op, int ct, const void *gy, const void *y, void *gx,
-                                               int64_t outer, int64_t K, int64_t inner, int log, int device) {
-  if (outer * K * inner == 0) return DLUA_OK;
-  LOSS_PROLOGUE(op, device);
-  return by_type(op, ct, [&](auto v) { return softmax_bwd<decltype(v)>(op, gy, y, gx, outer, K, inner, log, s); });
+static dlua_status_t cuda_softmax_backward(const char *op, const dlua_loss_softmax_bwd_t *d) {
+  if (d->outer * d->K * d->inner == 0) return DLUA_OK;
+  LOSS_PROLOGUE(op, d->device);
+  return by_type(op, d->ct, [&](auto v) {
+    return softmax_bwd<decltype(v)>(op, d->gy, d->y, d->gx, d->outer, d->K, d->inner, d->log, s);
+  });
 }
 
-extern "C" dlua_status_t dlua_cuda_threshold(const char *op, int ct, const void *x, void *y, int64_t n, double th,
-                                             double value, int device) {
+static dlua_status_t cuda_threshold(const char *op, const dlua_loss_threshold_t *d) {
+  const int64_t n = d->n;
   if (n <= 0) return DLUA_OK;
-  LOSS_PROLOGUE(op, device);
-  return by_type(op, ct, [&](auto v) {
+  LOSS_PROLOGUE(op, d->device);
+  return by_type(op, d->ct, [&](auto v) {
     typedef decltype(v) T;
-    k_threshold<T><<<grid_for(n), kThreads, 0, s>>>((const T *)x, (T *)y, n, (T)th, (T)value);
+    k_threshold<T><<<grid_for(n), kThreads, 0, s>>>((const T *)d->x, (T *)d->y, n, (T)d->th, (T)d->value);
     return launched(op);
   });
 }
 
-extern "C" dlua_status_t dlua_cuda_threshold_bwd(const char *op, int ct, const void *gy, const void *x, void *gx,
-                                                 int64_t n, double th, int device) {
+static dlua_status_t cuda_threshold_backward(const char *op, const dlua_loss_threshold_bwd_t *d) {
+  const int64_t n = d->n;
   if (n <= 0) return DLUA_OK;
-  LOSS_PROLOGUE(op, device);
-  return by_type(op, ct, [&](auto v) {
+  LOSS_PROLOGUE(op, d->device);
+  return by_type(op, d->ct, [&](auto v) {
     typedef decltype(v) T;
-    k_threshold_bwd<T><<<grid_for(n), kThreads, 0, s>>>((const T *)gy, (const T *)x, (T *)gx, n, (T)th);
+    k_threshold_bwd<T><<<grid_for(n), kThreads, 0, s>>>((const T *)d->gy, (const T *)d->x, (T *)d->gx, n, (T)d->th);
     return launched(op);
   });
 }
 
-extern "C" dlua_status_t dlua_cuda_mask_scale(const char *op, int ct, const void *x, const uint8_t *m, void *y,
-                                              int64_t n, double scale, int device) {
+static dlua_status_t cuda_mask_scale(const char *op, const dlua_loss_mask_scale_t *d) {
+  const int64_t n = d->n;
   if (n <= 0) return DLUA_OK;
-  LOSS_PROLOGUE(op, device);
-  return by_type(op, ct, [&](auto v) {
+  LOSS_PROLOGUE(op, d->device);
+  return by_type(op, d->ct, [&](auto v) {
     typedef decltype(v) T;
-    k_mask_scale<T><<<grid_for(n), kThreads, 0, s>>>((const T *)x, m, (T *)y, n, (T)scale);
+    k_mask_scale<T><<<grid_for(n), kThreads, 0, s>>>((const T *)d->x, d->m, (T *)d->y, n, (T)d->scale);
     return launched(op);
   });
 }
 
-extern "C" dlua_status_t dlua_cuda_mse_fwd(const char *op, int ct, const void *x, const void *t, void *out_none,
-                                           double *sum, double div, int64_t n, int device) {
-  LOSS_PROLOGUE(op, device);
-  return by_type(op, ct, [&](auto v) { return mse_fwd<decltype(v)>(op, x, t, out_none, sum, div, n, device, s); });
+static dlua_status_t cuda_mse(const char *op, const dlua_loss_mse_t *d) {
+  LOSS_PROLOGUE(op, d->device);
+  return by_type(op, d->ct, [&](auto v) {
+    return mse_fwd<decltype(v)>(op, d->x, d->t, d->out_none, d->sum, d->div, d->n, d->device, s);
+  });
 }
 
-extern "C" dlua_status_t dlua_cuda_mse_bwd(const char *op, int ct, const void *x, const void *t, const void *gy,
-                                           const double *gscalar, double norm, void *gx, int64_t n, int device) {
+static dlua_status_t cuda_mse_backward(const char *op, const dlua_loss_mse_bwd_t *d) {
+  const int64_t n = d->n;
   if (n <= 0) return DLUA_OK;
-  LOSS_PROLOGUE(op, device);
-  return by_type(op, ct, [&](auto v) {
+  LOSS_PROLOGUE(op, d->device);
+  return by_type(op, d->ct, [&](auto v) {
     typedef decltype(v) T;
-    k_mse_bwd<T><<<grid_for(n), kThreads, 0, s>>>((const T *)x, (const T *)t, (const T *)gy, gscalar, (T)norm, (T *)gx,
-                                                  n);
+    k_mse_bwd<T><<<grid_for(n), kThreads, 0, s>>>((const T *)d->x, (const T *)d->t, (const T *)d->gy, d->gscalar,
+                                                  (T)d->norm, (T *)d->gx, n);
     return launched(op);
   });
 }
 
-extern "C" dlua_status_t dlua_cuda_ce_fwd(const char *op, int ct, const dlua_cuda_ce_t *pl, const void *x, void *lp,
-                                          void *loss_none, double *sum, double div, int device) {
-  LOSS_PROLOGUE(op, device);
-  return by_type(op, ct, [&](auto v) { return ce_fwd<decltype(v)>(op, *pl, x, lp, loss_none, sum, div, device, s); });
+static dlua_status_t cuda_cross_entropy(const char *op, const dlua_loss_ce_fwd_t *d) {
+  LOSS_PROLOGUE(op, d->device);
+  return by_type(op, d->ct, [&](auto v) {
+    return ce_fwd<decltype(v)>(op, d->pl, d->x, d->lp, d->loss_none, d->sum, d->div, d->device, s);
+  });
 }
 
-extern "C" dlua_status_t dlua_cuda_ce_bwd(const char *op, int ct, const dlua_cuda_ce_t *pl, const void *lp,
-                                          const void *gy, const double *gscalar, double div, void *gx, int device) {
-  LOSS_PROLOGUE(op, device);
-  return by_type(op, ct, [&](auto v) { return ce_bwd<decltype(v)>(op, *pl, lp, gy, gscalar, div, gx, s); });
+static dlua_status_t cuda_cross_entropy_backward(const char *op, const dlua_loss_ce_bwd_t *d) {
+  LOSS_PROLOGUE(op, d->device);
+  return by_type(op, d->ct, [&](auto v) {
+    return ce_bwd<decltype(v)>(op, d->pl, d->lp, d->gy, d->gscalar, d->div, d->gx, s);
+  });
 }
+
+/* In kernels/loss.h's slot order. */
+const struct dlua_loss_ops dlua_cuda_loss_ops = {
+    /* softmax */ cuda_softmax,
+    /* softmax_backward */ cuda_softmax_backward,
+    /* threshold */ cuda_threshold,
+    /* threshold_backward */ cuda_threshold_backward,
+    /* mask_scale */ cuda_mask_scale,
+    /* mse */ cuda_mse,
+    /* mse_backward */ cuda_mse_backward,
+    /* cross_entropy */ cuda_cross_entropy,
+    /* cross_entropy_backward */ cuda_cross_entropy_backward,
+};

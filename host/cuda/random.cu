@@ -1,9 +1,10 @@
-/* Random fills on CUDA: one thread per 4-element Philox block, with the CPU's per-element rules (core/random.h), so a
-   fill gives the same bits on both backends for the same generator state. */
+/* Random fills on CUDA (kernels/random.h's random family): one thread per 4-element Philox block, with the CPU's
+   per-element rules (kernels/philox.h), so a fill gives the same bits on both backends for the same generator
+   state. randperm stays NULL: its front door shuffles on the CPU. */
 #include "cuda/ew_common.cuh"
 #include "cuda/device_guard.cuh"
-#include "cuda/loss_cuda.h"
-#include "core/random.h"
+#include "kernels/philox.h"
+#include "kernels/random.h"
 
 namespace dlua_cu {
 namespace {
@@ -41,7 +42,7 @@ template <int DT> __device__ __forceinline__ typename Tr<DT>::S from_i64(int64_t
 }
 
 /* Block b covers elements 4b .. 4b+3 (the last one may be short). */
-template <int DT, int KIND> __global__ void k_fill(dlua_cuda_fill_t f, void *dst_, int64_t n) {
+template <int DT, int KIND> __global__ void k_fill(dlua_random_fill_t f, void *dst_, int64_t n) {
   typedef typename Tr<DT>::S S;
   S *dst = (S *)dst_;
   const dlua_rng_stream_t s = {{f.key[0], f.key[1]}, f.base};
@@ -51,15 +52,15 @@ template <int DT, int KIND> __global__ void k_fill(dlua_cuda_fill_t f, void *dst
     dlua_rng_block(&s, (uint64_t)b, 0, w);
     const int64_t i0 = 4 * b;
     const int m = n - i0 < 4 ? (int)(n - i0) : 4;
-    if constexpr (KIND == DLUA_CUDA_FILL_NORMAL) {
+    if constexpr (KIND == DLUA_RANDOM_NORMAL) {
       double z[4];
       dlua_rng_normal4(w, f.a, f.b, z);
       for (int k = 0; k < m; k++) dst[i0 + k] = from_f64<DT>(z[k]);
     } else {
       for (int k = 0; k < m; k++) {
-        if constexpr (KIND == DLUA_CUDA_FILL_UNIFORM)
+        if constexpr (KIND == DLUA_RANDOM_UNIFORM)
           dst[i0 + k] = from_f64<DT>(dlua_rng_uniform(w[k], f.wide, f.a, f.b));
-        else if constexpr (KIND == DLUA_CUDA_FILL_BERNOULLI)
+        else if constexpr (KIND == DLUA_RANDOM_BERNOULLI)
           dst[i0 + k] = from_f64<DT>(dlua_rng_bernoulli(w[k], f.a));
         else
           dst[i0 + k] = from_i64<DT>(f.low + (int64_t)dlua_rng_bounded(&s, i0 + k, w[k], f.range));
@@ -68,13 +69,13 @@ template <int DT, int KIND> __global__ void k_fill(dlua_cuda_fill_t f, void *dst
   }
 }
 
-template <int DT> dlua_status_t fill(const char *op, const dlua_cuda_fill_t &f, void *dst, int64_t n, cudaStream_t s) {
+template <int DT> dlua_status_t fill(const char *op, const dlua_random_fill_t &f, void *dst, int64_t n, cudaStream_t s) {
   const unsigned grid = grid_for((n + 3) / 4);
   switch (f.kind) {
-    case DLUA_CUDA_FILL_UNIFORM: k_fill<DT, DLUA_CUDA_FILL_UNIFORM><<<grid, kThreads, 0, s>>>(f, dst, n); break;
-    case DLUA_CUDA_FILL_NORMAL: k_fill<DT, DLUA_CUDA_FILL_NORMAL><<<grid, kThreads, 0, s>>>(f, dst, n); break;
-    case DLUA_CUDA_FILL_RANDINT: k_fill<DT, DLUA_CUDA_FILL_RANDINT><<<grid, kThreads, 0, s>>>(f, dst, n); break;
-    case DLUA_CUDA_FILL_BERNOULLI: k_fill<DT, DLUA_CUDA_FILL_BERNOULLI><<<grid, kThreads, 0, s>>>(f, dst, n); break;
+    case DLUA_RANDOM_UNIFORM: k_fill<DT, DLUA_RANDOM_UNIFORM><<<grid, kThreads, 0, s>>>(f, dst, n); break;
+    case DLUA_RANDOM_NORMAL: k_fill<DT, DLUA_RANDOM_NORMAL><<<grid, kThreads, 0, s>>>(f, dst, n); break;
+    case DLUA_RANDOM_RANDINT: k_fill<DT, DLUA_RANDOM_RANDINT><<<grid, kThreads, 0, s>>>(f, dst, n); break;
+    case DLUA_RANDOM_BERNOULLI: k_fill<DT, DLUA_RANDOM_BERNOULLI><<<grid, kThreads, 0, s>>>(f, dst, n); break;
     default: return DLUA_ERR(DLUA_ERR_INTERNAL, "%s: unknown CUDA fill %d", op, f.kind);
   }
   return launched(op);
@@ -83,9 +84,11 @@ template <int DT> dlua_status_t fill(const char *op, const dlua_cuda_fill_t &f, 
 }  // namespace
 }  // namespace dlua_cu
 
-extern "C" dlua_status_t dlua_cuda_random_fill(const char *op, const dlua_cuda_fill_t *f, int dtype, void *dst,
-                                               int64_t n, int device) {
+static dlua_status_t cuda_fill(const char *op, const dlua_random_fill_t *f) {
   using namespace dlua_cu;
+  void *dst = f->dst;
+  const int64_t n = f->n;
+  const int dtype = f->dtype, device = f->device;
   if (n <= 0) return DLUA_OK;
   DLUA_CU_SELECT(guard, op, device);
   cudaStream_t s = (cudaStream_t)dlua_cuda_raw_stream(device);
@@ -101,3 +104,8 @@ extern "C" dlua_status_t dlua_cuda_random_fill(const char *op, const dlua_cuda_f
     default: return DLUA_ERR(DLUA_ERR_INTERNAL, "%s: invalid dtype %d", op, dtype);
   }
 }
+
+const struct dlua_random_ops dlua_cuda_random_ops = {
+    /* fill */ cuda_fill,
+    /* randperm */ NULL,
+};

@@ -5,7 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include "core/error.h"
-#include "core/random.h"
+#include "kernels/philox.h"
 #include "core/tensor.h"
 #include "ops/common.h"
 #include "ops/index.h"

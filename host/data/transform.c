@@ -5,7 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "core/error.h"
-#include "core/random.h"
+#include "kernels/philox.h"
 #include "core/tensor.h"
 #include "data/image.h"
 

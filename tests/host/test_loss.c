@@ -1,4 +1,4 @@
-/* Check suite for host/cpu/loss.c: softmax, cross-entropy, MSE, threshold/ReLU backward and dropout against double references and finite differences. */
+/* Check suite for host/ops/loss.c, host/ops/activation.c and host/cpu/loss.c: softmax, cross-entropy, MSE, threshold/ReLU backward and dropout against double references and finite differences. */
 #include <check.h>
 #include <math.h>
 #include <omp.h>
@@ -8,7 +8,10 @@
 #include <string.h>
 
 #include "core/api.h"
+#include "core/error.h"
 #include "core/tensor.h"
+#include "kernels/loss.h"
+#include "ops/backend.h"
 
 #include "testutil.h"
 
@@ -914,6 +917,45 @@ START_TEST(test_dropout_views) {
 }
 END_TEST
 
+/* The front doors reach their kernels through the backend table: the CPU's loss family is dlua_cpu_loss_ops with
+   every slot filled, a kernel called through it gives the front door's bits, and an op on device 0 without a
+   CUDA device gets the registry's one message. */
+START_TEST(test_loss_table) {
+  const struct dlua_loss_ops *k = NULL;
+  ck_assert_int_eq(DLUA_BACKEND("threshold", DLUA_CPU, loss, threshold, &k), DLUA_OK);
+  ck_assert_ptr_eq(k, &dlua_cpu_loss_ops);
+  ck_assert(k->softmax && k->softmax_backward && k->threshold && k->threshold_backward && k->mask_scale && k->mse &&
+            k->mse_backward && k->cross_entropy && k->cross_entropy_backward);
+  int64_t s[1] = {6};
+  double x[6] = {-2, -0.5, 0, 0.25, 1, 3}, y[6];
+  dlua_tensor_t *xt = mk(DLUA_DTYPE_F64, 1, s, x), *yt = NULL;
+  ck_assert_int_eq(dlua_nn_threshold(&yt, xt, 0.1, -7), DLUA_OK);
+  dlua_loss_threshold_t d = {.ct = DLUA_DTYPE_F64, .x = x, .y = y, .n = 6, .th = 0.1, .value = -7, .device = DLUA_CPU};
+  ck_assert_int_eq(k->threshold("threshold", &d), DLUA_OK);
+  ck_assert_int_eq(memcmp(dlua_tensor_ptr(yt), y, sizeof y), 0);
+  dlua_tensor_free(yt);
+  yt = NULL;
+
+  const struct dlua_loss_ops *kc = NULL;
+  dlua_status_t st = DLUA_BACKEND("softmax", 0, loss, softmax, &kc);
+  if (dlua_cuda_device_count() > 0) {
+    ck_assert_int_eq(st, DLUA_OK);
+    ck_assert(kc != &dlua_cpu_loss_ops && kc->softmax);
+  } else {
+    ck_assert_int_eq(st, DLUA_ERR_ARG);
+    ck_assert_ptr_null(kc);
+    // A front door asks the table of its tensor's device before it stages anything: a CPU tensor relabelled
+    // as device 0 (never read) is enough to see the message.
+    xt->device = 0;
+    tu_expect_error(dlua_nn_softmax(&yt, xt, 0, 0), "softmax: no CUDA device available (");
+    tu_expect_error(dlua_nn_relu_backward(&yt, xt, xt), "relu_backward: no CUDA device available (");
+    xt->device = DLUA_CPU;
+    ck_assert_ptr_null(yt);
+  }
+  dlua_tensor_free(xt);
+}
+END_TEST
+
 int main(void) {
   Suite *s = suite_create("loss");
   TCase *tc = tcase_create("core");
@@ -931,6 +973,7 @@ int main(void) {
   tcase_add_test(tc, test_threshold_relu);
   tcase_add_test(tc, test_dropout);
   tcase_add_test(tc, test_dropout_views);
+  tcase_add_test(tc, test_loss_table);
   suite_add_tcase(s, tc);
   return tu_run(s);
 }

@@ -1,4 +1,4 @@
-/* Check suite for host/core/random.c: Philox known answers, the element-to-counter rule, thread independence, distributions. */
+/* Check suite for host/ops/random.c and host/cpu/random.c: Philox known answers, the element-to-counter rule, thread independence, distributions. */
 #include <check.h>
 #include <math.h>
 #include <omp.h>
@@ -7,11 +7,14 @@
 #include <string.h>
 
 #include "core/api.h"
+#include "core/error.h"
 #include "core/tensor.h"
+#include "kernels/random.h"
+#include "ops/backend.h"
 
 #include "testutil.h"
 
-/* The word element i reads for draw d, per the documented rule (random.h). */
+/* The word element i reads for draw d, per the documented rule (kernels/philox.h). */
 static uint32_t word(uint64_t seed, uint64_t offset, int64_t i, uint32_t d) {
   uint64_t c = offset + (uint64_t)i / 4;
   uint32_t ctr[4] = {(uint32_t)c, (uint32_t)(c >> 32), d, 0}, key[2] = {(uint32_t)seed, (uint32_t)(seed >> 32)}, out[4];
@@ -392,6 +395,49 @@ START_TEST(test_bad_fills) {
 }
 END_TEST
 
+/* The fills reach their kernels through the backend table: the CPU's random family is dlua_cpu_random_ops, its
+   fill slot called with the generator's (seed, offset) gives uniform_'s bits, and a fill on device 0 without a
+   CUDA device gets the registry's one message. */
+START_TEST(test_random_table) {
+  const struct dlua_random_ops *k = NULL;
+  ck_assert_int_eq(DLUA_BACKEND("uniform_", DLUA_CPU, random, fill, &k), DLUA_OK);
+  ck_assert_ptr_eq(k, &dlua_cpu_random_ops);
+  ck_assert(k->fill && k->randperm);
+  int64_t n = 4099;  // not a multiple of 4: the last block is short
+  dlua_tensor_t *t = tu_new_t(1, &n, DLUA_DTYPE_F64);
+  dlua_generator_t *g = NULL;
+  ck_assert_int_eq(dlua_generator_new(&g, 0x1234567890abcdefull), DLUA_OK);
+  dlua_generator_set_offset(g, 77);
+  ck_assert_int_eq(dlua_tensor_uniform_(t, -1, 2, g), DLUA_OK);
+  double *direct = malloc((size_t)n * sizeof(double));
+  dlua_random_fill_t f = {.kind = DLUA_RANDOM_UNIFORM, .a = -1, .b = 2, .wide = 1,
+                          .key = {0x90abcdefu, 0x12345678u}, .base = 77, .dtype = DLUA_DTYPE_F64, .dst = direct,
+                          .n = n, .device = DLUA_CPU};
+  ck_assert_int_eq(k->fill("uniform_", &f), DLUA_OK);
+  ck_assert_int_eq(memcmp(dlua_tensor_data(t), direct, (size_t)n * sizeof(double)), 0);
+  free(direct);
+
+  const struct dlua_random_ops *kc = NULL;
+  dlua_status_t st = DLUA_BACKEND("normal_", 0, random, fill, &kc);
+  if (dlua_cuda_device_count() > 0) {
+    ck_assert_int_eq(st, DLUA_OK);
+    ck_assert(kc != &dlua_cpu_random_ops && kc->fill);
+  } else {
+    ck_assert_int_eq(st, DLUA_ERR_ARG);
+    ck_assert_ptr_null(kc);
+    // The fill asks the table before it reserves blocks or stages anything: a CPU tensor relabelled as device 0
+    // (never written) is enough to see the message, and the generator does not move.
+    uint64_t before = dlua_generator_offset(g);
+    t->device = 0;
+    tu_expect_error(dlua_tensor_normal_(t, 0, 1, g), "normal_: no CUDA device available (");
+    t->device = DLUA_CPU;
+    ck_assert_uint_eq(dlua_generator_offset(g), before);
+  }
+  dlua_generator_free(g);
+  dlua_tensor_free(t);
+}
+END_TEST
+
 int main(void) {
   Suite *s = suite_create("random");
   TCase *tc = tcase_create("core");
@@ -408,6 +454,7 @@ int main(void) {
   tcase_add_test(tc, test_bernoulli);
   tcase_add_test(tc, test_randperm);
   tcase_add_test(tc, test_bad_fills);
+  tcase_add_test(tc, test_random_table);
   suite_add_tcase(s, tc);
   return tu_run(s);
 }

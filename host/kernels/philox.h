@@ -1,7 +1,7 @@
 /* Philox-4x32-10 and the per-element draws of the random fills, as inline functions that nvcc also compiles for
-   the device, so CPU fills (host/core/random.c) and CUDA fills (host/cuda/random.cu) produce the same bits. */
-#ifndef DLUA_CORE_RANDOM_H
-#define DLUA_CORE_RANDOM_H
+   the device, so CPU fills (host/cpu/random.c) and CUDA fills (host/cuda/random.cu) produce the same bits. */
+#ifndef DLUA_KERNELS_PHILOX_H
+#define DLUA_KERNELS_PHILOX_H
 #include <stdint.h>
 #include <string.h>
 #include "core/api.h"
