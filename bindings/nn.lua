@@ -1,4 +1,4 @@
--- The FFI face of the layer, loss and optimizer kernels (host/cpu/{loss,optim,conv,batchnorm,pool}.c) for dlua.nn and dlua.optim.
+-- The FFI face of the layer, loss and optimizer kernels (front doors in host/ops: loss, activation, optim, conv, batchnorm, pool) for dlua.nn and dlua.optim.
 local ffi = require 'ffi'
 local core = require 'bindings.tensor_core'
 local C = core.C
