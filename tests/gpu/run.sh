@@ -89,6 +89,9 @@ say "every CUDA op against the CPU backend (tests/backend/run.lua cuda: the back
 # The CPU references run on all cores; the runner prints a table per op and dtype, and each failure.
 ( cd "$build" && timeout 300 "$build/dlua" "$root/tests/backend/run.lua" cuda ) || { echo "FAIL: backend table"; status=1; }
 
+say "mixed precision on CUDA: autocast bf16, f16 with the scaler, against the CPU (tests/emu/amp.lua)"
+( cd "$build" && timeout 300 "$build/dlua" "$root/tests/emu/amp.lua" ) || { echo "FAIL: amp"; status=1; }
+
 say "TF32, then GEMM / bandwidth / convolution / batch-norm / sort timings (tests/gpu/timings.lua)"
 ( cd "$build" && timeout 240 "$build/dlua" "$root/tests/gpu/timings.lua" cuda ) || { echo "FAIL: timings"; status=1; }
 
