@@ -41,8 +41,8 @@ function Hook:_scratch(b, key, shape, dtype)
   local t = self._buf[k]
   local n = 1
   for _, s in ipairs(shape) do n = n * s end
-  if t == nil or t:numel() ~= n or t.dtype ~= dtype then
-    t = dlua.empty(shape, { dtype = dtype })
+  if t == nil or t:numel() ~= n or t.dtype ~= dtype or t.device ~= b.tensor.device then
+    t = dlua.empty(shape, { dtype = dtype, device = b.tensor.device })
     self._buf[k] = t
   end
   return t
@@ -61,12 +61,10 @@ local function count(b, bytes, seconds)
   end
 end
 
-local function check_bucket(op, b)
-  if b.tensor.device ~= 'cpu' then
-    fail(4, '%s: compression hooks run on CPU gradients for now; bucket %d is on %s (use the default all-reduce there)',
-      op, b.index, b.tensor.device)
-  end
-end
+-- Where a bucket's gradient lives: CPU buckets take the fused kernels of host/cpu/compress.c; CUDA buckets the
+-- same steps composed of CUDA tensor ops (casts, top-k, gather, scatter-add, products); PowerSGD's small P goes
+-- to the host for its Gram-Schmidt.
+local function on_cuda(b) return b.tensor.device ~= 'cpu' end
 
 -- The default all-reduce, for buckets a compressor leaves alone (float64, before start_step).
 local function dense(b)
@@ -95,7 +93,7 @@ function Hook:_arena(b, key)
   local n = b.arena_numel or (b.offset + b.numel)
   if t == nil or t:numel() < n then
     local old = t
-    t = dlua.zeros({ n }, { dtype = b.dtype })
+    t = dlua.zeros({ n }, { dtype = b.dtype, device = b.tensor.device })
     if old ~= nil then t:narrow(1, 1, old:numel()):copy_(old) end
     self[key][b.dtype] = t
   end
@@ -110,15 +108,14 @@ local function half_hook(dtype)
   return function(h, b)
     h:_tick(b)
     if b.dtype ~= 'float32' then return dense(b) end
-    check_bucket('compress.' .. h.spec, b)
     local t0 = now()
     local buf = h:_scratch(b, 'half', { b.numel }, dtype)
-    K.to_half(buf, b.tensor, 1 / world_of(b))
+    if on_cuda(b) then buf:copy_(b.tensor * (1 / world_of(b))) else K.to_half(buf, b.tensor, 1 / world_of(b)) end
     local w = b.dist.all_reduce(buf, 'sum', { async = true, group = b.group })
     count(b, b.numel * 2, now() - t0)
     return then_do(w, function()
       local t1 = now()
-      K.from_half(b.tensor, buf)
+      if on_cuda(b) then b.tensor:copy_(buf) else K.from_half(b.tensor, buf) end
       count(b, 0, now() - t1)
     end)
   end
@@ -137,15 +134,52 @@ function Hook:density()
   return self.ratio ^ ((math.max(self.step, 1) - 1) / w)
 end
 
+-- The CUDA form of K.topk and K.topk_unpack: the same selection (the k largest |v|, v the residual after adding the
+-- gradient, or DGC's momentum), values and 1-based int32 indices in two buffers, sent entries of v and u set to 0
+-- (v - v), every rank's part scatter-added in rank order, divided by the world size.
+local function topk_cuda(h, b, k, acc, mom, world, t0)
+  local g = b.tensor
+  local v = g
+  if mom then
+    mom:mul_(h.momentum):add_(g)
+    acc:add_(mom)
+    v = acc
+  elseif acc then
+    acc:add_(g)
+    v = acc
+  end
+  local _, idx = v:topk(k, 1, { by_magnitude = true, sorted = false })
+  idx = idx:sort()
+  local vals = v:gather(1, idx)
+  if acc then acc:scatter_add_(1, idx, -vals) end
+  if mom then mom:scatter_add_(1, idx, -mom:gather(1, idx)) end
+  local i32 = h:_scratch(b, 'idx32', { k }, 'int32')
+  i32:copy_(idx)
+  local gv = h:_scratch(b, 'gvals', { world, k }, 'float32')
+  local gi = h:_scratch(b, 'gidx', { world, k }, 'int32')
+  local ov, oi = {}, {}
+  for r = 1, world do ov[r], oi[r] = gv:narrow(1, r, 1):view(k), gi:narrow(1, r, 1):view(k) end
+  local w1 = b.dist.all_gather(ov, vals, { async = true, group = b.group })
+  local w2 = b.dist.all_gather(oi, i32, { async = true, group = b.group })
+  count(b, 8 * k, now() - t0)
+  return then_do({ wait = function() w1:wait(); w2:wait() end }, function()
+    local t1 = now()
+    g:zero_()
+    for r = 1, world do g:scatter_add_(1, oi[r], ov[r]) end
+    g:copy_(g / world)  -- a division, as the CPU kernel and all-reduce's avg
+    count(b, 0, now() - t1)
+  end)
+end
+
 local function topk_hook(h, b)
   h:_tick(b)
   if b.dtype ~= 'float32' then return dense(b) end
-  check_bucket('compress.topk', b)
   local t0 = now()
   local world = world_of(b)
   local k = math.max(1, math.min(b.numel, math.ceil(h:density() * b.numel)))
   local acc = h.error_feedback and h:_arena(b, 'residual') or nil
   local mom = h.momentum ~= 0 and h:_arena(b, 'momentum_buffer') or nil
+  if on_cuda(b) then return topk_cuda(h, b, k, acc, mom, world, t0) end
   local packed = h:_scratch(b, 'packed', { 2 * k }, 'int32')
   K.topk(packed, b.tensor, acc, mom, h.momentum, k)
   local gathered = h:_scratch(b, 'gathered', { world, 2 * k }, 'int32')
@@ -213,9 +247,10 @@ function Hook:_plan(b)
       plan.nu = plan.nu + en.numel
     end
   end
-  plan.pbuf = dlua.empty({ math.max(plan.np, 1) }, { dtype = b.dtype })
-  plan.qbuf = dlua.empty({ math.max(plan.nq, 1) }, { dtype = b.dtype })
-  plan.ubuf = dlua.empty({ math.max(plan.nu, 1) }, { dtype = b.dtype })
+  local o = { dtype = b.dtype, device = b.tensor.device }
+  plan.pbuf = dlua.empty({ math.max(plan.np, 1) }, o)
+  plan.qbuf = dlua.empty({ math.max(plan.nq, 1) }, o)
+  plan.ubuf = dlua.empty({ math.max(plan.nu, 1) }, o)
   for _, mt in ipairs(plan.mats) do
     mt.P = plan.pbuf:narrow(1, mt.poff + 1, mt.n * mt.r):view(mt.n, mt.r)
     mt.Q = plan.qbuf:narrow(1, mt.qoff + 1, mt.m * mt.r):view(mt.m, mt.r)
@@ -232,17 +267,25 @@ function Hook:_plan(b)
   return plan
 end
 
+-- Orthonormal columns of p in place (K.orthogonalize: Gram-Schmidt in double); a CUDA p (n x rank: small) goes
+-- through the host, so every backend gets the same bits from the same p.
+local function orthogonalize(p, eps)
+  if p.device == 'cpu' then return K.orthogonalize(p, eps) end
+  local c = p:to('cpu'):contiguous()
+  K.orthogonalize(c, eps)
+  p:copy_(c)
+end
+
 -- A new Q: the same seeded normal draws on every rank (plans are built in the same order everywhere).
 function Hook:_init_q(mt)
   self._gen = self._gen or dlua.Generator(self.seed)
   mt.Q:copy_(dlua.randn({ mt.m, mt.r }, { generator = self._gen }))
-  K.orthogonalize(mt.Q, 0)
+  orthogonalize(mt.Q, 0)
 end
 
 local function powersgd_hook(h, b)
   h:_tick(b)
   if b.dtype ~= 'float32' or h.step <= h.start_step then return dense(b) end
-  check_bucket('compress.powersgd', b)
   local t0 = now()
   local world = world_of(b)
   local plan = h:_plan(b)
@@ -281,7 +324,7 @@ local function powersgd_hook(h, b)
       wp:wait()
       local t1 = now()
       for _, mt in ipairs(plan.mats) do
-        K.orthogonalize(mt.P, h.eps)
+        orthogonalize(mt.P, h.eps)
         mt.M:t():mm(mt.P, { out = mt.Q })
       end
       local spent = now() - t1

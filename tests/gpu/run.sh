@@ -91,6 +91,8 @@ say "every CUDA op against the CPU backend (tests/backend/run.lua cuda: the back
 
 say "mixed precision on CUDA: autocast bf16, f16 with the scaler, against the CPU (tests/emu/amp.lua)"
 ( cd "$build" && timeout 300 "$build/dlua" "$root/tests/emu/amp.lua" ) || { echo "FAIL: amp"; status=1; }
+say "gradient compression hooks on CUDA buckets against the CPU hooks, 2 ranks on gloo (tests/dist/compress_cuda.lua)"
+( cd "$build" && timeout 300 "$build/dlua" --nproc 2 "$root/tests/dist/compress_cuda.lua" ) || { echo "FAIL: compress_cuda"; status=1; }
 
 say "TF32, then GEMM / bandwidth / convolution / batch-norm / sort timings (tests/gpu/timings.lua)"
 ( cd "$build" && timeout 240 "$build/dlua" "$root/tests/gpu/timings.lua" cuda ) || { echo "FAIL: timings"; status=1; }
