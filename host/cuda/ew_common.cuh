@@ -13,11 +13,12 @@ extern "C" {  // the runtime's headers are C without guards of their own
 #include "core/error.h"
 #include "cuda/kernels.h"
 }
+#include "kernels/ew.h"
 #include "kernels/elementwise_ops.h"
 
 namespace dlua_cu {
 
-typedef dlua_cuda_ew_t Ew;
+typedef dlua_ew_desc_t Ew; /* one launch (kernels/ew.h), as host/ops builds it */
 
 /* Storage type S, compute type C (the CPU's: float for f32/f16/bf16, double, int64 for the
    integers and bool), and the conversions, exactly as host/cpu/elementwise.c's LD_/ST_ macros. */
