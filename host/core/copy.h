@@ -1,8 +1,14 @@
-/* Internal conversion entry point of copy.c, for fills that compute values in one type. */
+/* Element conversions between dtypes over host memory (copy.c): copy_'s rules in one place, for the CPU
+   backend's copy kernels and for fills that compute values in one type. */
 #ifndef DLUA_CORE_COPY_H
 #define DLUA_CORE_COPY_H
 #include <stdint.h>
 #include "core/api.h"
+
+/* n elements of one dtype from src (step ss bytes) to another at dst (step ds bytes); ss == 0 broadcasts one
+   value. Same dtype moves the bits (bool goes through != 0). */
+typedef void (*dlua_convert_fn)(char *dst, int64_t ds, const char *src, int64_t ss, int64_t n);
+dlua_convert_fn dlua_converter(dlua_dtype_t src, dlua_dtype_t dst);
 
 /* n contiguous elements of src_dtype -> dst_dtype, with copy_'s rules (float -> int
    truncates toward zero, anything -> bool is != 0). No checks: callers own the buffers. */

@@ -1,5 +1,6 @@
 /* The CPU backend's table (ops/backend.h): one family per line, each filled by the file that runs it. */
 #include "ops/backend.h"
+#include "kernels/ew.h"
 #include "kernels/index.h"
 #include "kernels/loss.h"
 #include "kernels/norm.h"
@@ -9,6 +10,7 @@
 
 const dlua_backend_t dlua_cpu_backend = {
     .name = "cpu",
+    .ew = &dlua_cpu_ew_ops,
     .reduce = &dlua_cpu_reduce_ops,
     .index = &dlua_cpu_index_ops,
     .norm = &dlua_cpu_norm_ops,

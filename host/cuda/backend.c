@@ -1,6 +1,7 @@
 /* The CUDA backend's table (ops/backend.h): one family per line, each filled by the file that runs it.
    Built only with CUDA; host/ops/backend.c hands it out while a device exists. */
 #include "ops/backend.h"
+#include "kernels/ew.h"
 #include "kernels/index.h"
 #include "kernels/loss.h"
 #include "kernels/norm.h"
@@ -10,6 +11,7 @@
 
 const dlua_backend_t dlua_cuda_backend = {
     .name = "cuda",
+    .ew = &dlua_cuda_ew_ops,
     .reduce = &dlua_cuda_reduce_ops,
     .index = &dlua_cuda_index_ops,
     .norm = &dlua_cuda_norm_ops,

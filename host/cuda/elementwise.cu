@@ -1,4 +1,4 @@
-/* CUDA element-wise launches: the entry point dlua_cuda_ew_run, and the kernels of the small families (ternary,
+/* CUDA element-wise launches: the ew family of the CUDA backend table (kernels/ew.h: run, copy, download), and the kernels of the small families (ternary,
    where, masked fill, fill, dtype-converting copy). Unary and binary live in their own files. */
 #include "cuda/ew_common.cuh"
 
@@ -111,8 +111,8 @@ template <typename U> dlua_status_t launch_bits(const char *op, const Ew &e, cud
   const Ix ix = make_ix(e);
   const unsigned g = grid_for(e.numel);
   const int es[1] = {(int)sizeof(U)};
-  if (e.family == DLUA_CUDA_EW_WHERE) k_where<U><<<g, kThreads, 0, s>>>(ix, e.numel);
-  else if (e.family == DLUA_CUDA_EW_MFILL) k_mfill<U><<<g, kThreads, 0, s>>>(ix, e.numel, (U)e.i[0]);
+  if (e.family == DLUA_EW_WHERE) k_where<U><<<g, kThreads, 0, s>>>(ix, e.numel);
+  else if (e.family == DLUA_EW_MFILL) k_mfill<U><<<g, kThreads, 0, s>>>(ix, e.numel, (U)e.i[0]);
   else k_fill<U><<<g, kThreads, 0, s>>>(ix, e.numel, (U)e.i[0], contiguous(e, 1, es) ? 1 : 0);
   return launched(op);
 }
@@ -229,15 +229,15 @@ dlua_status_t run_copy(const char *op, const Ew &e, cudaStream_t s) {
 
 dlua_status_t dispatch(const char *op, const Ew &e, cudaStream_t s) {
   switch (e.family) {
-    case DLUA_CUDA_EW_UNARY: return run_unary(op, e, s);
-    case DLUA_CUDA_EW_BINARY: return run_binary(op, e, s);
-    case DLUA_CUDA_EW_TERNARY:
+    case DLUA_EW_UNARY: return run_unary(op, e, s);
+    case DLUA_EW_BINARY: return run_binary(op, e, s);
+    case DLUA_EW_TERNARY:
       if (e.op == TOP_ADDCMUL) return dispatch_dtype<LaunchTernary<T_ADDCMUL>, false>(op, e, s);
       if (e.op == TOP_ADDCDIV) return dispatch_dtype<LaunchTernary<T_ADDCDIV>, true>(op, e, s);
       return DLUA_ERR(DLUA_ERR_INTERNAL, "%s: unknown CUDA ternary op %d", op, e.op);
-    case DLUA_CUDA_EW_WHERE:
-    case DLUA_CUDA_EW_MFILL:
-    case DLUA_CUDA_EW_FILL:
+    case DLUA_EW_WHERE:
+    case DLUA_EW_MFILL:
+    case DLUA_EW_FILL:
       switch (e.elsize) {
         case 1: return launch_bits<uint8_t>(op, e, s);
         case 2: return launch_bits<uint16_t>(op, e, s);
@@ -245,7 +245,7 @@ dlua_status_t dispatch(const char *op, const Ew &e, cudaStream_t s) {
         case 8: return launch_bits<uint64_t>(op, e, s);
         default: return DLUA_ERR(DLUA_ERR_INTERNAL, "%s: element size %d", op, e.elsize);
       }
-    case DLUA_CUDA_EW_COPY: return run_copy(op, e, s);
+    case DLUA_EW_COPY: return run_copy(op, e, s);
     default: return DLUA_ERR(DLUA_ERR_INTERNAL, "%s: unknown CUDA element-wise family %d", op, e.family);
   }
 }
@@ -253,8 +253,9 @@ dlua_status_t dispatch(const char *op, const Ew &e, cudaStream_t s) {
 }  // namespace
 }  // namespace dlua_cu
 
-extern "C" dlua_status_t dlua_cuda_ew_run(const char *op, const dlua_cuda_ew_t *e) {
-  if (!e || e->nops < 1 || e->nops > 4 || e->ndim < 1 || e->ndim > DLUA_MAX_DIMS || e->numel < 0)
+/* Queues the launch on the current stream of e->device. `op` names the user's op in errors. */
+static dlua_status_t cuda_ew_run(const char *op, const dlua_ew_desc_t *e) {
+  if (!e || e->nops < 1 || e->nops > DLUA_EW_MAX_OPS || e->ndim < 1 || e->ndim > DLUA_MAX_DIMS || e->numel < 0)
     return DLUA_ERR(DLUA_ERR_INTERNAL, "%s: malformed CUDA element-wise launch", op);
   if (e->numel == 0) return DLUA_OK;
   int prev = 0;
@@ -269,3 +270,19 @@ extern "C" dlua_status_t dlua_cuda_ew_run(const char *op, const dlua_cuda_ew_t *
   if (prev != e->device) cudaSetDevice(prev);
   return st;
 }
+
+/* Contiguous device memory to the host on the device's current stream (after the kernels that wrote it), then
+   a wait. */
+static dlua_status_t cuda_download(const char *op, void *dst, const void *src, size_t bytes, int device) {
+  dlua_cuda_stream_t *st = dlua_cuda_current_stream(device);
+  if (!st) return DLUA_ERR(DLUA_ERR_BACKEND, "%s: no stream for cuda:%d", op, device);
+  DLUA_TRY(dlua_cuda_memcpy(dst, src, bytes, 1, 1, st));
+  return dlua_cuda_stream_synchronize(st);
+}
+
+/* One entry for the maps and for copy/fill: the family in the descriptor picks the kernel. */
+extern "C" const struct dlua_ew_ops dlua_cuda_ew_ops = {
+    cuda_ew_run,   /* run */
+    cuda_ew_run,   /* copy */
+    cuda_download, /* download */
+};

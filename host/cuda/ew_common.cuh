@@ -13,14 +13,15 @@ extern "C" {  // the runtime's headers are C without guards of their own
 #include "core/error.h"
 #include "cuda/kernels.h"
 }
+#include "kernels/ew.h"
 #include "kernels/elementwise_ops.h"
 
 namespace dlua_cu {
 
-typedef dlua_cuda_ew_t Ew;
+typedef dlua_ew_desc_t Ew; /* one launch (kernels/ew.h), as host/ops builds it */
 
 /* Storage type S, compute type C (the CPU's: float for f32/f16/bf16, double, int64 for the
-   integers and bool), and the conversions, exactly as host/cpu/elementwise.c's LD_/ST_ macros. */
+   integers and bool), and the conversions, exactly as the CPU backend's LD_/ST_ macros (elementwise.c). */
 template <int DT> struct Tr;
 template <> struct Tr<DLUA_DTYPE_F32> {
   typedef float S;

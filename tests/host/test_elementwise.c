@@ -1,4 +1,5 @@
-/* Check suite for host/cpu/elementwise.c: every op against double-precision reference loops. */
+/* Check suite for host/ops/elementwise.c and host/cpu/elementwise.c: every op against double-precision reference
+   loops, and the ew family of the backend table. */
 #include <check.h>
 #include <math.h>
 #include <omp.h>
@@ -9,6 +10,8 @@
 
 #include "core/api.h"
 #include "core/tensor.h"
+#include "kernels/ew.h"
+#include "ops/backend.h"
 
 #include "testutil.h"
 
@@ -754,6 +757,68 @@ START_TEST(test_thread_count_independent) {
 }
 END_TEST
 
+/* The front doors reach the kernels through the backend table: the CPU's ew family runs a descriptor itself (a
+   map over the merged iterator, a fill through the copy slot); a tensor on device 0 gets the registry's one
+   message when no CUDA device exists, and the CUDA family otherwise. */
+START_TEST(test_through_the_table) {
+  const struct dlua_ew_ops *k = NULL;
+  ck_assert_int_eq(DLUA_BACKEND("add", DLUA_CPU, ew, run, &k), DLUA_OK);
+  ck_assert_ptr_eq(k, &dlua_cpu_ew_ops);
+  ck_assert_ptr_nonnull(k->copy);
+  ck_assert_ptr_nonnull(k->download);
+
+  // o = a + 2 * b over three contiguous f64 elements (positions of the X-macro list = the public enum)
+  double a[3] = {1, 2, 3}, b[3] = {10, 20, 30}, o[3] = {0, 0, 0};
+  dlua_ew_desc_t e;
+  memset(&e, 0, sizeof e);
+  e.family = DLUA_EW_BINARY;
+  e.op = DLUA_BINARY_ADD;
+  e.dtype = e.src_dtype = DLUA_DTYPE_F64;
+  e.nops = 3, e.ndim = 1, e.numel = 3, e.sizes[0] = 3;
+  for (int i = 0; i < 3; i++) e.strides[i][0] = sizeof(double), e.inner[i] = 1;
+  e.base[0] = (char *)o, e.base[1] = (char *)a, e.base[2] = (char *)b;
+  e.d[0] = 2, e.i[0] = 2;
+  e.device = DLUA_CPU;
+  ck_assert_int_eq(k->run("add", &e), DLUA_OK);
+  ck_assert(o[0] == 21 && o[1] == 42 && o[2] == 63);
+
+  // fill every other int32 of x with the bits of 7
+  int32_t x[6] = {0, 0, 0, 0, 0, 0};
+  memset(&e, 0, sizeof e);
+  e.family = DLUA_EW_FILL;
+  e.dtype = e.src_dtype = DLUA_DTYPE_I32;
+  e.elsize = 4;
+  e.nops = 1, e.ndim = 1, e.numel = 3, e.sizes[0] = 3;
+  e.strides[0][0] = 2 * sizeof(int32_t), e.inner[0] = 2;
+  e.base[0] = (char *)x;
+  e.i[0] = 7;
+  ck_assert_int_eq(k->copy("fill_", &e), DLUA_OK);
+  ck_assert(x[0] == 7 && x[1] == 0 && x[2] == 7 && x[3] == 0 && x[4] == 7 && x[5] == 0);
+
+  int64_t sz[1] = {3};
+  dlua_tensor_t *t = tu_make(1, sz, DLUA_DTYPE_F64, a), *out = NULL;
+  struct dlua_tensor on0 = *t;  // the same header claiming device 0: never read unless a device exists
+  on0.device = 0;
+  if (dlua_cuda_device_count() == 0) {
+    tu_expect_error_at(dlua_tensor_binary(&out, &on0, &on0, DLUA_BINARY_ADD, 1), "add", "add: no CUDA device available");
+    ck_assert_ptr_null(out);
+    tu_expect_error_at(dlua_tensor_unary(&out, &on0, DLUA_UNARY_EXP), "exp", "exp: no CUDA device available");
+    ck_assert_ptr_null(out);
+    tu_expect_error_at(dlua_tensor_fill_(&on0, 1), "fill_", "fill_: no CUDA device available");
+    tu_expect_error_at(dlua_tensor_copy_(&on0, &on0), "copy_", "copy_: no CUDA device available");
+    double back[3];
+    tu_expect_error_at(dlua_tensor_to_data(&on0, back, sizeof back), "to_data", "to_data: no CUDA device available");
+  } else {
+    const struct dlua_ew_ops *kc = NULL;
+    ck_assert_int_eq(DLUA_BACKEND("add", 0, ew, run, &kc), DLUA_OK);
+    ck_assert_ptr_ne(kc, &dlua_cpu_ew_ops);
+    ck_assert_ptr_nonnull(kc->copy);
+    ck_assert_ptr_nonnull(kc->download);
+  }
+  dlua_tensor_free(t);
+}
+END_TEST
+
 int main(void) {
   Suite *s = suite_create("elementwise");
   TCase *tc = tcase_create("core");
@@ -774,6 +839,7 @@ int main(void) {
   tcase_add_test(tc, test_masked_fill_every_dtype);
   tcase_add_test(tc, test_addcmul_addcdiv_lerp);
   tcase_add_test(tc, test_thread_count_independent);
+  tcase_add_test(tc, test_through_the_table);
   suite_add_tcase(s, tc);
   return tu_run(s);
 }
