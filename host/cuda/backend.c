@@ -2,10 +2,12 @@
    Built only with CUDA; host/ops/backend.c hands it out while a device exists. */
 #include "ops/backend.h"
 #include "kernels/index.h"
+#include "kernels/optim.h"
 #include "kernels/reduce.h"
 
 const dlua_backend_t dlua_cuda_backend = {
     .name = "cuda",
     .reduce = &dlua_cuda_reduce_ops,
     .index = &dlua_cuda_index_ops,
+    .optim = &dlua_cuda_optim_ops,
 };

@@ -72,21 +72,6 @@ typedef struct {
 dlua_status_t dlua_cuda_random_fill(const char *op, const dlua_cuda_fill_t *f, int dtype, void *dst, int64_t n,
                                     int device);
 
-/* ---- LARS, LAMB (host/cpu/optim.c's dlua_optim_lars_step / _lamb_step after their checks) ------------------ */
-
-/* n_ranges parameters of the f32/f64 arena at p/g/buf (device), host arrays offsets/lengths/exclude. Norms are
-   summed per parameter in a fixed tree (no atomics), trust ratios computed on the device as the CPU does, then
-   one fused update; args carries lr, momentum, weight_decay, grad_scale, first (host/kernels/optim_ops.h). */
-dlua_status_t dlua_cuda_lars_step(const char *op, int dtype, const void *args, int n_ranges, const int64_t *offsets,
-                                  const int64_t *lengths, const int32_t *exclude, double trust_coefficient, double eps,
-                                  int device);
-
-/* LAMB (host/cpu/optim.c's dlua_optim_lamb_step after its checks), on the same per-parameter chunk table: pass 1
-   updates the moments and sums |p|^2 and |u|^2 per chunk, the ratios |p| / |u| come from an in-order fold, pass 2
-   applies them; args carries lr, betas, eps, weight_decay, grad_scale, bc1, bc2 and exp_avg/exp_avg_sq (s1, s2). */
-dlua_status_t dlua_cuda_lamb_step(const char *op, int dtype, const void *args, int n_ranges, const int64_t *offsets,
-                                  const int64_t *lengths, const int32_t *exclude, int device);
-
 #ifdef __cplusplus
 }
 #endif
