@@ -24,7 +24,7 @@ enum { OPT_CHUNK = 16384, LARS_BLOCK = 8192 };
 
 /* ---- kernels ------------------------------------------------------------------------------------------ */
 
-typedef dlua_opt_args_t step_args_t; /* host/kernels/optim_ops.h */
+typedef dlua_opt_args_t step_args_t; /* host/kernels/optim.h */
 
 typedef void (*chunk_fn)(const step_args_t *a, int64_t lo, int64_t hi);
 
