@@ -273,11 +273,6 @@ end
 -- Optimizer steps over ranges of flat arenas (offsets count elements, from 0)
 
 -- lowp (optional): the arena's 16-bit twin, written in the same pass (mixed precision's master weights).
--- Declared here, as in host/cpu/optim_lowp.h, until they join dlua.h (a change there recompiles the CUDA sources).
-ffi.cdef[[
-dlua_status_t dlua_optim_sgd_step_lowp(dlua_tensor_t *param, const dlua_tensor_t *grad, dlua_tensor_t *momentum_buf, int64_t offset, int64_t length, double lr, double momentum, double dampening, double weight_decay, int nesterov, int maximize, int first_step, double grad_scale, dlua_tensor_t *lowp);
-dlua_status_t dlua_optim_adam_step_lowp(int decoupled, dlua_tensor_t *param, const dlua_tensor_t *grad, dlua_tensor_t *exp_avg, dlua_tensor_t *exp_avg_sq, dlua_tensor_t *max_exp_avg_sq, int64_t offset, int64_t length, double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step, int amsgrad, int maximize, double grad_scale, dlua_tensor_t *lowp);
-]]
 function M.sgd_step(p, g, buf, offset, length, lr, momentum, dampening, wd, nesterov, maximize, first, scale, lowp)
   local b = buf and handle('SGD.step', buf) or nil
   local st

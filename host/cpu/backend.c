@@ -6,6 +6,7 @@
 #include "kernels/norm.h"
 #include "kernels/pool.h"
 #include "kernels/random.h"
+#include "kernels/optim.h"
 #include "kernels/reduce.h"
 
 const dlua_backend_t dlua_cpu_backend = {
@@ -17,4 +18,5 @@ const dlua_backend_t dlua_cpu_backend = {
     .pool = &dlua_cpu_pool_ops,
     .loss = &dlua_cpu_loss_ops,
     .random = &dlua_cpu_random_ops,
+    .optim = &dlua_cpu_optim_ops,
 };

@@ -1,4 +1,7 @@
-/* Gradient compression kernels for DDP's communication hooks (lua/dlua/compress.lua, docs/ddp.md): 16-bit casts, top-k pack and scatter-add with error feedback, PowerSGD's orthogonalisation. */
+/* The CPU kernels of gradient compression for DDP's communication hooks (lua/dlua/compress.lua, docs/ddp.md):
+   16-bit casts, top-k pack and scatter-add with error feedback, PowerSGD's orthogonalisation. Slots of the CPU
+   optim table (host/kernels/optim.h); host/ops/compress.c checked every argument. */
+#include "cpu/compress.h"
 #include <inttypes.h>
 #include <math.h>
 #include <omp.h>
@@ -8,32 +11,9 @@
 #include "core/copy.h"
 #include "core/dtype.h"
 #include "core/error.h"
-#include "core/tensor.h"
 #include "cpu/index.h"
 
 enum { CHUNK = 1 << 16 };  // elements per parallel work item
-
-/* t must be a live, contiguous CPU tensor of dtype (or of f16/bf16 when dtype is F16 and half is set). */
-static dlua_status_t need(const char *op, const char *what, const dlua_tensor_t *t, dlua_dtype_t dtype, int half) {
-  char b[200];
-  if (!t) return DLUA_ERR(DLUA_ERR_ARG, "%s: %s is missing", op, what);
-  DLUA_TRY(dlua_require_cpu(op, t));
-  int ok = half ? (t->dtype == DLUA_DTYPE_F16 || t->dtype == DLUA_DTYPE_BF16) : t->dtype == dtype;
-  if (!ok)
-    return DLUA_ERR(DLUA_ERR_ARG, "%s: %s must be %s, got %s", op, what, half ? "float16 or bfloat16" : dlua_dtype_name(dtype),
-                    dlua_tensor_describe(t, b, sizeof b));
-  if (!dlua_tensor_is_contiguous(t))
-    return DLUA_ERR(DLUA_ERR_ARG, "%s: %s must be contiguous, got %s", op, what, dlua_tensor_describe(t, b, sizeof b));
-  return DLUA_OK;
-}
-
-static dlua_status_t same_numel(const char *op, const char *wa, const dlua_tensor_t *a, const char *wb,
-                                const dlua_tensor_t *b) {
-  int64_t na = dlua_tensor_numel(a), nb = dlua_tensor_numel(b);
-  if (na != nb)
-    return DLUA_ERR(DLUA_ERR_ARG, "%s: %s has %" PRId64 " elements, %s %" PRId64, op, wa, na, wb, nb);
-  return DLUA_OK;
-}
 
 /* ---- 16-bit casts ------------------------------------------------------------------------- */
 
@@ -51,54 +31,27 @@ static void cast_chunks(void *d, const void *s, int64_t n, float scale, int bf16
 }
 
 // src (n) f32 -> dst (n) f16/bf16, times scale
-dlua_status_t dlua_compress_to_half(dlua_tensor_t *dst, const dlua_tensor_t *src, double scale) {
-  const char *op = "compress_to_half";
-  DLUA_TRY(need(op, "the output", dst, DLUA_DTYPE_F16, 1));
-  DLUA_TRY(need(op, "the input", src, DLUA_DTYPE_F32, 0));
-  DLUA_TRY(same_numel(op, "the output", dst, "the input", src));
-  cast_chunks(dlua_tensor_ptr(dst), dlua_tensor_ptr(src), dlua_tensor_numel(src), (float)scale, dst->dtype == DLUA_DTYPE_BF16, 1);
+dlua_status_t dlua_cpu_compress_to_half(const char *op, const dlua_compress_cast_desc_t *d) {
+  (void)op;
+  cast_chunks(d->dst, d->src, d->n, (float)d->scale, d->half_dtype == DLUA_DTYPE_BF16, 1);
   return DLUA_OK;
 }
 
 // src (n) f16/bf16 -> dst (n) f32
-dlua_status_t dlua_compress_from_half(dlua_tensor_t *dst, const dlua_tensor_t *src) {
-  const char *op = "compress_from_half";
-  DLUA_TRY(need(op, "the output", dst, DLUA_DTYPE_F32, 0));
-  DLUA_TRY(need(op, "the input", src, DLUA_DTYPE_F16, 1));
-  DLUA_TRY(same_numel(op, "the output", dst, "the input", src));
-  cast_chunks(dlua_tensor_ptr(dst), dlua_tensor_ptr(src), dlua_tensor_numel(src), 1.0f, src->dtype == DLUA_DTYPE_BF16, 0);
+dlua_status_t dlua_cpu_compress_from_half(const char *op, const dlua_compress_cast_desc_t *d) {
+  (void)op;
+  cast_chunks(d->dst, d->src, d->n, 1.0f, d->half_dtype == DLUA_DTYPE_BF16, 0);
   return DLUA_OK;
 }
 
 /* ---- top-k -------------------------------------------------------------------------------- */
 
 /* packed (2k) int32; grad (n) f32; acc, mom (n) f32 or NULL. */
-dlua_status_t dlua_compress_topk(dlua_tensor_t *packed, const dlua_tensor_t *grad, dlua_tensor_t *acc, dlua_tensor_t *mom,
-                                 double momentum, int64_t k) {
-  const char *op = "compress_topk";
-  DLUA_TRY(need(op, "the gradient", grad, DLUA_DTYPE_F32, 0));
-  DLUA_TRY(need(op, "the packed buffer", packed, DLUA_DTYPE_I32, 0));
-  int64_t n = dlua_tensor_numel(grad);
-  if (k < 0 || k > n)
-    return DLUA_ERR(DLUA_ERR_ARG, "%s: k = %" PRId64 " is out of range for a bucket of %" PRId64 " elements", op, k, n);
-  if (n > INT32_MAX)
-    return DLUA_ERR(DLUA_ERR_ARG, "%s: a bucket of %" PRId64 " elements does not fit 32-bit indices (use a smaller bucket_mb)",
-                    op, n);
-  if (dlua_tensor_numel(packed) != 2 * k)
-    return DLUA_ERR(DLUA_ERR_ARG, "%s: the packed buffer has %" PRId64 " elements, expected 2k = %" PRId64, op,
-                    dlua_tensor_numel(packed), 2 * k);
-  if (mom && !acc) return DLUA_ERR(DLUA_ERR_ARG, "%s: momentum correction needs the accumulator (error feedback)", op);
-  if (acc) {
-    DLUA_TRY(need(op, "the residual", acc, DLUA_DTYPE_F32, 0));
-    DLUA_TRY(same_numel(op, "the residual", acc, "the gradient", grad));
-  }
-  if (mom) {
-    DLUA_TRY(need(op, "the momentum buffer", mom, DLUA_DTYPE_F32, 0));
-    DLUA_TRY(same_numel(op, "the momentum buffer", mom, "the gradient", grad));
-  }
-  const float *g = (const float *)dlua_tensor_ptr(grad);
-  float *a = acc ? (float *)dlua_tensor_ptr(acc) : NULL, *u = mom ? (float *)dlua_tensor_ptr(mom) : NULL;
-  const float m = (float)momentum;
+dlua_status_t dlua_cpu_compress_topk(const char *op, const dlua_compress_topk_desc_t *d) {
+  const int64_t n = d->n, k = d->k;
+  const float *g = d->grad;
+  float *a = d->acc, *u = d->mom;
+  const float m = (float)d->momentum;
   int64_t chunks = (n + CHUNK - 1) / CHUNK;
   // DGC: u = m u + g, v += u; plain error feedback: v += g
   if (a) {
@@ -123,7 +76,7 @@ dlua_status_t dlua_compress_topk(dlua_tensor_t *packed, const dlua_tensor_t *gra
     free(pos);
     return st;
   }
-  int32_t *pv = (int32_t *)dlua_tensor_ptr(packed), *pi = pv + k;
+  int32_t *pv = d->packed, *pi = pv + k;
 #pragma omp parallel for schedule(static) if (k > CHUNK)
   for (int64_t j = 0; j < k; j++) {
     int64_t i = pos[j];
@@ -137,17 +90,10 @@ dlua_status_t dlua_compress_topk(dlua_tensor_t *packed, const dlua_tensor_t *gra
 }
 
 /* grad (n) f32; gathered (rows, 2k) int32, as dlua_compress_topk packed them. */
-dlua_status_t dlua_compress_topk_unpack(dlua_tensor_t *grad, const dlua_tensor_t *gathered, int64_t rows, double divisor) {
-  const char *op = "compress_topk_unpack";
-  DLUA_TRY(need(op, "the gradient", grad, DLUA_DTYPE_F32, 0));
-  DLUA_TRY(need(op, "the gathered buffer", gathered, DLUA_DTYPE_I32, 0));
-  int64_t n = dlua_tensor_numel(grad), total = dlua_tensor_numel(gathered);
-  if (rows <= 0 || total % (2 * rows))
-    return DLUA_ERR(DLUA_ERR_ARG, "%s: %" PRId64 " gathered elements are not %" PRId64 " rows of (values, indices)", op,
-                    total, rows);
-  int64_t k = total / (2 * rows);
-  float *g = (float *)dlua_tensor_ptr(grad);
-  const int32_t *p = (const int32_t *)dlua_tensor_ptr(gathered);
+dlua_status_t dlua_cpu_compress_topk_unpack(const char *op, const dlua_compress_unpack_desc_t *d) {
+  const int64_t n = d->n, rows = d->rows, k = d->k;
+  float *g = d->grad;
+  const int32_t *p = d->gathered;
   for (int64_t r = 0; r < rows; r++) {  // bad indices first: nothing is written on bad input
     const int32_t *pi = p + r * 2 * k + k;
     for (int64_t j = 0; j < k; j++)
@@ -171,7 +117,7 @@ dlua_status_t dlua_compress_topk_unpack(dlua_tensor_t *grad, const dlua_tensor_t
     }
   }
   // a division, as all-reduce's avg does (not a multiplication by 1 / world)
-  const float dv = (float)divisor;
+  const float dv = (float)d->divisor;
   if (dv != 1.0f) {
 #pragma omp parallel for schedule(static) if (chunks > 1)
     for (int64_t c = 0; c < chunks; c++) {
@@ -188,16 +134,12 @@ dlua_status_t dlua_compress_topk_unpack(dlua_tensor_t *grad, const dlua_tensor_t
    same order on every rank, so ranks holding the same p get the same bits). A column whose norm
    left after the earlier ones is <= eps, or <= 1e-10 of its own norm (it lies in their span: a
    rank-deficient gradient, e.g. rows of dead ReLU units), becomes zero rather than noise or NaN. */
-dlua_status_t dlua_compress_orthogonalize(dlua_tensor_t *p, double eps) {
-  const char *op = "compress_orthogonalize";
-  char b[200];
-  DLUA_TRY(need(op, "the matrix", p, DLUA_DTYPE_F32, 0));
-  if (p->ndim != 2) return DLUA_ERR(DLUA_ERR_ARG, "%s: expected a matrix (n, r), got %s", op, dlua_tensor_describe(p, b, sizeof b));
-  int64_t n = p->sizes[0], r = p->sizes[1];
-  if (n == 0 || r == 0) return DLUA_OK;
+dlua_status_t dlua_cpu_compress_orthogonalize(const char *op, const dlua_compress_orth_desc_t *d) {
+  const int64_t n = d->n, r = d->r;
+  const double eps = d->eps;
   double *w = malloc((size_t)(n * r) * sizeof *w);
   if (!w) return DLUA_ERR(DLUA_ERR_OOM, "%s: out of memory for a (%" PRId64 ", %" PRId64 ") double copy", op, n, r);
-  float *f = (float *)dlua_tensor_ptr(p);
+  float *f = d->p;
   // column-major double copy: each column contiguous
   for (int64_t i = 0; i < n; i++)
     for (int64_t j = 0; j < r; j++) w[j * n + i] = f[i * r + j];

@@ -7,6 +7,7 @@
 #include "kernels/norm.h"
 #include "kernels/pool.h"
 #include "kernels/random.h"
+#include "kernels/optim.h"
 #include "kernels/reduce.h"
 
 const dlua_backend_t dlua_cuda_backend = {
@@ -18,4 +19,5 @@ const dlua_backend_t dlua_cuda_backend = {
     .pool = &dlua_cuda_pool_ops,
     .loss = &dlua_cuda_loss_ops,
     .random = &dlua_cuda_random_ops,
+    .optim = &dlua_cuda_optim_ops,
 };

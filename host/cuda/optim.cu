@@ -1,10 +1,11 @@
 /* Fused optimizer steps (SGD, Adam/AdamW, LARS and LAMB with deterministic per-parameter norms), AMP unscaling and
    clip_grad_norm_'s partial norms on CUDA: kernels over flat arena ranges whose per-element code is the CPU's
-   (host/kernels/optim_ops.h). */
+   (host/kernels/optim_ops.h). They fill the CUDA table's optim family (host/kernels/optim.h); compression's slots
+   stay NULL (the CPU only). */
 #include "cuda/ew_common.cuh"
 #include "kernels/optim_ops.h"
 #include "cuda/device_guard.cuh"
-#include "cuda/loss_cuda.h"
+#include "cuda/kernels.h"
 
 namespace dlua_cu {
 namespace {
@@ -59,7 +60,7 @@ template <> struct Step<double> {
   }
 };
 
-/* Scalars rounded to T on the host exactly as host/cpu/optim.c's loops round them. */
+/* Scalars rounded to T on the host exactly as the CPU backend's optim.c's loops round them. */
 template <typename T> struct SgdK {
   T *p, *buf;
   const T *g;
@@ -153,7 +154,7 @@ template <int DT> void unscale(void *x, int64_t n, double inv, unsigned long lon
 }
 
 /* ---- LARS -------------------------------------------------------------------------------------------------
-   Parameters are cut into chunks of kLarsChunk elements (host/cpu/optim.c's LARS_BLOCK); chunk c belongs to the
+   Parameters are cut into chunks of kLarsChunk elements (the CPU backend's optim.c's LARS_BLOCK); chunk c belongs to the
    parameter r with pstart[r] <= c < pstart[r + 1]. Pass 1 folds each chunk's sums of squares in one block (fixed
    tree), pass 2 folds each parameter's chunks in order and computes its trust ratio, pass 3 updates. No atomics:
    the ratios depend on the shapes only. The per-parameter table reaches the device as kernel arguments (no host
@@ -239,7 +240,7 @@ __global__ void k_lars_norms(LarsTable t, const T *p, const T *g, T gs, int64_t 
   }
 }
 
-/* host/cpu/optim.c's ratio: trust * |w| / (|g| + wd |w| + eps), or -1. */
+/* the CPU backend's optim.c's ratio: trust * |w| / (|g| + wd |w| + eps), or -1. */
 __global__ void k_lars_trust(LarsTable t, int n_ranges, double tc, double wd, double eps) {
   const int r = blockIdx.x * blockDim.x + threadIdx.x;
   if (r >= n_ranges) return;
@@ -293,7 +294,7 @@ dlua_status_t lars(const char *op, const LarsTable &t, const dlua_opt_args_t *a,
   return launched(op);
 }
 
-/* ---- LAMB on the LARS chunk table: host/cpu/optim.c's two passes, the ratios folded in order ----------------- */
+/* ---- LAMB on the LARS chunk table: the CPU backend's optim.c's two passes, the ratios folded in order ----------------- */
 
 template <typename T> struct LambK {
   T *p, *m, *v;
@@ -336,7 +337,7 @@ template <typename T> __global__ void k_lamb_norms(LarsTable t, LambK<T> k, int6
   }
 }
 
-/* host/cpu/optim.c's ratio: |p| / |u|, 1 when excluded or either norm is 0 (or NaN). */
+/* the CPU backend's optim.c's ratio: |p| / |u|, 1 when excluded or either norm is 0 (or NaN). */
 __global__ void k_lamb_trust(LarsTable t, int n_ranges) {
   const int r = blockIdx.x * blockDim.x + threadIdx.x;
   if (r >= n_ranges) return;
@@ -385,7 +386,7 @@ dlua_status_t lamb(const char *op, const LarsTable &t, const dlua_opt_args_t *a,
 }
 
 /* ---- clip_grad_norm_'s partial norm: chunk c's sum of |x|^p (or max |x|) in a fixed tree, then one thread folds
-   the chunks in order (host/cpu/optim.c's blocks of the same size; the sums differ from the CPU's in the last
+   the chunks in order (the CPU backend's optim.c's blocks of the same size; the sums differ from the CPU's in the last
    bits only through the order inside a chunk). */
 
 template <int DT, bool MAX>
@@ -429,21 +430,33 @@ template <int DT> void norm_chunks(const void *x, int64_t n, double p, double *p
 }  // namespace
 }  // namespace dlua_cu
 
-extern "C" dlua_status_t dlua_cuda_optim_step(const char *op, int kind, int dtype, const void *args, int64_t length,
-                                              int device) {
+/* SGD (kind 0) and Adam/AdamW (kind 1): one grid-stride kernel over the range. */
+static dlua_status_t cuda_step(const char *op, int kind, const dlua_optim_step_desc_t *d) {
   using namespace dlua_cu;
+  if (d->lowp) return DLUA_ERR(DLUA_ERR_ARG, "%s: a 16-bit copy is written on the CPU only", op);
+  const int64_t length = d->length;
+  const int device = d->device, dtype = d->dtype;
   if (length <= 0) return DLUA_OK;
   DLUA_CU_SELECT(guard, op, device);
   cudaStream_t s = (cudaStream_t)dlua_cuda_raw_stream(device);
-  const dlua_opt_args_t *a = (const dlua_opt_args_t *)args;
+  const dlua_opt_args_t *a = &d->args;
   if (dtype == DLUA_DTYPE_F32) return step<float>(op, kind, a, length, s);
   if (dtype == DLUA_DTYPE_F64) return step<double>(op, kind, a, length, s);
   return DLUA_ERR(DLUA_ERR_ARG, "%s: param must be float32 or float64 (dtype %d)", op, dtype);
 }
 
-extern "C" dlua_status_t dlua_cuda_unscale(const char *op, int dtype, void *x, int64_t n, double inv_scale,
-                                           int64_t *nonfinite, int device) {
+static dlua_status_t cuda_sgd_step(const char *op, const dlua_optim_step_desc_t *d) { return cuda_step(op, 0, d); }
+static dlua_status_t cuda_adam_step(const char *op, const dlua_optim_step_desc_t *d) { return cuda_step(op, 1, d); }
+
+/* x *= inv_scale over n elements (f32, f64, f16, bf16), *nonfinite = how many were Inf/NaN before (an integer
+   count: the same whatever order blocks finish). Waits for the count. */
+static dlua_status_t cuda_unscale(const char *op, const dlua_optim_grad_desc_t *d) {
   using namespace dlua_cu;
+  const int dtype = d->dtype, device = d->device;
+  void *x = d->x;
+  const int64_t n = d->n;
+  const double inv_scale = d->s;
+  int64_t *nonfinite = d->nonfinite;
   if (nonfinite) *nonfinite = 0;
   if (n <= 0) return DLUA_OK;
   DLUA_CU_SELECT(guard, op, device);
@@ -520,10 +533,15 @@ static dlua_status_t lars_table(const char *op, int n_ranges, const int64_t *off
   return DLUA_OK;
 }
 
-extern "C" dlua_status_t dlua_cuda_lars_step(const char *op, int dtype, const void *args, int n_ranges,
-                                            const int64_t *offsets, const int64_t *lengths, const int32_t *exclude,
-                                            double trust_coefficient, double eps, int device) {
+/* LARS: n_ranges parameters of the f32/f64 arena (device), host arrays offsets/lengths/exclude. Norms are summed
+   per parameter in a fixed tree (no atomics), trust ratios computed on the device as the CPU does, then one fused
+   update. */
+static dlua_status_t cuda_lars_step(const char *op, const dlua_optim_ranges_desc_t *d) {
   using namespace dlua_cu;
+  const int dtype = d->dtype, n_ranges = d->n_ranges, device = d->device;
+  const int64_t *offsets = d->offsets, *lengths = d->lengths;
+  const int32_t *exclude = d->exclude;
+  const double trust_coefficient = d->trust_coefficient, eps = d->eps;
   if (n_ranges <= 0) return DLUA_OK;
   if (dtype != DLUA_DTYPE_F32 && dtype != DLUA_DTYPE_F64)
     return DLUA_ERR(DLUA_ERR_ARG, "%s: param must be float32 or float64 (dtype %d)", op, dtype);
@@ -534,17 +552,20 @@ extern "C" dlua_status_t dlua_cuda_lars_step(const char *op, int dtype, const vo
   void *mem;
   DLUA_TRY(lars_table(op, n_ranges, offsets, lengths, exclude, device, s, &t, &nchunks, &mem));
   if (!mem) return DLUA_OK;
-  const dlua_opt_args_t *a = (const dlua_opt_args_t *)args;
+  const dlua_opt_args_t *a = &d->args;
   dlua_status_t st = dtype == DLUA_DTYPE_F64 ? lars<double>(op, t, a, nchunks, n_ranges, trust_coefficient, eps, s)
                                              : lars<float>(op, t, a, nchunks, n_ranges, trust_coefficient, eps, s);
   if (dlua_cuda_free(device, mem) != DLUA_OK && st == DLUA_OK) st = DLUA_ERR_BACKEND;
   return st;
 }
 
-extern "C" dlua_status_t dlua_cuda_lamb_step(const char *op, int dtype, const void *args, int n_ranges,
-                                            const int64_t *offsets, const int64_t *lengths, const int32_t *exclude,
-                                            int device) {
+/* LAMB on the same per-parameter chunk table: pass 1 updates the moments and sums |p|^2 and |u|^2 per chunk, the
+   ratios |p| / |u| come from an in-order fold, pass 2 applies them. */
+static dlua_status_t cuda_lamb_step(const char *op, const dlua_optim_ranges_desc_t *d) {
   using namespace dlua_cu;
+  const int dtype = d->dtype, n_ranges = d->n_ranges, device = d->device;
+  const int64_t *offsets = d->offsets, *lengths = d->lengths;
+  const int32_t *exclude = d->exclude;
   if (n_ranges <= 0) return DLUA_OK;
   if (dtype != DLUA_DTYPE_F32 && dtype != DLUA_DTYPE_F64)
     return DLUA_ERR(DLUA_ERR_ARG, "%s: param must be float32 or float64 (dtype %d)", op, dtype);
@@ -555,15 +576,20 @@ extern "C" dlua_status_t dlua_cuda_lamb_step(const char *op, int dtype, const vo
   void *mem;
   DLUA_TRY(lars_table(op, n_ranges, offsets, lengths, exclude, device, s, &t, &nchunks, &mem));
   if (!mem) return DLUA_OK;
-  const dlua_opt_args_t *a = (const dlua_opt_args_t *)args;
+  const dlua_opt_args_t *a = &d->args;
   dlua_status_t st = dtype == DLUA_DTYPE_F64 ? lamb<double>(op, t, a, nchunks, n_ranges, s)
                                              : lamb<float>(op, t, a, nchunks, n_ranges, s);
   if (dlua_cuda_free(device, mem) != DLUA_OK && st == DLUA_OK) st = DLUA_ERR_BACKEND;
   return st;
 }
 
-extern "C" dlua_status_t dlua_cuda_grad_scale(const char *op, int dtype, void *x, int64_t n, double scale, int device) {
+/* x *= scale over n elements (f32, f64, f16, bf16), queued on the current stream (no wait). */
+static dlua_status_t cuda_grad_scale(const char *op, const dlua_optim_grad_desc_t *d) {
   using namespace dlua_cu;
+  const int dtype = d->dtype, device = d->device;
+  void *x = d->x;
+  const int64_t n = d->n;
+  const double scale = d->s;
   if (n <= 0) return DLUA_OK;
   DLUA_CU_SELECT(guard, op, device);
   cudaStream_t s = (cudaStream_t)dlua_cuda_raw_stream(device);
@@ -576,9 +602,15 @@ extern "C" dlua_status_t dlua_cuda_grad_scale(const char *op, int dtype, void *x
   return launched(op);
 }
 
-extern "C" dlua_status_t dlua_cuda_grad_norm_partial(const char *op, int dtype, const void *x, int64_t n, double p,
-                                                    double *out, int device) {
+/* *out = sum of |x|^p (or max |x| for p = inf) over n elements, in double, as the CPU kernel: fixed chunks folded
+   in order, no atomics. Waits for the value. */
+static dlua_status_t cuda_grad_norm_partial(const char *op, const dlua_optim_grad_desc_t *d) {
   using namespace dlua_cu;
+  const int dtype = d->dtype, device = d->device;
+  const void *x = d->x;
+  const int64_t n = d->n;
+  const double p = d->s;
+  double *out = d->out;
   *out = 0;
   if (n <= 0) return DLUA_OK;
   DLUA_CU_SELECT(guard, op, device);
@@ -613,3 +645,18 @@ extern "C" dlua_status_t dlua_cuda_grad_norm_partial(const char *op, int dtype, 
   if (st == DLUA_OK) *out = host;
   return st;
 }
+
+extern "C" const struct dlua_optim_ops dlua_cuda_optim_ops = {
+    cuda_sgd_step,          /* sgd_step */
+    cuda_adam_step,         /* adam_step */
+    cuda_lars_step,         /* lars_step */
+    cuda_lamb_step,         /* lamb_step */
+    cuda_unscale,           /* unscale */
+    cuda_grad_scale,        /* grad_scale */
+    cuda_grad_norm_partial, /* grad_norm_partial */
+    NULL,                   /* compress_to_half: the CPU only */
+    NULL,                   /* compress_from_half */
+    NULL,                   /* compress_topk */
+    NULL,                   /* compress_topk_unpack */
+    NULL,                   /* compress_orthogonalize */
+};

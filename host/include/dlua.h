@@ -460,6 +460,13 @@ dlua_status_t dlua_optim_lars_step(dlua_tensor_t *param, const dlua_tensor_t *gr
    exclude[i] != 0 takes no decay and trust 1 (a plain Adam step). No clamp on the ratio. */
 dlua_status_t dlua_optim_lamb_step(dlua_tensor_t *param, const dlua_tensor_t *grad, dlua_tensor_t *exp_avg, dlua_tensor_t *exp_avg_sq, int n_ranges, const int64_t *offsets, const int64_t *lengths, const int32_t *exclude, double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step, int bias_correction, double grad_scale);
 
+/* Mixed precision's master weights: the same steps as dlua_optim_sgd_step and dlua_optim_adam(w)_step
+   (decoupled 0: Adam, 1: AdamW), also writing lowp[i] = param[i] rounded to lowp's dtype for every element
+   stepped, chunk by chunk in the same pass over the arena. lowp: a contiguous bfloat16 or float16 tensor of
+   param's element count (the arena's 16-bit twin), param float32, both on the CPU. */
+dlua_status_t dlua_optim_sgd_step_lowp(dlua_tensor_t *param, const dlua_tensor_t *grad, dlua_tensor_t *momentum_buf, int64_t offset, int64_t length, double lr, double momentum, double dampening, double weight_decay, int nesterov, int maximize, int first_step, double grad_scale, dlua_tensor_t *lowp);
+dlua_status_t dlua_optim_adam_step_lowp(int decoupled, dlua_tensor_t *param, const dlua_tensor_t *grad, dlua_tensor_t *exp_avg, dlua_tensor_t *exp_avg_sq, dlua_tensor_t *max_exp_avg_sq, int64_t offset, int64_t length, double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step, int amsgrad, int maximize, double grad_scale, dlua_tensor_t *lowp);
+
 /* Mixed precision: grad[offset, offset + length) *= inv_scale in one pass (f32, f64, f16, bf16);
    *nonfinite receives how many of those gradients were Inf or NaN. */
 dlua_status_t dlua_optim_unscale(dlua_tensor_t *grad, int64_t offset, int64_t length, double inv_scale, int64_t *nonfinite);

@@ -3,10 +3,11 @@
    _single_tensor_adam / _single_tensor_adamw (torch 1.13); LAMB follows dlua_optim_lamb_step's
    description in dlua.h; every scalar arrives already rounded to T, as PyTorch passes Python
    floats to its T kernels. */
-#ifndef DLUA_CPU_OPTIM_OPS_H
-#define DLUA_CPU_OPTIM_OPS_H
+#ifndef DLUA_KERNELS_OPTIM_OPS_H
+#define DLUA_KERNELS_OPTIM_OPS_H
 #include <math.h>
 #include <stdint.h>
+#include "kernels/optim.h"
 
 #ifdef __CUDACC__
 #define DLUA_OPT_HD __host__ __device__
@@ -14,16 +15,7 @@
 #define DLUA_OPT_HD
 #endif
 
-/* Arguments of one step over a range; the pointers already point at the range's first element. */
-typedef struct {
-  void *p;
-  const void *g;
-  void *s1, *s2, *s3; /* SGD/LARS: momentum; Adam(W)/LAMB: exp_avg, exp_avg_sq, max_exp_avg_sq */
-  double lr, momentum, dampening, weight_decay, grad_scale, beta1, beta2, eps, bc1, bc2;
-  double trust; /* LARS, LAMB: this parameter's ratio */
-  int nesterov, maximize, first, amsgrad;
-  int decoupled; /* 1: AdamW's decay (param *= 1 - lr wd), 0: Adam's L2 in the gradient */
-} dlua_opt_args_t;
+/* dlua_opt_args_t, the arguments of one step over a range: host/kernels/optim.h. */
 
 #define DLUA_OPT_STEPS(T, S, SQRT)                                                                              \
   /* d = g * gs (negated when maximizing) + wd * p; momentum; p -= lr * d */                                   \

@@ -1,4 +1,4 @@
-/* Check suite for host/cpu/optim.c: SGD, Adam, AdamW, LARS and LAMB steps against double references written from torch.optim's (and the LAMB paper's) algorithms; AMP unscaling; clip_grad_norm_'s pieces; bad input. */
+/* Check suite for host/ops/optim.c and host/cpu/optim.c (the optim family of the backend table): SGD, Adam, AdamW, LARS and LAMB steps against double references written from torch.optim's (and the LAMB paper's) algorithms; AMP unscaling; clip_grad_norm_'s pieces; bad input. */
 #include <check.h>
 #include <math.h>
 #include <omp.h>
@@ -9,6 +9,8 @@
 
 #include "core/api.h"
 #include "core/tensor.h"
+#include "kernels/optim.h"
+#include "ops/backend.h"
 
 #include "testutil.h"
 
@@ -745,6 +747,70 @@ START_TEST(test_bad_input) {
 }
 END_TEST
 
+/* The front doors reach the kernels through the backend table: the CPU's optim family fills every slot and runs
+   a descriptor itself; a tensor on device 0 gets the registry's one message when no CUDA device exists, and
+   otherwise the CUDA family, which runs the steps and the gradient slots but not compression. */
+START_TEST(test_through_the_table) {
+  const struct dlua_optim_ops *k = NULL;
+  ck_assert_int_eq(DLUA_BACKEND("sgd_step", DLUA_CPU, optim, sgd_step, &k), DLUA_OK);
+  ck_assert_ptr_eq(k, &dlua_cpu_optim_ops);
+  ck_assert(k->sgd_step && k->adam_step && k->lars_step && k->lamb_step && k->unscale && k->grad_scale &&
+            k->grad_norm_partial && k->compress_to_half && k->compress_from_half && k->compress_topk &&
+            k->compress_topk_unpack && k->compress_orthogonalize);
+
+  // SGD without momentum on a descriptor: p -= lr * (g * grad_scale), each scalar rounded to float first
+  float p[3] = {1.0f, -2.0f, 0.5f}, g[3] = {0.25f, 1.0f, -4.0f};
+  dlua_optim_step_desc_t d;
+  memset(&d, 0, sizeof d);
+  d.dtype = DLUA_DTYPE_F32;
+  d.length = 3;
+  d.device = DLUA_CPU;
+  d.args.p = p;
+  d.args.g = g;
+  d.args.lr = 0.1;
+  d.args.grad_scale = 0.5;
+  ck_assert_int_eq(k->sgd_step("sgd_step", &d), DLUA_OK);
+  const float want[3] = {1.0f - 0.1f * (0.25f * 0.5f), -2.0f - 0.1f * (1.0f * 0.5f), 0.5f - 0.1f * (-4.0f * 0.5f)};
+  for (int i = 0; i < 3; i++) ck_assert_msg(p[i] == want[i], "p[%d] = %.9g, expected %.9g", i, p[i], want[i]);
+
+  // unscale on a descriptor: x *= 0.5, one non-finite counted
+  double x[3] = {2.0, INFINITY, -6.0};
+  int64_t bad = -1;
+  dlua_optim_grad_desc_t u = {.dtype = DLUA_DTYPE_F64, .x = x, .n = 3, .s = 0.5, .nonfinite = &bad, .device = DLUA_CPU};
+  ck_assert_int_eq(k->unscale("unscale", &u), DLUA_OK);
+  ck_assert_int_eq(bad, 1);
+  ck_assert(x[0] == 1.0 && isinf(x[1]) && x[2] == -3.0);
+
+  int64_t n = 4;
+  double v[4] = {1, 2, 3, 4};
+  dlua_tensor_t *a = tu_make(1, &n, DLUA_DTYPE_F32, v), *b = tu_make(1, &n, DLUA_DTYPE_F32, v);
+  struct dlua_tensor pa = *a, ga = *b;  // the same headers claiming device 0: never read unless a device exists
+  pa.device = ga.device = 0;
+  if (dlua_cuda_device_count() == 0) {
+    tu_expect_error_at(dlua_optim_sgd_step(&pa, &ga, NULL, 0, 4, 0.1, 0, 0, 0, 0, 0, 1, 1), "sgd_step",
+                       "sgd_step: no CUDA device available");
+    tu_expect_error_at(dlua_optim_adamw_step(&pa, &ga, &ga, &ga, NULL, 0, 4, 0.1, 0.9, 0.999, 1e-8, 0, 1, 0, 0, 1),
+                       "adamw_step", "adamw_step: no CUDA device available");
+    int64_t nf = -1;
+    tu_expect_error_at(dlua_optim_unscale(&ga, 0, 4, 0.5, &nf), "unscale", "unscale: no CUDA device available");
+    ck_assert_int_eq(nf, 0);
+    double out = -1;
+    tu_expect_error_at(dlua_optim_grad_norm_partial(&ga, 0, 4, 2, &out), "grad_norm_partial",
+                       "grad_norm_partial: no CUDA device available");
+    tu_expect_error_at(dlua_compress_orthogonalize(&pa, 1e-8), "compress_orthogonalize",
+                       "compress_orthogonalize: no CUDA device available");
+  } else {
+    const struct dlua_optim_ops *kc = NULL;
+    ck_assert_int_eq(DLUA_BACKEND("lamb_step", 0, optim, lamb_step, &kc), DLUA_OK);
+    ck_assert_ptr_ne(kc, &dlua_cpu_optim_ops);
+    ck_assert(kc->sgd_step && kc->adam_step && kc->lars_step && kc->unscale && kc->grad_scale && kc->grad_norm_partial);
+    tu_expect_error_at(DLUA_BACKEND("compress_topk", 0, optim, compress_topk, &kc), "compress_topk",
+                       "compress_topk: not supported on cuda");
+  }
+  dlua_tensor_free(a), dlua_tensor_free(b);
+}
+END_TEST
+
 int main(void) {
   Suite *s = suite_create("optim");
   TCase *tc = tcase_create("core");
@@ -762,6 +828,7 @@ int main(void) {
   tcase_add_test(tc, test_threads);
   tcase_add_test(tc, test_unscale);
   tcase_add_test(tc, test_bad_input);
+  tcase_add_test(tc, test_through_the_table);
   suite_add_tcase(s, tc);
   return tu_run(s);
 }
