@@ -1,4 +1,4 @@
--- The Lua face of host/cpu/compress.c: the kernels of the gradient-compression hooks (lua/dlua/compress.lua).
+-- The Lua face of the gradient-compression kernels (front doors host/ops/compress.c, CPU kernels host/cpu/compress.c) for lua/dlua/compress.lua.
 local core = require 'bindings.tensor_core'
 local C = core.C
 local handle, check = core.handle, core.check

@@ -1,4 +1,4 @@
-/* Check suite for host/cpu/compress.c and the SIMD casts of host/core/copy.c: bits against the scalar conversions, top-k pack/unpack and residuals, orthogonalisation. */
+/* Check suite for the compression ops (host/ops/compress.c, kernels in host/cpu/compress.c) and the SIMD casts of host/core/copy.c: bits against the scalar conversions, top-k pack/unpack and residuals, orthogonalisation. */
 #include <check.h>
 #include <math.h>
 #include <stdint.h>
