@@ -2,6 +2,7 @@
    Built only with CUDA; host/ops/backend.c hands it out while a device exists. */
 #include "ops/backend.h"
 #include "kernels/blas.h"
+#include "kernels/conv.h"
 #include "kernels/index.h"
 #include "kernels/norm.h"
 #include "kernels/pool.h"
@@ -10,6 +11,7 @@
 const dlua_backend_t dlua_cuda_backend = {
     .name = "cuda",
     .blas = &dlua_cuda_blas_ops,
+    .conv = &dlua_cuda_conv_ops,
     .reduce = &dlua_cuda_reduce_ops,
     .index = &dlua_cuda_index_ops,
     .norm = &dlua_cuda_norm_ops,
