@@ -38,6 +38,8 @@ typedef struct {
   int unsupported;                            /* out: the backend has no kernel for these formats (nothing ran) */
 } dlua_conv_desc_t;
 
+/* caps and bwd_data_accumulates are required of a backend that gives the family; a NULL direction slot is
+   "not supported" there. */
 struct dlua_conv_ops {
   /* *caps for the convolution of d's geometry on input dtype d->dtype (no operand set yet). */
   dlua_status_t (*caps)(const char *op, const dlua_conv_desc_t *d, dlua_conv_caps_t *caps);
