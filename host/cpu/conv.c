@@ -1,4 +1,5 @@
-/* 2-D convolution on the CPU, forward and backward: oneDNN for float32 and bfloat16 (float16 via float32), direct loops for float64. */
+/* 2-D convolution on the CPU, forward and backward, the conv table's kernels (kernels/conv.h): oneDNN for float32
+   and bfloat16 (float16 via float32), direct loops for float64. host/ops/conv.c stages the operands. */
 #include <inttypes.h>
 #include <omp.h>
 #include <oneapi/dnnl/dnnl.h>
@@ -11,105 +12,24 @@
 #include "core/error.h"
 #include "core/tensor.h"
 #include "kernels/act_layout.h"
+#include "kernels/conv.h"
 #include "cpu/conv.h"
 #include "cpu/conv_impl.h"
-#ifdef DLUA_HAVE_CUDA
-#include "cuda/conv_cuda.h" /* plain C: the cuDNN side of the entry points below */
-#endif
 
-/* ---- geometry and memory formats ------------------------------------------------------------ */
-
-/* t as a tensor of dtype ct in NCHW or NHWC memory: a new handle on t when it already is one,
-   otherwise a converted copy that keeps t's format (NCHW when t has neither). */
-static dlua_status_t operand4(const dlua_tensor_t *t, dlua_dtype_t ct, dlua_tensor_t **v) {
-  int f = act_format(t);
-  if (t->dtype == ct && f != FMT_OTHER) {
-    *v = dlua_tensor_alias(t);
-    return *v ? DLUA_OK : dlua_last_status();
-  }
-  DLUA_TRY(act_alloc(v, 4, t->sizes, ct, f == FMT_OTHER ? FMT_NCHW : f));
-  dlua_status_t s = dlua_tensor_copy_(*v, t);
-  if (s != DLUA_OK) {
-    dlua_tensor_free(*v);
-    *v = NULL;
-  }
-  return s;
+/* The geometry of a descriptor. */
+static geom_t geom_of(const dlua_conv_desc_t *d) {
+  return (geom_t){.n = d->n, .c = d->c, .h = d->h, .w = d->w, .o = d->o, .kh = d->kh, .kw = d->kw, .oh = d->oh,
+                  .ow = d->ow, .sh = d->sh, .sw = d->sw, .ph = d->ph, .pw = d->pw, .dh = d->dh, .dw = d->dw,
+                  .g = d->groups};
 }
 
-/* A 1-D operand (bias) as a dense vector of dtype ct. */
-static dlua_status_t operand1(const dlua_tensor_t *t, dlua_dtype_t ct, dlua_tensor_t **v) {
-  if (t->dtype == ct && (t->sizes[0] <= 1 || t->strides[0] == 1)) {
-    *v = dlua_tensor_alias(t);
-    return *v ? DLUA_OK : dlua_last_status();
-  }
-  return dlua_tensor_to_dtype(v, t, ct);
-}
-
-int64_t dlua_conv2d_output_size(int64_t in, int64_t kernel, int stride, int pad, int dil) {
-  if (in < 0 || kernel < 1 || stride < 1 || pad < 0 || dil < 1) return -1;
-  int64_t span = in + 2 * (int64_t)pad - (int64_t)dil * (kernel - 1) - 1;
-  if (span < 0) return 0;
-  return span / stride + 1;
-}
-
-static dlua_status_t check_params(const char *op, int sh, int sw, int ph, int pw, int dh, int dw, int groups) {
-  if (sh < 1 || sw < 1) return DLUA_ERR(DLUA_ERR_ARG, "%s: stride (%d, %d) must be positive", op, sh, sw);
-  if (ph < 0 || pw < 0) return DLUA_ERR(DLUA_ERR_ARG, "%s: padding (%d, %d) must be non-negative", op, ph, pw);
-  if (dh < 1 || dw < 1) return DLUA_ERR(DLUA_ERR_ARG, "%s: dilation (%d, %d) must be positive", op, dh, dw);
-  if (groups < 1) return DLUA_ERR(DLUA_ERR_ARG, "%s: groups must be positive, got %d", op, groups);
-  return DLUA_OK;
-}
-
-/* t must be a live floating-point tensor of ndim dimensions; `what` names it, `dims` spells its layout. The
-   entry points check devices (same_device) and send CUDA calls to host/cuda/conv_cudnn.c. */
-static dlua_status_t check_rank(const char *op, const char *what, const char *dims, const dlua_tensor_t *t, int ndim) {
-  char b[200];
-  if (!t->storage) return dlua_require_cpu(op, t);  // "the tensor is NULL (freed, or never created)"
-  if (t->ndim != ndim)
-    return DLUA_ERR(DLUA_ERR_ARG, "%s: %s must have %d dimensions %s, got %s", op, what, ndim, dims,
-                    dlua_tensor_describe(t, b, sizeof b));
-  if (!dlua_dtype_is_floating(t->dtype))
-    return DLUA_ERR(DLUA_ERR_ARG, "%s: %s must be floating point, got %s", op, what, dlua_tensor_describe(t, b, sizeof b));
-  return DLUA_OK;
-}
-
-/* Fills g from the input sizes xs (N, C, H, W) and the weight sizes ws (O, C/groups, kH, kW);
-   xdesc/wdesc name them in errors. */
-static dlua_status_t geometry(const char *op, const int64_t *xs, const char *xdesc, const int64_t *ws, const char *wdesc,
-                              int sh, int sw, int ph, int pw, int dh, int dw, int groups, geom_t *g) {
-  DLUA_TRY(check_params(op, sh, sw, ph, pw, dh, dw, groups));
-  if (ws[2] < 1 || ws[3] < 1)
-    return DLUA_ERR(DLUA_ERR_ARG, "%s: weight %s has an empty kernel", op, wdesc);
-  if (ws[0] % groups != 0)
-    return DLUA_ERR(DLUA_ERR_ARG, "%s: weight %s has %" PRId64 " output channels, not divisible by groups = %d", op,
-                    wdesc, ws[0], groups);
-  if (xs[1] != ws[1] * groups)
-    return DLUA_ERR(DLUA_ERR_ARG,
-                    "%s: input %s has %" PRId64 " channels but weight %s expects %" PRId64 " (%" PRId64
-                    " per group x groups = %d)",
-                    op, xdesc, xs[1], wdesc, ws[1] * groups, ws[1], groups);
-  *g = (geom_t){.n = xs[0], .c = xs[1], .h = xs[2], .w = xs[3], .o = ws[0], .kh = ws[2], .kw = ws[3],
-                .sh = sh, .sw = sw, .ph = ph, .pw = pw, .dh = dh, .dw = dw, .g = groups};
-  g->oh = dlua_conv2d_output_size(g->h, g->kh, sh, ph, dh);
-  g->ow = dlua_conv2d_output_size(g->w, g->kw, sw, pw, dw);
-  if (g->oh < 1 || g->ow < 1)
-    return DLUA_ERR(DLUA_ERR_ARG,
-                    "%s: input %s padded by (%d, %d) is smaller than weight %s's kernel dilated by (%d, %d): "
-                    "output size would be (%" PRId64 ", %" PRId64 ")",
-                    op, xdesc, ph, pw, wdesc, dh, dw, g->oh, g->ow);
-  return DLUA_OK;
-}
-
-/* Checks that grad_y has the convolution's output shape. */
-static dlua_status_t check_grad_y(const char *op, const dlua_tensor_t *gy, const geom_t *g) {
-  int64_t ys[4] = {g->n, g->o, g->oh, g->ow};
-  for (int d = 0; d < 4; d++)
-    if (gy->sizes[d] != ys[d]) {
-      char b1[200], b2[120];
-      return DLUA_ERR(DLUA_ERR_ARG, "%s: grad_output %s does not have the convolution's output shape %s", op,
-                      dlua_tensor_describe(gy, b1, sizeof b1), dlua_shape_str(4, ys, b2, sizeof b2));
-    }
-  return DLUA_OK;
+/* A buffer for elems elements of es bytes, aligned as the tensor allocator's (NULL with the error recorded). */
+static void *scratch_alloc(const char *op, int64_t elems, size_t es) {
+  size_t bytes = (size_t)(elems > 0 ? elems : 1) * es;
+  bytes = (bytes + 63) / 64 * 64;
+  void *p = aligned_alloc(64, bytes);
+  if (!p) DLUA_ERR(DLUA_ERR_OOM, "%s: out of memory allocating %zu bytes", op, bytes);
+  return p;
 }
 
 /* Empty dimensions have nothing for oneDNN to do and some of its kernels reject them: those
@@ -244,117 +164,24 @@ static void ref_backward_weights(const geom_t *g, const double *x, const int64_t
   }
 }
 
-/* ---- public entry points --------------------------------------------------------------------- */
-
-static dlua_status_t check_same_dtype(const char *op, const dlua_tensor_t *a, const char *an, const dlua_tensor_t *b,
-                                      const char *bn) {
-  if (!b || a->dtype == b->dtype) return DLUA_OK;
-  char b1[200], b2[200];
-  return DLUA_ERR(DLUA_ERR_ARG, "%s: mixed dtypes: %s %s and %s %s", op, an, dlua_tensor_describe(a, b1, sizeof b1), bn,
-                  dlua_tensor_describe(b, b2, sizeof b2));
-}
-
-dlua_status_t dlua_conv2d_forward(dlua_tensor_t **out, const dlua_tensor_t *x, const dlua_tensor_t *w,
-                                  const dlua_tensor_t *bias, int stride_h, int stride_w, int pad_h, int pad_w,
-                                  int dil_h, int dil_w, int groups) {
-  const char *op = "conv2d";
-  if (!out) return DLUA_ERR(DLUA_ERR_ARG, "%s: out is NULL", op);
-  if (!x || !w) return DLUA_ERR(DLUA_ERR_ARG, "%s: %s is NULL", op, x ? "weight" : "input");
-  DLUA_TRY(check_rank(op, "input", "(N, C, H, W)", x, 4));
-  DLUA_TRY(check_rank(op, "weight", "(O, C/groups, kH, kW)", w, 4));
-  DLUA_TRY(dlua_same_device(op, x, w));
-  DLUA_TRY(check_same_dtype(op, x, "input", w, "weight"));
-  char bx[200], bw[200];
-  dlua_tensor_describe(x, bx, sizeof bx);
-  dlua_tensor_describe(w, bw, sizeof bw);
-  if (bias) {
-    DLUA_TRY(check_rank(op, "bias", "(O)", bias, 1));
-    DLUA_TRY(dlua_same_device(op, x, bias));
-    DLUA_TRY(check_same_dtype(op, x, "input", bias, "bias"));
-    if (bias->sizes[0] != w->sizes[0]) {
-      char bb[200];
-      return DLUA_ERR(DLUA_ERR_ARG, "%s: bias %s does not have one entry per output channel of weight %s", op,
-                      dlua_tensor_describe(bias, bb, sizeof bb), bw);
-    }
-  }
-  geom_t g;
-  DLUA_TRY(geometry(op, x->sizes, bx, w->sizes, bw, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, groups, &g));
-  if (x->device != DLUA_CPU) {
-#ifdef DLUA_HAVE_CUDA
-    return dlua_cuda_conv2d_forward(out, x, w, bias, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, groups);
-#else
-    return dlua_require_cpu(op, x);
-#endif
-  }
-  int64_t ys[4] = {g.n, g.o, g.oh, g.ow};
-  int xf = act_format(x);
-  int allocated = 0;
-  if (!*out) {
-    DLUA_TRY(act_alloc(out, 4, ys, x->dtype, xf == FMT_OTHER ? FMT_NCHW : xf));
-    allocated = 1;
-  } else {
-    DLUA_TRY(dlua_prepare_out(op, out, 4, ys, x->dtype, NULL));
-  }
-  dlua_dtype_t ct = compute_dtype(x->dtype, &g);
-  dlua_tensor_t *xv = NULL, *wv = NULL, *bv = NULL, *yv = NULL;
-  int of = act_format(*out);
-  int direct = (*out)->dtype == ct && of != FMT_OTHER;
-  dlua_status_t s = operand4(x, ct, &xv);
-  if (s == DLUA_OK) s = operand4(w, ct, &wv);
-  if (s == DLUA_OK && bias) s = operand1(bias, grad_param_dtype(ct), &bv);  // a bf16 convolution takes an f32 bias
-  if (s == DLUA_OK) {
-    if (direct) {
-      yv = dlua_tensor_alias(*out);
-      if (!yv) s = dlua_last_status();
-    } else {
-      s = act_alloc(&yv, 4, ys, ct, of == FMT_OTHER ? (xf == FMT_OTHER ? FMT_NCHW : xf) : of);
-    }
-  }
-  if (s == DLUA_OK && dlua_shape_numel(4, ys) > 0) {
-    if (ct == DLUA_DTYPE_F64) {
-      ref_forward(&g, (const double *)dlua_tensor_ptr(xv), xv->strides, (const double *)dlua_tensor_ptr(wv), wv->strides,
-                  bv ? (const double *)dlua_tensor_ptr(bv) : NULL, bv ? bv->strides[0] : 0, (double *)dlua_tensor_ptr(yv),
-                  yv->strides);
-    } else {
-      conv_key_t k = dlua_conv_dnnl_key(DIR_FWD, &g, act_format(xv), act_format(yv), act_format(wv), bv != NULL);
-      k.lowp = ct == DLUA_DTYPE_BF16;
-      void *ptrs[4] = {dlua_tensor_ptr(xv), dlua_tensor_ptr(wv), dlua_tensor_ptr(yv), bv ? dlua_tensor_ptr(bv) : NULL};
-      s = dlua_conv_dnnl_run(op, &k, ptrs);
-    }
-  }
-  if (s == DLUA_OK && !direct) s = dlua_tensor_copy_(*out, yv);
-  dlua_tensor_free(xv);
-  dlua_tensor_free(wv);
-  dlua_tensor_free(bv);
-  dlua_tensor_free(yv);
-  if (s != DLUA_OK && allocated) {
-    dlua_tensor_free(*out);
-    *out = NULL;
-  }
-  return s;
-}
-
 /* With stride 1, no dilation and one group, the input gradient is a forward convolution of the
    output gradient with the weights' channels swapped and kernels turned 180 degrees, padded by
    k - 1 - pad. oneDNN 2.6's forward kernels for channels-last activations (brgconv) are faster than
    its backward-data ones: measured at ResNet-20's shapes on AVX-512, 1 thread, batch 64: 2.1 vs 2.5 ms
    (32 channels, 14x14) and 1.7 vs 2.2 ms (64 channels, 7x7). Channels-last only, where it was measured. */
-static int bwd_data_as_forward(const geom_t *g, const dlua_tensor_t *gy, const dlua_tensor_t *gx) {
+static int bwd_data_as_forward(const geom_t *g, int gy_fmt, int gx_fmt, int dtype) {
   return g->sh == 1 && g->sw == 1 && g->dh == 1 && g->dw == 1 && g->g == 1 && g->ph <= g->kh - 1 &&
-         g->pw <= g->kw - 1 && act_format(gy) == FMT_NHWC && act_format(gx) == FMT_NHWC &&
-         (gy->dtype == DLUA_DTYPE_F32 || gy->dtype == DLUA_DTYPE_BF16);
+         g->pw <= g->kw - 1 && gy_fmt == FMT_NHWC && gx_fmt == FMT_NHWC &&
+         (dtype == DLUA_DTYPE_F32 || dtype == DLUA_DTYPE_BF16);
 }
 
-static dlua_status_t backward_data_by_forward(const char *op, const geom_t *g, const dlua_tensor_t *gy,
-                                              const dlua_tensor_t *w, dlua_tensor_t *gx, int accumulate) {
-  int64_t ts[4] = {g->c, g->o, g->kh, g->kw};
-  dlua_tensor_t *wt = NULL;
-  const int lowp = w->dtype == DLUA_DTYPE_BF16;
-  DLUA_TRY(dlua_tensor_empty(&wt, 4, ts, w->dtype, DLUA_CPU));
+static dlua_status_t backward_data_by_forward(const char *op, const geom_t *g, const void *gy, const void *w,
+                                              const int64_t *ws, int dtype, void *gx, int accumulate) {
+  const int lowp = dtype == DLUA_DTYPE_BF16;
   const size_t es = lowp ? 2 : 4;  // bytes per element: the weights are only moved, never computed on
-  const char *src = dlua_tensor_ptr(w);
-  char *dst = dlua_tensor_ptr(wt);
-  const int64_t *ws = w->strides;  // elements
+  char *dst = scratch_alloc(op, g->c * g->o * g->kh * g->kw, es);  // (C, O, kH, kW), contiguous
+  if (!dst) return dlua_last_status();
+  const char *src = w;
   for (int64_t c = 0; c < g->c; c++)
     for (int64_t o = 0; o < g->o; o++)
       for (int64_t i = 0; i < g->kh; i++)
@@ -366,96 +193,9 @@ static dlua_status_t backward_data_by_forward(const char *op, const geom_t *g, c
   conv_key_t k = dlua_conv_dnnl_key(DIR_FWD, &f, FMT_NHWC, FMT_NHWC, FMT_NCHW, 0);
   k.acc_y = accumulate != 0;
   k.lowp = lowp;
-  void *ptrs[4] = {dlua_tensor_ptr(gy), dlua_tensor_ptr(wt), dlua_tensor_ptr(gx), NULL};
+  void *ptrs[4] = {(void *)gy, dst, gx, NULL};
   dlua_status_t s = dlua_conv_dnnl_run(op, &k, ptrs);
-  dlua_tensor_free(wt);
-  return s;
-}
-
-/* Folds a gradient computed into a temporary back into the caller's tensor. */
-static dlua_status_t fold_back(dlua_tensor_t *dst, const dlua_tensor_t *tmp, int accumulate) {
-  if (!accumulate) return dlua_tensor_copy_(dst, tmp);
-  dlua_tensor_t *d = dst;
-  return dlua_tensor_binary(&d, dst, tmp, DLUA_BINARY_ADD, 1.0);
-}
-
-dlua_status_t dlua_conv2d_backward_data(dlua_tensor_t **grad_x, const dlua_tensor_t *grad_y, const dlua_tensor_t *w,
-                                        const int64_t *x_sizes, int stride_h, int stride_w, int pad_h, int pad_w,
-                                        int dil_h, int dil_w, int groups, int accumulate) {
-  const char *op = "conv2d_backward_data";
-  if (!grad_x) return DLUA_ERR(DLUA_ERR_ARG, "%s: grad_input is NULL", op);
-  if (accumulate && !*grad_x)
-    return DLUA_ERR(DLUA_ERR_ARG, "%s: accumulate needs a grad_input to add to, got none", op);
-  if (!grad_y || !w || !x_sizes)
-    return DLUA_ERR(DLUA_ERR_ARG, "%s: %s is NULL", op, !grad_y ? "grad_output" : !w ? "weight" : "input size");
-  DLUA_TRY(check_rank(op, "grad_output", "(N, O, OH, OW)", grad_y, 4));
-  DLUA_TRY(check_rank(op, "weight", "(O, C/groups, kH, kW)", w, 4));
-  DLUA_TRY(dlua_same_device(op, grad_y, w));
-  DLUA_TRY(check_same_dtype(op, grad_y, "grad_output", w, "weight"));
-  char bx[200], bw[200];
-  for (int d = 0; d < 4; d++)
-    if (x_sizes[d] < 0)
-      return DLUA_ERR(DLUA_ERR_ARG, "%s: input size %s has a negative entry", op, dlua_shape_str(4, x_sizes, bx, sizeof bx));
-  dlua_shape_str(4, x_sizes, bx, sizeof bx);
-  dlua_tensor_describe(w, bw, sizeof bw);
-  geom_t g;
-  DLUA_TRY(geometry(op, x_sizes, bx, w->sizes, bw, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, groups, &g));
-  DLUA_TRY(check_grad_y(op, grad_y, &g));
-  if (grad_y->device != DLUA_CPU) {
-#ifdef DLUA_HAVE_CUDA
-    return dlua_cuda_conv2d_backward_data(grad_x, grad_y, w, x_sizes, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
-                                          groups, accumulate);
-#else
-    return dlua_require_cpu(op, grad_y);
-#endif
-  }
-  int yf = act_format(grad_y);
-  int allocated = 0;
-  if (!*grad_x) {
-    DLUA_TRY(act_alloc(grad_x, 4, x_sizes, grad_y->dtype, yf == FMT_OTHER ? FMT_NCHW : yf));
-    allocated = 1;
-  } else {
-    DLUA_TRY(dlua_prepare_out(op, grad_x, 4, x_sizes, grad_y->dtype, NULL));
-  }
-  dlua_dtype_t ct = compute_dtype(grad_y->dtype, &g);
-  dlua_tensor_t *yv = NULL, *wv = NULL, *xv = NULL;
-  int of = act_format(*grad_x);
-  int direct = (*grad_x)->dtype == ct && of != FMT_OTHER;
-  dlua_status_t s = operand4(grad_y, ct, &yv);
-  if (s == DLUA_OK) s = operand4(w, ct, &wv);
-  // Accumulating, only the forward-convolution route adds in place (a sum post-op); the others
-  // compute into a temporary and add it.
-  if (s == DLUA_OK && accumulate && !(direct && ct != DLUA_DTYPE_F64 && bwd_data_as_forward(&g, yv, *grad_x)))
-    direct = 0;
-  if (s == DLUA_OK) {
-    if (direct) {
-      xv = dlua_tensor_alias(*grad_x);
-      if (!xv) s = dlua_last_status();
-    } else {
-      s = act_alloc(&xv, 4, x_sizes, ct, of == FMT_OTHER ? (yf == FMT_OTHER ? FMT_NCHW : yf) : of);
-    }
-  }
-  if (s == DLUA_OK && dlua_shape_numel(4, x_sizes) > 0) {
-    if (ct == DLUA_DTYPE_F64) {
-      ref_backward_data(&g, (const double *)dlua_tensor_ptr(yv), yv->strides, (const double *)dlua_tensor_ptr(wv),
-                        wv->strides, (double *)dlua_tensor_ptr(xv), xv->strides);
-    } else if (bwd_data_as_forward(&g, yv, xv)) {
-      s = backward_data_by_forward(op, &g, yv, wv, xv, accumulate && direct);
-    } else {
-      conv_key_t k = dlua_conv_dnnl_key(DIR_BWD_DATA, &g, act_format(xv), act_format(yv), act_format(wv), 0);
-      k.lowp = ct == DLUA_DTYPE_BF16;
-      void *ptrs[3] = {dlua_tensor_ptr(yv), dlua_tensor_ptr(wv), dlua_tensor_ptr(xv)};
-      s = dlua_conv_dnnl_run(op, &k, ptrs);
-    }
-  }
-  if (s == DLUA_OK && !direct) s = fold_back(*grad_x, xv, accumulate);
-  dlua_tensor_free(yv);
-  dlua_tensor_free(wv);
-  dlua_tensor_free(xv);
-  if (s != DLUA_OK && allocated) {
-    dlua_tensor_free(*grad_x);
-    *grad_x = NULL;
-  }
+  free(dst);
   return s;
 }
 
@@ -466,19 +206,19 @@ dlua_status_t dlua_conv2d_backward_data(dlua_tensor_t **grad_x, const dlua_tenso
    pixels are gathered here, zeros where the padding is, and the stride-1 unpadded 1x1 convolution of
    the gathered input gives the same gradient. Only the affected case: other channel counts keep
    oneDNN's own path (ResNets' 16/32/64/256... channels). */
-static int bwd_weights_gather(const geom_t *g, const dlua_tensor_t *x) {
-  return g->kh == 1 && g->kw == 1 && (g->sh > 1 || g->sw > 1) && (g->c / g->g) % 16 != 0 && act_format(x) == FMT_NHWC;
+static int bwd_weights_gather(const geom_t *g, int x_fmt) {
+  return g->kh == 1 && g->kw == 1 && (g->sh > 1 || g->sw > 1) && (g->c / g->g) % 16 != 0 && x_fmt == FMT_NHWC;
 }
 
-/* x (N, C, H, W) channels-last float32 or bfloat16 -> *out (N, C, OH, OW) channels-last, x's dtype: the
-   pixels a 1x1 convolution of geometry g reads; *f: the stride-1 unpadded geometry over them. */
-static dlua_status_t gather_strided(const geom_t *g, const dlua_tensor_t *x, dlua_tensor_t **out, geom_t *f) {
-  int64_t sizes[4] = {g->n, g->c, g->oh, g->ow};
-  DLUA_TRY(act_alloc(out, 4, sizes, x->dtype, FMT_NHWC));
-  const size_t es = dlua_dtype_size(x->dtype);  // the pixels are only moved
-  const char *src = dlua_tensor_ptr(x);
-  char *dst = dlua_tensor_ptr(*out);
-  const int64_t *xs = x->strides;  // elements; xs[1] == 1
+/* x (N, C, H, W) channels-last float32 or bfloat16 (element strides xs, elements of es bytes) -> *out (N, C, OH, OW)
+   channels-last, x's dtype: the pixels a 1x1 convolution of geometry g reads; *f: the stride-1 unpadded geometry
+   over them. The caller frees *out. */
+static dlua_status_t gather_strided(const char *op, const geom_t *g, const void *x, const int64_t *xs, size_t es,
+                                    void **out, geom_t *f) {
+  char *dst = scratch_alloc(op, g->n * g->c * g->oh * g->ow, es);  // the pixels are only moved
+  if (!dst) return dlua_last_status();
+  *out = dst;
+  const char *src = x;  // xs in elements; xs[1] == 1
   int64_t c = g->c;
   int par = g->n * g->oh * g->ow * c > 32768;
 #pragma omp parallel for collapse(2) schedule(static) if (par)
@@ -502,94 +242,77 @@ static dlua_status_t gather_strided(const geom_t *g, const dlua_tensor_t *x, dlu
   return DLUA_OK;
 }
 
-dlua_status_t dlua_conv2d_backward_weights(dlua_tensor_t *grad_w, dlua_tensor_t *grad_bias, const dlua_tensor_t *x,
-                                           const dlua_tensor_t *grad_y, int stride_h, int stride_w, int pad_h,
-                                           int pad_w, int dil_h, int dil_w, int groups, int accumulate) {
-  const char *op = "conv2d_backward_weights";
-  if (!grad_w || !x || !grad_y)
-    return DLUA_ERR(DLUA_ERR_ARG, "%s: %s is NULL", op, !grad_w ? "grad_weight" : !x ? "input" : "grad_output");
-  DLUA_TRY(check_rank(op, "input", "(N, C, H, W)", x, 4));
-  DLUA_TRY(check_rank(op, "grad_output", "(N, O, OH, OW)", grad_y, 4));
-  DLUA_TRY(check_rank(op, "grad_weight", "(O, C/groups, kH, kW)", grad_w, 4));
-  DLUA_TRY(dlua_same_device(op, x, grad_y));
-  DLUA_TRY(dlua_same_device(op, x, grad_w));
-  DLUA_TRY(check_same_dtype(op, x, "input", grad_y, "grad_output"));
-  char bx[200], bw[200];
-  dlua_tensor_describe(x, bx, sizeof bx);
-  dlua_tensor_describe(grad_w, bw, sizeof bw);
-  if (grad_bias) {
-    DLUA_TRY(check_rank(op, "grad_bias", "(O)", grad_bias, 1));
-    DLUA_TRY(dlua_same_device(op, x, grad_bias));
-    if (grad_bias->sizes[0] != grad_w->sizes[0]) {
-      char bb[200];
-      return DLUA_ERR(DLUA_ERR_ARG, "%s: grad_bias %s does not have one entry per output channel of grad_weight %s",
-                      op, dlua_tensor_describe(grad_bias, bb, sizeof bb), bw);
-    }
-  }
-  geom_t g;
-  DLUA_TRY(geometry(op, x->sizes, bx, grad_w->sizes, bw, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, groups, &g));
-  DLUA_TRY(check_grad_y(op, grad_y, &g));
-  if (x->device != DLUA_CPU) {
-#ifdef DLUA_HAVE_CUDA
-    return dlua_cuda_conv2d_backward_weights(grad_w, grad_bias, x, grad_y, stride_h, stride_w, pad_h, pad_w, dil_h,
-                                             dil_w, groups, accumulate);
-#else
-    return dlua_require_cpu(op, x);
-#endif
-  }
-  dlua_dtype_t ct = compute_dtype(x->dtype, &g);
-  accumulate = accumulate != 0;
+/* ---- the conv table's slots (kernels/conv.h) --------------------------------------------------- */
 
-  // The gradients land in the caller's tensors when they have the compute dtype and a layout
-  // the kernels take; otherwise in fresh temporaries that are then added (or copied) in.
-  const dlua_dtype_t gct = grad_param_dtype(ct);
-  int wf = act_format(grad_w);
-  int w_direct = grad_w->dtype == gct && wf != FMT_OTHER;
-  int b_direct = grad_bias && grad_bias->dtype == gct && (grad_bias->sizes[0] <= 1 || grad_bias->strides[0] == 1);
-  dlua_tensor_t *xv = NULL, *yv = NULL, *gwv = NULL, *gbv = NULL;
-  dlua_status_t s = operand4(x, ct, &xv);
-  if (s == DLUA_OK) s = operand4(grad_y, ct, &yv);
-  if (s == DLUA_OK) {
-    if (w_direct) {
-      gwv = dlua_tensor_alias(grad_w);
-      if (!gwv) s = dlua_last_status();
-    } else {
-      s = act_alloc(&gwv, 4, grad_w->sizes, gct, wf == FMT_OTHER ? FMT_NCHW : wf);
-    }
+static dlua_status_t cpu_caps(const char *op, const dlua_conv_desc_t *d, dlua_conv_caps_t *caps) {
+  (void)op;
+  geom_t g = geom_of(d);
+  dlua_dtype_t ct = compute_dtype((dlua_dtype_t)d->dtype, &g);
+  *caps = (dlua_conv_caps_t){.dtype = (int)ct, .param_dtype = (int)grad_param_dtype(ct), .one_format = 0, .bias = 1,
+                             .empty = 1};
+  return DLUA_OK;
+}
+
+static dlua_status_t cpu_forward(const char *op, dlua_conv_desc_t *d) {
+  geom_t g = geom_of(d);
+  if (d->dtype == DLUA_DTYPE_F64) {
+    ref_forward(&g, (const double *)d->x, d->xs, (const double *)d->wt, d->ws, (const double *)d->bias, d->bs,
+                (double *)d->y, d->ys);
+    return DLUA_OK;
   }
-  if (s == DLUA_OK && grad_bias) {
-    if (b_direct) {
-      gbv = dlua_tensor_alias(grad_bias);
-      if (!gbv) s = dlua_last_status();
-    } else {
-      s = dlua_tensor_empty(&gbv, 1, grad_bias->sizes, gct, DLUA_CPU);
-    }
+  conv_key_t k = dlua_conv_dnnl_key(DIR_FWD, &g, d->xfmt, d->yfmt, d->wfmt, d->bias != NULL);
+  k.lowp = d->dtype == DLUA_DTYPE_BF16;
+  void *ptrs[4] = {d->x, d->wt, d->y, d->bias};
+  return dlua_conv_dnnl_run(op, &k, ptrs);
+}
+
+static dlua_status_t cpu_bwd_data_accumulates(const char *op, const dlua_conv_desc_t *d, int *yes) {
+  (void)op;
+  geom_t g = geom_of(d);
+  *yes = d->dtype != DLUA_DTYPE_F64 && bwd_data_as_forward(&g, d->yfmt, d->xfmt, d->dtype);
+  return DLUA_OK;
+}
+
+static dlua_status_t cpu_backward_data(const char *op, dlua_conv_desc_t *d) {
+  geom_t g = geom_of(d);
+  if (d->dtype == DLUA_DTYPE_F64) {
+    ref_backward_data(&g, (const double *)d->y, d->ys, (const double *)d->wt, d->ws, (double *)d->x, d->xs);
+    return DLUA_OK;
   }
-  if (s == DLUA_OK && dlua_tensor_numel(gwv) + (gbv ? dlua_tensor_numel(gbv) : 0) > 0) {
-    if (ct == DLUA_DTYPE_F64) {
-      ref_backward_weights(&g, (const double *)dlua_tensor_ptr(xv), xv->strides, (const double *)dlua_tensor_ptr(yv),
-                           yv->strides, (double *)dlua_tensor_ptr(gwv), gwv->strides,
-                           gbv ? (double *)dlua_tensor_ptr(gbv) : NULL, gbv ? gbv->strides[0] : 0,
-                           w_direct && accumulate, b_direct && accumulate);
-    } else {
-      geom_t f = g;
-      dlua_tensor_t *xg = NULL;
-      if (bwd_weights_gather(&g, xv)) s = gather_strided(&g, xv, &xg, &f);
-      const dlua_tensor_t *xin = xg ? xg : xv;
-      conv_key_t k = dlua_conv_dnnl_key(DIR_BWD_WEIGHTS, &f, act_format(xin), act_format(yv), act_format(gwv), gbv != NULL);
-      k.acc_w = w_direct && accumulate;
-      k.acc_b = b_direct && accumulate;
-      k.lowp = ct == DLUA_DTYPE_BF16;
-      void *ptrs[4] = {dlua_tensor_ptr(xin), dlua_tensor_ptr(yv), dlua_tensor_ptr(gwv), gbv ? dlua_tensor_ptr(gbv) : NULL};
-      if (s == DLUA_OK) s = dlua_conv_dnnl_run(op, &k, ptrs);
-      dlua_tensor_free(xg);
-    }
+  if (bwd_data_as_forward(&g, d->yfmt, d->xfmt, d->dtype))
+    return backward_data_by_forward(op, &g, d->y, d->wt, d->ws, d->dtype, d->x, d->acc);
+  conv_key_t k = dlua_conv_dnnl_key(DIR_BWD_DATA, &g, d->xfmt, d->yfmt, d->wfmt, 0);
+  k.lowp = d->dtype == DLUA_DTYPE_BF16;
+  void *ptrs[3] = {d->y, d->wt, d->x};
+  return dlua_conv_dnnl_run(op, &k, ptrs);
+}
+
+static dlua_status_t cpu_backward_weights(const char *op, dlua_conv_desc_t *d) {
+  geom_t g = geom_of(d);
+  if (d->dtype == DLUA_DTYPE_F64) {
+    ref_backward_weights(&g, (const double *)d->x, d->xs, (const double *)d->y, d->ys, (double *)d->wt, d->ws,
+                         (double *)d->bias, d->bs, d->acc, d->acc_bias);
+    return DLUA_OK;
   }
-  if (s == DLUA_OK && !w_direct) s = fold_back(grad_w, gwv, accumulate);
-  if (s == DLUA_OK && grad_bias && !b_direct) s = fold_back(grad_bias, gbv, accumulate);
-  dlua_tensor_free(xv);
-  dlua_tensor_free(yv);
-  dlua_tensor_free(gwv);
-  dlua_tensor_free(gbv);
+  dlua_status_t s = DLUA_OK;
+  geom_t f = g;
+  void *xg = NULL;
+  if (bwd_weights_gather(&g, d->xfmt))
+    s = gather_strided(op, &g, d->x, d->xs, dlua_dtype_size((dlua_dtype_t)d->dtype), &xg, &f);
+  conv_key_t k = dlua_conv_dnnl_key(DIR_BWD_WEIGHTS, &f, xg ? FMT_NHWC : d->xfmt, d->yfmt, d->wfmt, d->bias != NULL);
+  k.acc_w = d->acc;
+  k.acc_b = d->acc_bias;
+  k.lowp = d->dtype == DLUA_DTYPE_BF16;
+  void *ptrs[4] = {xg ? xg : d->x, d->y, d->wt, d->bias};
+  if (s == DLUA_OK) s = dlua_conv_dnnl_run(op, &k, ptrs);
+  free(xg);
   return s;
 }
+
+const struct dlua_conv_ops dlua_cpu_conv_ops = {
+    .caps = cpu_caps,
+    .bwd_data_accumulates = cpu_bwd_data_accumulates,
+    .forward = cpu_forward,
+    .backward_data = cpu_backward_data,
+    .backward_weights = cpu_backward_weights,
+};

@@ -2,6 +2,8 @@
    Built only with CUDA; host/ops/backend.c hands it out while a device exists. */
 #include "ops/backend.h"
 #include "kernels/ew.h"
+#include "kernels/blas.h"
+#include "kernels/conv.h"
 #include "kernels/index.h"
 #include "kernels/loss.h"
 #include "kernels/norm.h"
@@ -13,6 +15,8 @@
 const dlua_backend_t dlua_cuda_backend = {
     .name = "cuda",
     .ew = &dlua_cuda_ew_ops,
+    .blas = &dlua_cuda_blas_ops,
+    .conv = &dlua_cuda_conv_ops,
     .reduce = &dlua_cuda_reduce_ops,
     .index = &dlua_cuda_index_ops,
     .norm = &dlua_cuda_norm_ops,

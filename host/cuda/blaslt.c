@@ -9,7 +9,9 @@
 #include <string.h>
 #include "core/api.h"
 #include "core/error.h"
+#include "core/tensor.h"
 #include "cuda/kernels.h"
+#include "kernels/blas.h"
 
 
 /* ---- the library ------------------------------------------------------------------------------- */
@@ -114,7 +116,7 @@ static uint32_t alignment(const void *p, int64_t stride_bytes) {
 
 enum { WORKSPACE = 32 << 20 };
 
-dlua_status_t dlua_cuda_gemm(const char *op, int dtype, int ta, int tb, int64_t m, int64_t n, int64_t k, double alpha,
+static dlua_status_t lt_gemm(const char *op, int dtype, int ta, int tb, int64_t m, int64_t n, int64_t k, double alpha,
                              const void *a, int64_t lda, int64_t sa, const void *b, int64_t ldb, int64_t sb, double beta,
                              void *c, int64_t ldc, int64_t sc, int64_t batch, int device) {
   if (m == 0 || n == 0 || batch == 0) return DLUA_OK;
@@ -226,3 +228,45 @@ done:
   if (prev != device) cudaSetDevice(prev);
   return s;
 }
+
+/* ---- the blas table's slots (kernels/blas.h) ------------------------------------------------------- */
+
+/* Products in the result dtype (f16/bf16 accumulate in f32 in cuBLASLt), every operand in BLAS form; cuBLASLt
+   takes no k = 0, so the front door makes that empty sum itself. */
+static dlua_status_t cuda_caps(const char *op, int dtype, dlua_gemm_caps_t *caps) {
+  (void)op;
+  const int ok = dtype == DLUA_DTYPE_F32 || dtype == DLUA_DTYPE_F64 || dtype == DLUA_DTYPE_F16 || dtype == DLUA_DTYPE_BF16;
+  *caps = (dlua_gemm_caps_t){.dtype = ok ? dtype : -1, .blas_form = 1, .empty_sum = 0};
+  return DLUA_OK;
+}
+
+/* One strided-batched call when the batch allows, else one call per matrix. */
+static dlua_status_t cuda_gemm(const char *op, const dlua_gemm_desc_t *pl) {
+  const int64_t nbatch = dlua_shape_numel(pl->bnd, pl->bsz), es = (int64_t)dlua_dtype_size((dlua_dtype_t)pl->dtype);
+  if (nbatch == 0 || pl->m == 0 || pl->n == 0) return DLUA_OK;
+  int tra = 0, trb = 0;
+  int64_t lda = 0, ldb = 0;
+  if (!dlua_blas_form(pl->m, pl->k, pl->ars, pl->acs, &tra, &lda) ||
+      !dlua_blas_form(pl->k, pl->n, pl->brs, pl->bcs, &trb, &ldb))
+    return DLUA_ERR(DLUA_ERR_INTERNAL, "%s: operand layout not expressible for cuBLASLt", op);
+  const char *ap = pl->a, *bp = pl->b;
+  char *cp = pl->c;
+  if (pl->bnd == 0)
+    return lt_gemm(op, pl->dtype, tra, trb, pl->m, pl->n, pl->k, pl->alpha, ap, lda, 0, bp, ldb, 0, pl->beta, cp, pl->n,
+                   0, 1, pl->device);
+  if (pl->bnd == 1 && pl->ast[0] != 0 && pl->bst[0] != 0)
+    return lt_gemm(op, pl->dtype, tra, trb, pl->m, pl->n, pl->k, pl->alpha, ap, lda, pl->ast[0], bp, ldb, pl->bst[0],
+                   pl->beta, cp, pl->n, pl->cst[0], nbatch, pl->device);
+  dlua_status_t s = DLUA_OK;
+  for (int64_t bi = 0; bi < nbatch && s == DLUA_OK; bi++)
+    s = lt_gemm(op, pl->dtype, tra, trb, pl->m, pl->n, pl->k, pl->alpha,
+                ap + dlua_blas_unravel(pl->bnd, pl->bsz, pl->ast, bi) * es, lda, 0,
+                bp + dlua_blas_unravel(pl->bnd, pl->bsz, pl->bst, bi) * es, ldb, 0, pl->beta,
+                cp + dlua_blas_unravel(pl->bnd, pl->bsz, pl->cst, bi) * es, pl->n, 0, 1, pl->device);
+  return s;
+}
+
+const struct dlua_blas_ops dlua_cuda_blas_ops = {
+    .caps = cuda_caps,
+    .gemm = cuda_gemm,
+};

@@ -1,4 +1,5 @@
-/* 2-D convolution on CUDA through cuDNN: forward, backward-data, backward-weights (the bias by reduction); each
+/* 2-D convolution on CUDA through cuDNN, the conv table's kernels (kernels/conv.h): forward, backward-data,
+   backward-weights on operands host/ops/conv.c staged in one packed format (the bias is left to it); each
    problem's algorithm benchmarked once (cudnnFind*Ex) and cached. */
 #include <cuda_runtime_api.h>
 #include <inttypes.h>
@@ -10,44 +11,14 @@
 #include "core/error.h"
 #include "core/tensor.h"
 #include "kernels/act_layout.h"
-#include "cuda/conv_cuda.h"
+#include "kernels/conv.h"
 #include "cuda/cudnn_api.h"
 
-/* ---- memory formats ---------------------------------------------------------------------------------------------
-   The CPU's two (host/kernels/act_layout.h, as host/cpu/conv.c names them): NCHW, and channels-last NHWC for a logically (N, C, H, W) tensor; weights
+/* Memory formats: act_layout.h's NCHW and channels-last NHWC for a logically (N, C, H, W) tensor; weights
    (O, C/groups, kH, kW) use the same patterns (OIHW, OHWI). cuDNN's filter descriptors only take those packed
-   layouts, and its fast kernels want activations and weights in the same one, so each call computes in one format
-   (its input's, as PyTorch does) and copies any operand that is not in it. */
-
+   layouts, and its fast kernels want activations and weights in the same one: the caps below ask the front door
+   for one format per call. */
 enum { FMT_NCHW = ACT_CONTIG, FMT_NHWC = ACT_CL, FMT_OTHER = ACT_OTHER };
-
-/* cuDNN gets 16-byte aligned buffers only (fresh ones are 512-byte aligned; views of them usually are too). */
-static int aligned16(const dlua_tensor_t *t) { return ((uintptr_t)dlua_tensor_ptr(t) & 15) == 0; }
-
-/* t as an aligned fmt tensor of dtype dt: a new handle on t when it is one, else a converted copy. */
-static dlua_status_t operand(const dlua_tensor_t *t, dlua_dtype_t dt, int fmt, dlua_tensor_t **v) {
-  if (t->dtype == dt && act_is_format(t, fmt) && aligned16(t)) {
-    *v = dlua_tensor_alias(t);
-    return *v ? DLUA_OK : dlua_last_status();
-  }
-  DLUA_TRY(act_alloc_on(v, 4, t->sizes, dt, fmt, t->device));
-  dlua_status_t s = dlua_tensor_copy_(*v, t);
-  if (s != DLUA_OK) {
-    dlua_tensor_free(*v);
-    *v = NULL;
-  }
-  return s;
-}
-
-/* Where a result is computed: the caller's tensor when it has the dtype, format and alignment, else a temporary. */
-static dlua_status_t target(dlua_tensor_t *t, dlua_dtype_t dt, int fmt, dlua_tensor_t **v, int *direct) {
-  *direct = t->dtype == dt && act_is_format(t, fmt) && aligned16(t);
-  if (*direct) {
-    *v = dlua_tensor_alias(t);
-    return *v ? DLUA_OK : dlua_last_status();
-  }
-  return act_alloc_on(v, 4, t->sizes, dt, fmt, t->device);
-}
 
 /* ---- one cuDNN call -----------------------------------------------------------------------------------------------
    A problem is everything cuDNN's choice of algorithm depends on. Built on a zeroed struct, so memcmp and the hash
@@ -439,219 +410,76 @@ done:
   return s;
 }
 
-/* Sets up the problem of a call whose operands are x (N, C, H, W), w (O, C/g, kH, kW), y (N, O, OH, OW) in fmt. */
-static dlua_status_t setup(call_t *c, const char *op, const char *ctx, dir_t dir, const dlua_tensor_t *x,
-                           const dlua_tensor_t *w, const dlua_tensor_t *y, int fmt, int sh, int sw, int ph, int pw,
-                           int dh, int dw, int groups) {
+/* Sets up the problem of a call from its descriptor (operands x, w, y in d->xfmt). */
+static dlua_status_t setup(call_t *c, const char *op, dir_t dir, const dlua_conv_desc_t *d) {
   memset(c, 0, sizeof *c);
   c->op = op;
-  c->ctx = ctx;
+  c->ctx = d->ctx ? d->ctx : "";
   // cuDNN's 4-D descriptors take int sizes and strides.
-  const dlua_tensor_t *ts[3] = {x, w, y};
+  const int64_t numel[3] = {d->n * d->c * d->h * d->w, d->o * (d->groups > 0 ? d->c / d->groups : 0) * d->kh * d->kw,
+                            d->n * d->o * d->oh * d->ow};
   for (int i = 0; i < 3; i++)
-    if (dlua_tensor_numel(ts[i]) > INT_MAX)
-      return DLUA_ERR(DLUA_ERR_ARG, "%s: not implemented on cuda for tensors of 2^31 elements or more (%s)", op, ctx);
+    if (numel[i] > INT_MAX)
+      return DLUA_ERR(DLUA_ERR_ARG, "%s: not implemented on cuda for tensors of 2^31 elements or more (%s)", op, c->ctx);
   problem_t *p = &c->p;
   p->dir = dir;
-  p->device = x->device;
-  p->dtype = x->dtype;
-  p->fmt = fmt;
-  switch (x->dtype) {
+  p->device = d->device;
+  p->dtype = d->dtype;
+  p->fmt = d->xfmt;
+  switch (d->dtype) {
     case DLUA_DTYPE_F32: p->math = dlua_cuda_get_allow_tf32() ? CUDNN_TENSOR_OP_MATH : CUDNN_FMA_MATH; break;
     case DLUA_DTYPE_F64: p->math = CUDNN_DEFAULT_MATH; break;
     default: p->math = CUDNN_TENSOR_OP_MATH; break;
   }
-  p->n = (int32_t)x->sizes[0], p->c = (int32_t)x->sizes[1], p->h = (int32_t)x->sizes[2], p->w = (int32_t)x->sizes[3];
-  p->o = (int32_t)w->sizes[0], p->kh = (int32_t)w->sizes[2], p->kw = (int32_t)w->sizes[3];
-  p->oh = (int32_t)y->sizes[2], p->ow = (int32_t)y->sizes[3];
-  p->sh = sh, p->sw = sw, p->ph = ph, p->pw = pw, p->dh = dh, p->dw = dw, p->g = groups;
-  c->x = dlua_tensor_ptr(x);
-  c->w = dlua_tensor_ptr(w);
-  c->y = dlua_tensor_ptr(y);
+  p->n = (int32_t)d->n, p->c = (int32_t)d->c, p->h = (int32_t)d->h, p->w = (int32_t)d->w;
+  p->o = (int32_t)d->o, p->kh = (int32_t)d->kh, p->kw = (int32_t)d->kw;
+  p->oh = (int32_t)d->oh, p->ow = (int32_t)d->ow;
+  p->sh = d->sh, p->sw = d->sw, p->ph = d->ph, p->pw = d->pw, p->dh = d->dh, p->dw = d->dw, p->g = d->groups;
+  c->x = d->x;
+  c->w = d->wt;
+  c->y = d->y;
   p->align = align_class(c->x, c->w, c->y);
   return DLUA_OK;
 }
 
-/* Folds a result computed into a temporary back into the caller's tensor. */
-static dlua_status_t fold_back(dlua_tensor_t *dst, const dlua_tensor_t *tmp, int accumulate) {
-  if (!accumulate) return dlua_tensor_copy_(dst, tmp);
-  dlua_tensor_t *d = dst;
-  return dlua_tensor_binary(&d, dst, tmp, DLUA_BINARY_ADD, 1.0);
-}
+/* ---- the conv table's slots (kernels/conv.h) ------------------------------------------------------------------- */
 
-typedef struct {
-  int sh, sw, ph, pw, dh, dw, g;
-} params_t;
-
-/* One direction computed in format cf, in the dtype of input a: res (the caller's tensor: y, grad_x or grad_w)
-   receives it, added to what it holds when accumulate. Inputs: x and w (forward), grad_y and w (backward-data),
-   x and grad_y (backward-weights). *unsupported: cuDNN has no algorithm in cf (res untouched). */
-static dlua_status_t convolve(const char *op, const char *ctx, dir_t dir, int cf, const dlua_tensor_t *a,
-                              const dlua_tensor_t *b, dlua_tensor_t *res, int accumulate, const params_t *pp,
-                              int *unsupported) {
-  const dlua_dtype_t dt = a->dtype;
-  dlua_tensor_t *av = NULL, *bv = NULL, *rv = NULL;
-  int direct = 0;
-  *unsupported = 0;
-  dlua_status_t s = target(res, dt, cf, &rv, &direct);
-  if (s == DLUA_OK) s = operand(a, dt, cf, &av);
-  if (s == DLUA_OK) s = operand(b, dt, cf, &bv);
-  if (s == DLUA_OK) {
-    const dlua_tensor_t *x = dir == DIR_BWD_DATA ? rv : av;
-    const dlua_tensor_t *w = dir == DIR_BWD_FILTER ? rv : bv;
-    const dlua_tensor_t *y = dir == DIR_FWD ? rv : dir == DIR_BWD_DATA ? av : bv;
-    call_t c;
-    s = setup(&c, op, ctx, dir, x, w, y, cf, pp->sh, pp->sw, pp->ph, pp->pw, pp->dh, pp->dw, pp->g);
-    if (s == DLUA_OK) s = run(&c, direct && accumulate ? 1.0 : 0.0, unsupported);
-  }
-  if (s == DLUA_OK && !*unsupported && !direct) s = fold_back(res, rv, accumulate);
-  dlua_tensor_free(av);
-  dlua_tensor_free(bv);
-  dlua_tensor_free(rv);
-  return s;
-}
-
-/* convolve in the operands' format, or in the other one where cuDNN has nothing for it (exact float32 in
-   channels-last, say). float64 starts with NCHW: cuDNN's double kernels are NCHW ones (PyTorch never gives it
-   channels-last doubles either). */
-static dlua_status_t convolve_any(const char *op, const char *ctx, dir_t dir, int fmt, const dlua_tensor_t *a,
-                                  const dlua_tensor_t *b, dlua_tensor_t *res, int accumulate, const params_t *pp) {
-  int cf = a->dtype == DLUA_DTYPE_F64 ? FMT_NCHW : fmt, unsupported = 0;
-  DLUA_TRY(convolve(op, ctx, dir, cf, a, b, res, accumulate, pp, &unsupported));
-  if (unsupported) {
-    cf = cf == FMT_NHWC ? FMT_NCHW : FMT_NHWC;
-    DLUA_TRY(convolve(op, ctx, dir, cf, a, b, res, accumulate, pp, &unsupported));
-  }
-  if (unsupported)
-    return DLUA_ERR(DLUA_ERR_BACKEND, "%s: cuDNN has no algorithm for this convolution (%s)", op, ctx);
+/* The input's dtype throughout (f16/bf16 accumulate in f32 inside cuDNN), one packed aligned format per call, the
+   bias and empty problems left to the front door. */
+static dlua_status_t cuda_caps(const char *op, const dlua_conv_desc_t *d, dlua_conv_caps_t *caps) {
+  (void)op;
+  *caps = (dlua_conv_caps_t){.dtype = d->dtype, .param_dtype = d->dtype, .one_format = 1, .bias = 0, .empty = 0};
   return DLUA_OK;
 }
 
-/* "input (8, 3, 224, 224) bfloat16 cuda:0, weight (...), stride (1, 1), padding (0, 0), dilation (1, 1), groups 1" */
-static const char *context(char *buf, size_t n, const char *an, const dlua_tensor_t *a, const char *bn,
-                           const dlua_tensor_t *b, const params_t *pp) {
-  char da[200], db[200];
-  snprintf(buf, n, "%s %s, %s %s, stride (%d, %d), padding (%d, %d), dilation (%d, %d), groups %d", an,
-           dlua_tensor_describe(a, da, sizeof da), bn, dlua_tensor_describe(b, db, sizeof db), pp->sh, pp->sw, pp->ph,
-           pp->pw, pp->dh, pp->dw, pp->g);
-  return buf;
+/* cuDNN adds into the output (beta = 1) whenever asked. */
+static dlua_status_t cuda_bwd_data_accumulates(const char *op, const dlua_conv_desc_t *d, int *yes) {
+  (void)op, (void)d;
+  *yes = 1;
+  return DLUA_OK;
 }
 
-/* The format results are allocated in and computed in: the tensor's own, NCHW when it has neither. */
-static int compute_format(const dlua_tensor_t *t) {
-  int f = act_format(t);
-  return f == FMT_OTHER ? FMT_NCHW : f;
+/* One direction; d->unsupported when cuDNN has no algorithm in d's format (nothing ran). */
+static dlua_status_t cuda_run(const char *op, dir_t dir, dlua_conv_desc_t *d) {
+  call_t c;
+  int unsupported = 0;
+  d->unsupported = 0;
+  DLUA_TRY(setup(&c, op, dir, d));
+  DLUA_TRY(run(&c, d->acc ? 1.0 : 0.0, &unsupported));
+  d->unsupported = unsupported;
+  return DLUA_OK;
 }
 
-/* ---- entry points ---------------------------------------------------------------------------------------------- */
-
-dlua_status_t dlua_cuda_conv2d_forward(dlua_tensor_t **out, const dlua_tensor_t *x, const dlua_tensor_t *w,
-                                       const dlua_tensor_t *bias, int stride_h, int stride_w, int pad_h, int pad_w,
-                                       int dil_h, int dil_w, int groups) {
-  const char *op = "conv2d";
-  const params_t pp = {stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, groups};
-  int64_t ys[4] = {x->sizes[0], w->sizes[0], dlua_conv2d_output_size(x->sizes[2], w->sizes[2], stride_h, pad_h, dil_h),
-                   dlua_conv2d_output_size(x->sizes[3], w->sizes[3], stride_w, pad_w, dil_w)};
-  const int fmt = compute_format(x);
-  int allocated = 0;
-  if (!*out) {
-    DLUA_TRY(act_alloc_on(out, 4, ys, x->dtype, fmt, x->device));
-    allocated = 1;
-  } else {
-    DLUA_TRY(dlua_prepare_out_on(op, out, 4, ys, x->dtype, x->device, NULL));
-  }
-  dlua_status_t s = DLUA_OK;
-  dlua_tensor_t *b1 = NULL, *b2 = NULL, *b3 = NULL;
-  if (dlua_shape_numel(4, ys) > 0) {
-    if (x->sizes[1] == 0 || x->sizes[2] == 0 || x->sizes[3] == 0) {
-      s = dlua_tensor_fill_(*out, 0.0);  // only padding under the kernel (or no input channel): the bias alone
-    } else {
-      char ctx[600];
-      s = convolve_any(op, context(ctx, sizeof ctx, "input", x, "weight", w, &pp), DIR_FWD, fmt, x, w, *out, 0, &pp);
-    }
-    // out += bias viewed as (1, O, 1, 1): the element-wise kernels broadcast it in either format.
-    if (s == DLUA_OK && bias) s = dlua_tensor_unsqueeze(&b1, bias, 0);
-    if (s == DLUA_OK && bias) s = dlua_tensor_unsqueeze(&b2, b1, 2);
-    if (s == DLUA_OK && bias) s = dlua_tensor_unsqueeze(&b3, b2, 3);
-    if (s == DLUA_OK && bias) s = dlua_tensor_binary(out, *out, b3, DLUA_BINARY_ADD, 1.0);
-  }
-  dlua_tensor_free(b1);
-  dlua_tensor_free(b2);
-  dlua_tensor_free(b3);
-  if (s != DLUA_OK && allocated) {
-    dlua_tensor_free(*out);
-    *out = NULL;
-  }
-  return s;
+static dlua_status_t cuda_forward(const char *op, dlua_conv_desc_t *d) { return cuda_run(op, DIR_FWD, d); }
+static dlua_status_t cuda_backward_data(const char *op, dlua_conv_desc_t *d) { return cuda_run(op, DIR_BWD_DATA, d); }
+static dlua_status_t cuda_backward_weights(const char *op, dlua_conv_desc_t *d) {
+  return cuda_run(op, DIR_BWD_FILTER, d);
 }
 
-dlua_status_t dlua_cuda_conv2d_backward_data(dlua_tensor_t **grad_x, const dlua_tensor_t *grad_y,
-                                             const dlua_tensor_t *w, const int64_t *x_sizes, int stride_h,
-                                             int stride_w, int pad_h, int pad_w, int dil_h, int dil_w, int groups,
-                                             int accumulate) {
-  const char *op = "conv2d_backward_data";
-  accumulate = accumulate != 0;
-  const params_t pp = {stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, groups};
-  const int fmt = compute_format(grad_y);
-  int allocated = 0;
-  if (!*grad_x) {
-    DLUA_TRY(act_alloc_on(grad_x, 4, x_sizes, grad_y->dtype, fmt, grad_y->device));
-    allocated = 1;
-  } else {
-    DLUA_TRY(dlua_prepare_out_on(op, grad_x, 4, x_sizes, grad_y->dtype, grad_y->device, NULL));
-  }
-  dlua_status_t s = DLUA_OK;
-  if (dlua_shape_numel(4, x_sizes) > 0) {
-    if (w->sizes[0] == 0) {
-      if (!accumulate) s = dlua_tensor_fill_(*grad_x, 0.0);  // no output channel: nothing flows back
-    } else {
-      char ctx[600];
-      s = convolve_any(op, context(ctx, sizeof ctx, "grad_output", grad_y, "weight", w, &pp), DIR_BWD_DATA, fmt,
-                       grad_y, w, *grad_x, accumulate, &pp);
-    }
-  }
-  if (s != DLUA_OK && allocated) {
-    dlua_tensor_free(*grad_x);
-    *grad_x = NULL;
-  }
-  return s;
-}
-
-dlua_status_t dlua_cuda_conv2d_backward_weights(dlua_tensor_t *grad_w, dlua_tensor_t *grad_bias,
-                                                const dlua_tensor_t *x, const dlua_tensor_t *grad_y, int stride_h,
-                                                int stride_w, int pad_h, int pad_w, int dil_h, int dil_w, int groups,
-                                                int accumulate) {
-  const char *op = "conv2d_backward_weights";
-  const params_t pp = {stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, groups};
-  accumulate = accumulate != 0;
-  dlua_status_t s = DLUA_OK;
-  if (dlua_tensor_numel(grad_w) > 0) {
-    if (x->sizes[0] == 0 || x->sizes[2] == 0 || x->sizes[3] == 0) {
-      if (!accumulate) s = dlua_tensor_fill_(grad_w, 0.0);  // no input under any kernel position: zero
-    } else {
-      // grad_w may have another dtype (a float32 gradient arena behind 16-bit activations) or format (OIHW
-      // weights behind NHWC activations): convolve then computes into a temporary and adds (or copies) it in.
-      char ctx[600];
-      s = convolve_any(op, context(ctx, sizeof ctx, "input", x, "grad_output", grad_y, &pp), DIR_BWD_FILTER,
-                       compute_format(x), x, grad_y, grad_w, accumulate, &pp);
-    }
-  }
-  // grad_bias = the sum of grad_y over (N, OH, OW): the reduction kernels (fixed order, double sums).
-  if (s == DLUA_OK && grad_bias && dlua_tensor_numel(grad_bias) > 0) {
-    static const int dims[3] = {0, 2, 3};
-    if (!accumulate) {
-      s = dlua_tensor_reduce(&grad_bias, NULL, grad_y, DLUA_REDUCE_SUM, 3, dims, 0, 0.0, 0);
-    } else {
-      // Added to what grad_bias holds: the sum of a 16-bit grad_y is kept in float32 until that addition, so
-      // the result is rounded once, as on the CPU (a float16 sum first would cost up to half its own ulp).
-      dlua_tensor_t *sum = NULL, *wide = NULL;
-      const int narrow = grad_y->dtype == DLUA_DTYPE_F16 || grad_y->dtype == DLUA_DTYPE_BF16;
-      if (narrow) s = dlua_tensor_to_dtype(&wide, grad_y, DLUA_DTYPE_F32);
-      if (s == DLUA_OK) s = dlua_tensor_reduce(&sum, NULL, narrow ? wide : grad_y, DLUA_REDUCE_SUM, 3, dims, 0, 0.0, 0);
-      if (s == DLUA_OK) s = fold_back(grad_bias, sum, 1);
-      dlua_tensor_free(sum);
-      dlua_tensor_free(wide);
-    }
-  }
-  return s;
-}
+const struct dlua_conv_ops dlua_cuda_conv_ops = {
+    .caps = cuda_caps,
+    .bwd_data_accumulates = cuda_bwd_data_accumulates,
+    .forward = cuda_forward,
+    .backward_data = cuda_backward_data,
+    .backward_weights = cuda_backward_weights,
+};

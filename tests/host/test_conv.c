@@ -1,4 +1,5 @@
-/* Check suite for host/cpu/conv.c: conv2d forward/backward against naive double loops and finite differences. */
+/* Check suite for host/ops/conv.c (the conv2d front doors) and host/cpu/conv.c (the conv table's CPU kernels): conv2d
+   forward/backward against naive double loops and finite differences. */
 #include <check.h>
 #include <math.h>
 #include <omp.h>
@@ -10,6 +11,9 @@
 #include "core/api.h"
 #include "core/tensor.h"
 #include "cpu/conv.h"
+#include "kernels/act_layout.h"
+#include "kernels/conv.h"
+#include "ops/backend.h"
 
 #include "testutil.h"
 
@@ -638,6 +642,65 @@ START_TEST(test_errors) {
 }
 END_TEST
 
+/* The front doors reach the kernels through the conv table (kernels/conv.h): the CPU's is dlua_cpu_conv_ops, its
+   slots run on a descriptor alone, and a tensor on device 0 without a CUDA device gets the registry's one message. */
+START_TEST(test_backend_table) {
+  const struct dlua_conv_ops *k = NULL;
+  ck_assert_int_eq(DLUA_BACKEND("conv2d", DLUA_CPU, conv, forward, &k), DLUA_OK);
+  ck_assert_ptr_eq(k, &dlua_cpu_conv_ops);
+  ck_assert_ptr_nonnull(k->backward_data);
+  ck_assert_ptr_nonnull(k->backward_weights);
+  // A 1 x 1 x 2 x 2 float64 input, one 2 x 2 kernel, bias 0.5: y = 1*1 + 2*0 + 3*(-1) + 4*2 + 0.5 = 6.5.
+  const double xv[4] = {1, 2, 3, 4}, wv[4] = {1, 0, -1, 2}, bv[1] = {0.5};
+  double y = 0;
+  dlua_conv_desc_t d = {.dtype = DLUA_DTYPE_F64, .param_dtype = DLUA_DTYPE_F64, .n = 1, .c = 1, .h = 2, .w = 2,
+                        .o = 1, .kh = 2, .kw = 2, .oh = 1, .ow = 1, .sh = 1, .sw = 1, .dh = 1, .dw = 1, .groups = 1,
+                        .x = (void *)xv, .wt = (void *)wv, .y = &y, .bias = (void *)bv, .xs = {4, 4, 2, 1},
+                        .ws = {4, 4, 2, 1}, .ys = {1, 1, 1, 1}, .bs = 1, .xfmt = ACT_CONTIG, .wfmt = ACT_CONTIG,
+                        .yfmt = ACT_CONTIG, .device = DLUA_CPU};
+  dlua_conv_caps_t caps;
+  ck_assert_int_eq(k->caps("conv2d", &d, &caps), DLUA_OK);
+  ck_assert_int_eq(caps.dtype, DLUA_DTYPE_F64);
+  ck_assert_int_eq(caps.one_format, 0);
+  ck_assert_int_eq(caps.bias, 1);
+  ck_assert_int_eq(k->forward("conv2d", &d), DLUA_OK);
+  ck_assert(y == 6.5);
+  // The weight gradient of that y for grad_y = 1 is x itself, the bias gradient 1; accumulated into 10s.
+  double gw[4] = {10, 10, 10, 10}, gb[1] = {10}, gy[1] = {1};
+  dlua_conv_desc_t e = d;
+  e.y = gy, e.wt = gw, e.bias = gb, e.acc = 1, e.acc_bias = 1;
+  ck_assert_int_eq(k->backward_weights("conv2d_backward_weights", &e), DLUA_OK);
+  ck_assert(gw[0] == 11 && gw[1] == 12 && gw[2] == 13 && gw[3] == 14 && gb[0] == 11);
+
+  const int64_t xs[4] = {1, 1, 2, 2};
+  const int64_t ys1[4] = {1, 1, 1, 1};
+  dlua_tensor_t *x = NULL, *y1 = NULL, *out = NULL;
+  ck_assert_int_eq(dlua_tensor_zeros(&x, 4, xs, DLUA_DTYPE_F32, DLUA_CPU), DLUA_OK);
+  ck_assert_int_eq(dlua_tensor_zeros(&y1, 4, ys1, DLUA_DTYPE_F32, DLUA_CPU), DLUA_OK);
+  if (dlua_cuda_device_count() > 0) {
+    const dlua_backend_t *be = NULL;
+    ck_assert_int_eq(dlua_backend_for("conv2d", 0, &be), DLUA_OK);
+    ck_assert_int_eq(DLUA_BACKEND("conv2d", 0, conv, forward, &k), DLUA_OK);
+    ck_assert_ptr_eq(k, be->conv);
+    ck_assert_int_eq(k->caps("conv2d", &d, &caps), DLUA_OK);
+    ck_assert_int_eq(caps.one_format, 1);
+  } else {
+    // A handle claiming device 0 (never dereferenced: the registry answers before any kernel runs).
+    dlua_tensor_t on0 = *x, y0 = *y1;
+    on0.device = y0.device = 0;
+    expect_error(dlua_conv2d_forward(&out, &on0, &on0, NULL, 1, 1, 0, 0, 1, 1, 1), "conv2d:",
+                 "no CUDA device available (", NULL);
+    expect_error(dlua_conv2d_backward_data(&out, &y0, &on0, xs, 1, 1, 0, 0, 1, 1, 1, 0), "conv2d_backward_data:",
+                 "no CUDA device available (", NULL);
+    expect_error(dlua_conv2d_backward_weights(&on0, NULL, &on0, &y0, 1, 1, 0, 0, 1, 1, 1, 0),
+                 "conv2d_backward_weights:", "no CUDA device available (", NULL);
+    ck_assert_ptr_null(out);
+  }
+  dlua_tensor_free(x);
+  dlua_tensor_free(y1);
+}
+END_TEST
+
 static Suite *conv_suite(void) {
   Suite *s = suite_create("conv");
   TCase *tc = tcase_create("conv");
@@ -654,6 +717,7 @@ static Suite *conv_suite(void) {
   tcase_add_test(tc, test_f64_thread_independent);
   tcase_add_test(tc, test_primitive_cache);
   tcase_add_test(tc, test_errors);
+  tcase_add_test(tc, test_backend_table);
   suite_add_tcase(s, tc);
   return s;
 }

@@ -1,4 +1,5 @@
-/* Check suite for host/cpu/linalg.c: sgemm, mm, bmm, addmm, matmul against double-precision loops. */
+/* Check suite for host/ops/linalg.c (the front doors of mm, bmm, addmm, matmul) and host/cpu/linalg.c (sgemm and the
+   blas table's kernels) against double-precision loops. */
 #include <check.h>
 #include <math.h>
 #include <stdint.h>
@@ -7,6 +8,8 @@
 
 #include "core/api.h"
 #include "core/tensor.h"
+#include "kernels/blas.h"
+#include "ops/backend.h"
 
 #include "testutil.h"
 
@@ -576,6 +579,51 @@ START_TEST(test_thread_independent) {
 }
 END_TEST
 
+/* The front doors reach the kernels through the blas table (kernels/blas.h): the CPU's is dlua_cpu_blas_ops, its
+   gemm runs on a descriptor alone, and a tensor on device 0 without a CUDA device gets the registry's one message. */
+START_TEST(test_backend_table) {
+  const struct dlua_blas_ops *k = NULL;
+  ck_assert_int_eq(DLUA_BACKEND("mm", DLUA_CPU, blas, gemm, &k), DLUA_OK);
+  ck_assert_ptr_eq(k, &dlua_cpu_blas_ops);
+  dlua_gemm_caps_t caps;
+  ck_assert_int_eq(k->caps("mm", DLUA_DTYPE_BF16, &caps), DLUA_OK);
+  ck_assert_int_eq(caps.dtype, DLUA_DTYPE_F32);  // 16-bit products accumulate in float32 on the CPU
+  ck_assert_int_eq(k->caps("mm", DLUA_DTYPE_I32, &caps), DLUA_OK);
+  ck_assert_int_eq(caps.dtype, DLUA_DTYPE_I64);
+  // The gemm slot on a descriptor: a batch of two (2, 2) x (2, 1) float64 products with a shared B, C = 2 AB + C.
+  const double av[8] = {1, 2, 3, 4, 5, 6, 7, 8}, bv[2] = {1, -1};
+  double cv[4] = {10, 20, 30, 40};
+  dlua_gemm_desc_t d = {.dtype = DLUA_DTYPE_F64, .m = 2, .n = 1, .k = 2, .ars = 2, .acs = 1, .brs = 1, .bcs = 1,
+                        .bnd = 1, .bsz = {2}, .ast = {4}, .bst = {0}, .cst = {2}, .a = av, .b = bv, .c = cv,
+                        .alpha = 2.0, .beta = 1.0, .device = DLUA_CPU};
+  ck_assert_int_eq(k->gemm("mm", &d), DLUA_OK);
+  ck_assert(cv[0] == 8 && cv[1] == 18 && cv[2] == 28 && cv[3] == 38);
+
+  const int64_t sz[2] = {2, 2};
+  dlua_tensor_t *a = make_rand(2, sz, DLUA_DTYPE_F32), *out = NULL;
+  if (dlua_cuda_device_count() > 0) {
+    const dlua_backend_t *be = NULL;
+    ck_assert_int_eq(dlua_backend_for("mm", 0, &be), DLUA_OK);
+    ck_assert_int_eq(DLUA_BACKEND("mm", 0, blas, gemm, &k), DLUA_OK);
+    ck_assert_ptr_eq(k, be->blas);
+    ck_assert_int_eq(k->caps("mm", DLUA_DTYPE_BF16, &caps), DLUA_OK);
+    ck_assert_int_eq(caps.dtype, DLUA_DTYPE_BF16);
+  } else {
+    // A handle claiming device 0 (never dereferenced: the registry answers before any kernel runs).
+    dlua_tensor_t on0 = *a;
+    on0.device = 0;
+    ck_assert_int_eq(dlua_tensor_mm(&out, &on0, &on0), DLUA_ERR_ARG);
+    const char *e = dlua_last_error();
+    ck_assert_msg(strstr(e, "mm: no CUDA device available (") != NULL, "%s", e);
+    ck_assert_int_eq(dlua_tensor_matmul(&out, &on0, &on0), DLUA_ERR_ARG);
+    e = dlua_last_error();
+    ck_assert_msg(strstr(e, "matmul: no CUDA device available (") != NULL, "%s", e);
+    ck_assert_ptr_null(out);
+  }
+  dlua_tensor_free(a);
+}
+END_TEST
+
 int main(void) {
   Suite *s = suite_create("linalg");
   TCase *tc = tcase_create("core");
@@ -593,6 +641,7 @@ int main(void) {
   tcase_add_test(tc, test_addmm);
   tcase_add_test(tc, test_f64_large);
   tcase_add_test(tc, test_thread_independent);
+  tcase_add_test(tc, test_backend_table);
   suite_add_tcase(s, tc);
   return tu_run(s);
 }
