@@ -4,7 +4,6 @@
 #define DLUA_CPU_INDEX_H
 #include "core/tensor.h"
 #include "kernels/index.h"
-#include "ops/common.h" /* for linalg.c, until its front door moves to host/ops */
 
 /* Element offset of row-major linear position `lin` in a tensor of (sizes, strides). */
 static inline int64_t dlua_cpu_unravel(int ndim, const int64_t *sizes, const int64_t *strides, int64_t lin) {

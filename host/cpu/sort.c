@@ -1,5 +1,5 @@
 /* The CPU sort and top-k kernels (the sort and topk slots of the index family, host/kernels/index.h): radix sort
-   and radix selection on order-preserving integer keys (host/kernels/sort_keys.h, shared with host/cuda/sort.cu).
+   and radix selection on order-preserving integer keys (host/kernels/sort_keys.h, shared with the CUDA backend's sort.cu).
    The front doors are host/ops/sort.c. */
 #include <inttypes.h>
 #include <omp.h>

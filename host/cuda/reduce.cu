@@ -71,7 +71,7 @@ template <int K, bool FL> __device__ __forceinline__ void combine(Acc &a, const 
 }
 
 /* One element x (compute type C) at position r; p: a norm's order; mu: the row's mean (squared deviations).
-   The per-element terms are the CPU's (host/cpu/reduce.c's STEP_ macros). */
+   The per-element terms are the CPU's (the CPU backend's reduce.c, its STEP_ macros). */
 template <int K, bool FL, typename C> __device__ __forceinline__ void fold(Acc &a, C x, int64_t r, double p, double mu) {
   Acc b;
   b.idx = r;
