@@ -6,17 +6,9 @@
 
 #include "core/error.h"
 #include "kernels/act_layout.h"
+#include "kernels/conv.h"
 
-typedef struct {
-  int64_t n, c, h, w;  /* input (N, C, H, W) */
-  int64_t o, kh, kw;   /* weight (O, C/groups, kH, kW) */
-  int64_t oh, ow;      /* output spatial size */
-  int64_t sh, sw, ph, pw, dh, dw, g;
-} geom_t;
-
-/* Memory formats of a logically (N, C, H, W) tensor: act_layout.h's, named for images; weights
-   (O, C/g, kH, kW) use the same two: OIHW is the NCHW pattern, OHWI the NHWC one. */
-enum { FMT_NCHW = ACT_CONTIG, FMT_NHWC = ACT_CL, FMT_OTHER = ACT_OTHER };
+typedef dlua_conv_geom_t geom_t; /* kernels/conv.h */
 
 typedef enum { DIR_FWD = 0, DIR_BWD_DATA = 1, DIR_BWD_WEIGHTS = 2 } conv_dir_t;
 

@@ -111,7 +111,7 @@ static dlua_status_t cpu_index_select(const char *op, const dlua_index_gather_t 
 #pragma omp parallel for schedule(static) if (rows * inner > 32768)
     for (int64_t r = 0; r < rows; r++) {
       int64_t o = r / n, j = r - o * n;
-      int64_t off = dlua_cpu_unravel(dim, sizes, strides, o) + (dlua_cpu_index_at(ip, is64, j) - index_base) * sd;
+      int64_t off = dlua_unravel(dim, sizes, strides, o) + (dlua_cpu_index_at(ip, is64, j) - index_base) * sd;
       copy_block(dst + (size_t)(r * inner) * es, src + off * (int64_t)es, ind, isz, ist, inner, es);
     }
   }
@@ -140,7 +140,7 @@ static dlua_status_t cpu_gather(const char *op, const dlua_index_gather_t *g) {
   if (last > 0) {
 #pragma omp parallel for schedule(static) if (rows * last > 32768)
     for (int64_t r = 0; r < rows; r++) {
-      int64_t base = dlua_cpu_unravel(nd - 1, isizes, ast, r);
+      int64_t base = dlua_unravel(nd - 1, isizes, ast, r);
       for (int64_t q = 0; q < last; q++) {
         int64_t e = r * last + q;
         int64_t off = base + q * lst + (dlua_cpu_index_at(ip, is64, e) - index_base) * sd;
@@ -221,8 +221,8 @@ static dlua_status_t cpu_scatter_add(const char *op, const dlua_index_scatter_t 
       int64_t toff[SCATTER_BLOCK], soff[SCATTER_BLOCK];
       int64_t f0 = blk * SCATTER_BLOCK, nf = nfib - f0 < SCATTER_BLOCK ? nfib - f0 : SCATTER_BLOCK;
       for (int64_t f = 0; f < nf; f++) {
-        toff[f] = dlua_cpu_unravel(fnd, fsz, tst, f0 + f);
-        soff[f] = dlua_cpu_unravel(fnd, fsz, sst, f0 + f);
+        toff[f] = dlua_unravel(fnd, fsz, tst, f0 + f);
+        soff[f] = dlua_unravel(fnd, fsz, sst, f0 + f);
       }
       scatter_block(dtype, tp, sp, ip, is64, sc->base, f0, nf, L, inner, toff, soff, sc->t_strides[dim],
                     sc->s_strides[dim]);

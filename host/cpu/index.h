@@ -3,18 +3,10 @@
 #ifndef DLUA_CPU_INDEX_H
 #define DLUA_CPU_INDEX_H
 #include "core/tensor.h"
+#include "kernels/blas.h"
 #include "kernels/index.h"
 
-/* Element offset of row-major linear position `lin` in a tensor of (sizes, strides). */
-static inline int64_t dlua_cpu_unravel(int ndim, const int64_t *sizes, const int64_t *strides, int64_t lin) {
-  int64_t off = 0;
-  for (int d = ndim - 1; d >= 0 && lin; d--) {
-    int64_t q = lin / sizes[d];
-    off += (lin - q * sizes[d]) * strides[d];
-    lin = q;
-  }
-  return off;
-}
+/* Element offset of row-major linear position `lin` in a tensor of (sizes, strides): dlua_unravel (kernels/blas.h). */
 
 /* Reads element i of a contiguous int32 or int64 index buffer. */
 static inline int64_t dlua_cpu_index_at(const void *p, int is64, int64_t i) {

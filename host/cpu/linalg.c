@@ -192,9 +192,9 @@ static dlua_status_t cpu_gemm(const char *op, const dlua_gemm_desc_t *pl) {
     dlua_status_t status = DLUA_OK;
 #pragma omp parallel for schedule(static) if (across)
     for (int64_t bi = 0; bi < nbatch; bi++) {
-      const float *a = (const float *)(ap + dlua_cpu_unravel(pl->bnd, pl->bsz, pl->ast, bi) * (int64_t)es);
-      const float *b = (const float *)(bp + dlua_cpu_unravel(pl->bnd, pl->bsz, pl->bst, bi) * (int64_t)es);
-      float *c = (float *)(cp + dlua_cpu_unravel(pl->bnd, pl->bsz, pl->cst, bi) * (int64_t)es);
+      const float *a = (const float *)(ap + dlua_unravel(pl->bnd, pl->bsz, pl->ast, bi) * (int64_t)es);
+      const float *b = (const float *)(bp + dlua_unravel(pl->bnd, pl->bsz, pl->bst, bi) * (int64_t)es);
+      float *c = (float *)(cp + dlua_unravel(pl->bnd, pl->bsz, pl->cst, bi) * (int64_t)es);
       dlua_status_t s = dlua_sgemm(ta, tb, m, n, k, (float)alpha, a, lda, b, ldb, (float)beta, c, n);
       if (s != DLUA_OK) {
 #pragma omp atomic write
@@ -210,9 +210,9 @@ static dlua_status_t cpu_gemm(const char *op, const dlua_gemm_desc_t *pl) {
   void *scratch = malloc(ns * 8);
   if (!scratch) return DLUA_ERR(DLUA_ERR_OOM, "%s: out of memory allocating %zu bytes of scratch", op, ns * 8);
   for (int64_t bi = 0; bi < nbatch; bi++) {
-    const char *a = ap + dlua_cpu_unravel(pl->bnd, pl->bsz, pl->ast, bi) * (int64_t)es;
-    const char *b = bp + dlua_cpu_unravel(pl->bnd, pl->bsz, pl->bst, bi) * (int64_t)es;
-    char *c = cp + dlua_cpu_unravel(pl->bnd, pl->bsz, pl->cst, bi) * (int64_t)es;
+    const char *a = ap + dlua_unravel(pl->bnd, pl->bsz, pl->ast, bi) * (int64_t)es;
+    const char *b = bp + dlua_unravel(pl->bnd, pl->bsz, pl->bst, bi) * (int64_t)es;
+    char *c = cp + dlua_unravel(pl->bnd, pl->bsz, pl->cst, bi) * (int64_t)es;
     if (ct == DLUA_DTYPE_F64)
       dgemm_tiled(m, n, k, alpha, (const double *)a, pl->ars, pl->acs, (const double *)b, pl->brs, pl->bcs, beta,
                   (double *)c, n, scratch);

@@ -209,8 +209,8 @@ typedef struct {
 
 static const char *row_ptr(const rows_t *rw, int64_t r) {
   int64_t o = r / rw->inner, i = r - o * rw->inner;
-  int64_t off = dlua_cpu_unravel(rw->dim, rw->sizes, rw->strides, o) +
-                dlua_cpu_unravel(rw->nd - rw->dim - 1, rw->sizes + rw->dim + 1, rw->strides + rw->dim + 1, i);
+  int64_t off = dlua_unravel(rw->dim, rw->sizes, rw->strides, o) +
+                dlua_unravel(rw->nd - rw->dim - 1, rw->sizes + rw->dim + 1, rw->strides + rw->dim + 1, i);
   return rw->base + off * (int64_t)rw->es;
 }
 

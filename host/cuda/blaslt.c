@@ -260,9 +260,9 @@ static dlua_status_t cuda_gemm(const char *op, const dlua_gemm_desc_t *pl) {
   dlua_status_t s = DLUA_OK;
   for (int64_t bi = 0; bi < nbatch && s == DLUA_OK; bi++)
     s = lt_gemm(op, pl->dtype, tra, trb, pl->m, pl->n, pl->k, pl->alpha,
-                ap + dlua_blas_unravel(pl->bnd, pl->bsz, pl->ast, bi) * es, lda, 0,
-                bp + dlua_blas_unravel(pl->bnd, pl->bsz, pl->bst, bi) * es, ldb, 0, pl->beta,
-                cp + dlua_blas_unravel(pl->bnd, pl->bsz, pl->cst, bi) * es, pl->n, 0, 1, pl->device);
+                ap + dlua_unravel(pl->bnd, pl->bsz, pl->ast, bi) * es, lda, 0,
+                bp + dlua_unravel(pl->bnd, pl->bsz, pl->bst, bi) * es, ldb, 0, pl->beta,
+                cp + dlua_unravel(pl->bnd, pl->bsz, pl->cst, bi) * es, pl->n, 0, 1, pl->device);
   return s;
 }
 

@@ -14,11 +14,9 @@
 #include "kernels/conv.h"
 #include "cuda/cudnn_api.h"
 
-/* Memory formats: act_layout.h's NCHW and channels-last NHWC for a logically (N, C, H, W) tensor; weights
-   (O, C/groups, kH, kW) use the same patterns (OIHW, OHWI). cuDNN's filter descriptors only take those packed
-   layouts, and its fast kernels want activations and weights in the same one: the caps below ask the front door
-   for one format per call. */
-enum { FMT_NCHW = ACT_CONTIG, FMT_NHWC = ACT_CL, FMT_OTHER = ACT_OTHER };
+/* Memory formats (FMT_*, kernels/conv.h): cuDNN's filter descriptors only take the packed NCHW/NHWC layouts, and
+   its fast kernels want activations and weights in the same one: the caps below ask the front door for one
+   format per call. */
 
 /* ---- one cuDNN call -----------------------------------------------------------------------------------------------
    A problem is everything cuDNN's choice of algorithm depends on. Built on a zeroed struct, so memcmp and the hash

@@ -59,8 +59,8 @@ static inline int dlua_blas_form(int64_t r, int64_t c, int64_t rs, int64_t cs, i
   return 0;
 }
 
-/* The element offset of batch index `bi` (row-major over sizes) with `strides`. */
-static inline int64_t dlua_blas_unravel(int ndim, const int64_t *sizes, const int64_t *strides, int64_t lin) {
+/* The element offset of row-major linear position `lin` in a tensor of (sizes, strides): batch `bi`'s matrix. */
+static inline int64_t dlua_unravel(int ndim, const int64_t *sizes, const int64_t *strides, int64_t lin) {
   int64_t off = 0;
   for (int d = ndim - 1; d >= 0 && lin; d--) {
     int64_t q = lin / sizes[d];

@@ -7,10 +7,23 @@
 #define DLUA_KERNELS_CONV_H
 #include <stdint.h>
 #include "core/api.h"
+#include "kernels/act_layout.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+/* Memory formats of a logically (N, C, H, W) tensor: act_layout.h's, named for images; weights
+   (O, C/g, kH, kW) use the same two: OIHW is the NCHW pattern, OHWI the NHWC one. */
+enum { FMT_NCHW = ACT_CONTIG, FMT_NHWC = ACT_CL, FMT_OTHER = ACT_OTHER };
+
+/* A convolution's sizes, as the front door and the CPU kernels work them out. */
+typedef struct {
+  int64_t n, c, h, w;  /* input (N, C, H, W) */
+  int64_t o, kh, kw;   /* weight (O, C/groups, kH, kW) */
+  int64_t oh, ow;      /* output spatial size */
+  int64_t sh, sw, ph, pw, dh, dw, g;
+} dlua_conv_geom_t;
 
 /* How a backend wants a convolution of input dtype `dtype` staged. */
 typedef struct {

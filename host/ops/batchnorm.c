@@ -39,13 +39,6 @@ static dlua_status_t check_act(const char *op, const char *what, const dlua_tens
   return DLUA_OK;
 }
 
-/* Every live tensor of ts (entries may be NULL) on x's device: the shared check (ops/common.h), naming x and the
-   first that is not. A freed or absent entry is left to the check that names it. */
-static dlua_status_t same_device(const char *op, const dlua_tensor_t *x, const dlua_tensor_t *const *ts, int n) {
-  for (int i = 0; i < n; i++)
-    if (ts[i] && ts[i]->storage) DLUA_TRY(dlua_ops_check_input(op, ts[i], x));
-  return DLUA_OK;
-}
 
 /* A per-channel vector (may be NULL when optional): 1-D with C entries. */
 static dlua_status_t check_vec(const char *op, const char *what, const dlua_tensor_t *t, const dlua_tensor_t *x) {
@@ -241,7 +234,7 @@ static dlua_status_t bn_forward(const char *op, dlua_tensor_t **out, dlua_tensor
   DLUA_TRY(check_vec(op, "running_var", running_var, x));
   if (skip) DLUA_TRY(check_like(op, "skip", skip, "input", x));
   const dlua_tensor_t *peers[6] = {gamma, beta, running_mean, running_var, skip, stats};
-  DLUA_TRY(same_device(op, x, peers, 6));
+  DLUA_TRY(dlua_ops_check_peers(op, x, peers, 6));
   if (!(eps >= 0) || !isfinite(eps)) return DLUA_ERR(DLUA_ERR_ARG, "%s: eps must be finite and >= 0, got %g", op, eps);
   char b[200];
   if (!train && (!running_mean || !running_var))
@@ -336,7 +329,7 @@ static dlua_status_t bn_backward(const char *op, dlua_tensor_t **grad_input, dlu
   DLUA_TRY(param_grad(op, "grad_beta", grad_beta, x));
   const dlua_tensor_t *peers[9] = {grad_output, relu ? output : NULL, gamma, beta, save_mean, save_invstd,
                                    grad_gamma, grad_beta, sums_in};
-  DLUA_TRY(same_device(op, x, peers, 9));
+  DLUA_TRY(dlua_ops_check_peers(op, x, peers, 9));
   if (grad_input && grad_skip && *grad_input && *grad_input == *grad_skip)
     return DLUA_ERR(DLUA_ERR_ARG, "%s: grad_input and grad_skip must be different tensors", op);
   const struct dlua_norm_ops *k;

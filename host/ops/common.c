@@ -17,6 +17,12 @@ dlua_status_t dlua_ops_check_input(const char *op, const dlua_tensor_t *t, const
   return DLUA_OK;
 }
 
+dlua_status_t dlua_ops_check_peers(const char *op, const dlua_tensor_t *x, const dlua_tensor_t *const *ts, int n) {
+  for (int i = 0; i < n; i++)
+    if (ts[i] && ts[i]->storage) DLUA_TRY(dlua_ops_check_input(op, ts[i], x));
+  return DLUA_OK;
+}
+
 
 dlua_status_t dlua_ops_out_begin(const char *op, dlua_tensor_t **out, int ndim, const int64_t *sizes,
                                  dlua_dtype_t dtype, const dlua_tensor_t *const *inputs, int ninputs,

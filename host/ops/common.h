@@ -7,6 +7,9 @@
    Errors name the op and both tensors. Whether the device's backend runs the op is the backend
    table's answer (ops/backend.h), not this check's. */
 dlua_status_t dlua_ops_check_input(const char *op, const dlua_tensor_t *t, const dlua_tensor_t *first);
+/* Every live tensor of ts (entries may be NULL) on x's device, by dlua_ops_check_input: the message names x and the
+   first that is not. A freed or absent entry is left to the check that names it. */
+dlua_status_t dlua_ops_check_peers(const char *op, const dlua_tensor_t *x, const dlua_tensor_t *const *ts, int n);
 
 /* Where a kernel that writes contiguous `dtype` elements puts its result: *out itself when
    that is already a contiguous tensor of `dtype` sharing no storage with the inputs, else a

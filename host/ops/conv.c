@@ -17,16 +17,7 @@
 
 /* ---- geometry and memory formats ------------------------------------------------------------ */
 
-typedef struct {
-  int64_t n, c, h, w;  /* input (N, C, H, W) */
-  int64_t o, kh, kw;   /* weight (O, C/groups, kH, kW) */
-  int64_t oh, ow;      /* output spatial size */
-  int64_t sh, sw, ph, pw, dh, dw, g;
-} geom_t;
-
-/* Memory formats of a logically (N, C, H, W) tensor: act_layout.h's, named for images; weights
-   (O, C/g, kH, kW) use the same two: OIHW is the NCHW pattern, OHWI the NHWC one. */
-enum { FMT_NCHW = ACT_CONTIG, FMT_NHWC = ACT_CL, FMT_OTHER = ACT_OTHER };
+typedef dlua_conv_geom_t geom_t; /* kernels/conv.h */
 
 enum { DIR_FWD = 0, DIR_BWD_DATA = 1, DIR_BWD_WEIGHTS = 2 };
 

@@ -36,13 +36,6 @@ static dlua_status_t check_act(const char *op, const char *what, const dlua_tens
   return DLUA_OK;
 }
 
-/* Every live tensor of ts (entries may be NULL) on x's device: the shared check (ops/common.h), naming x and the
-   first that is not. A freed or absent entry is left to the check that names it. */
-static dlua_status_t same_device(const char *op, const dlua_tensor_t *x, const dlua_tensor_t *const *ts, int n) {
-  for (int i = 0; i < n; i++)
-    if (ts[i] && ts[i]->storage) DLUA_TRY(dlua_ops_check_input(op, ts[i], x));
-  return DLUA_OK;
-}
 
 static dlua_status_t check_x_sizes(const char *op, const int64_t *xs) {
   if (!xs) return DLUA_ERR(DLUA_ERR_ARG, "%s: x_sizes is NULL", op);
@@ -199,7 +192,7 @@ dlua_status_t dlua_nn_max_pool2d_backward(dlua_tensor_t **grad_input, const dlua
   DLUA_TRY(check_x_sizes(op, x_sizes));
   char b1[200], b2[200];
   if (!indices || !indices->storage) return DLUA_ERR(DLUA_ERR_ARG, "%s: indices is NULL", op);
-  DLUA_TRY(same_device(op, grad_output, &indices, 1));
+  DLUA_TRY(dlua_ops_check_peers(op, grad_output, &indices, 1));
   if (indices->dtype != DLUA_DTYPE_I64 && indices->dtype != DLUA_DTYPE_I32)
     return DLUA_ERR(DLUA_ERR_ARG, "%s: indices %s must be int64 or int32", op, dlua_tensor_describe(indices, b1, sizeof b1));
   int same = indices->ndim == 4;
