@@ -311,24 +311,36 @@ local function powersgd_hook(h, b)
   end
   local wp = #plan.mats > 0 and b.dist.all_reduce(plan.pbuf, 'sum', { async = true, group = b.group }) or nil
   count(b, 4 * (plan.np + plan.nq + plan.nu), now() - t0)
-  local done = false
+  -- Two stages: progress() waits for P, orthogonalises it, forms Q and starts Q's all-reduce; wait() runs progress()
+  -- if nobody has, then waits for Q and finishes. DDP calls the next bucket's progress() before it waits for this
+  -- one, so Q's all-reduce overlaps the next bucket's products (every rank in the same order).
+  local launched, done, wq = false, false, nil
+  local spent = 0
+  local function progress()
+    if launched then return end
+    launched = true
+    if wu then
+      wu:wait()
+      for _, u in ipairs(plan.rest) do g:narrow(1, u.off + 1, u.numel):copy_(plan.ubuf:narrow(1, u.uoff + 1, u.numel)) end
+    end
+    if wp == nil then return end
+    wp:wait()
+    local t1 = now()
+    for _, mt in ipairs(plan.mats) do
+      orthogonalize(mt.P, h.eps)
+      mt.M:t():mm(mt.P, { out = mt.Q })
+    end
+    spent = now() - t1
+    wq = b.dist.all_reduce(plan.qbuf, 'sum', { async = true, group = b.group })
+  end
   return {
+    progress = progress,
     wait = function()
       if done then return end
+      progress()
       done = true
-      if wu then
-        wu:wait()
-        for _, u in ipairs(plan.rest) do g:narrow(1, u.off + 1, u.numel):copy_(plan.ubuf:narrow(1, u.uoff + 1, u.numel)) end
-      end
-      if wp == nil then return end
-      wp:wait()
-      local t1 = now()
-      for _, mt in ipairs(plan.mats) do
-        orthogonalize(mt.P, h.eps)
-        mt.M:t():mm(mt.P, { out = mt.Q })
-      end
-      local spent = now() - t1
-      b.dist.all_reduce(plan.qbuf, 'sum', { group = b.group })
+      if wq == nil then return end
+      wq:wait()
       local t2 = now()
       plan.qbuf:mul_(1 / world)
       for _, mt in ipairs(plan.mats) do

@@ -432,6 +432,15 @@ end
 -- Seconds spent blocked on bucket communication since construction (ddp.comm_wait_s): the
 -- part of the all-reduce that backward did not hide (dlua.metrics reads it).
 local now = dlua.perf_counter
+-- Before waiting for bucket i, a two-stage hook (PowerSGD: w.progress) gets bucket i's and then bucket i+1's second
+-- stage started, so i's second collective overlaps i+1's work; every rank waits buckets in one order.
+local function start_next(self, i)
+  local w = self.buckets[i].work
+  if w and w.progress then w.progress() end
+  local nb = self.buckets[i + 1]
+  if nb and nb.work and nb.work.progress then nb.work.progress() end
+end
+
 local function timed_wait(self, w)
   local t0 = now()
   w:wait()
@@ -442,8 +451,9 @@ end
 function DDP:wait()
   if not self._pending then return end
   self:_launch_ready(true)
-  for _, b in ipairs(self.buckets) do
+  for i, b in ipairs(self.buckets) do
     if b.work then
+      start_next(self, i)
       local w = b.work
       b.work = nil
       timed_wait(self, w)
@@ -456,8 +466,9 @@ end
 -- (what an optimizer step over that range needs).
 function DDP:wait_range(dtype, offset, numel)
   if not self._pending then return end
-  for _, b in ipairs(self.buckets) do
+  for i, b in ipairs(self.buckets) do
     if b.dtype == dtype and b.offset < offset + numel and offset < b.offset + b.numel and b.work then
+      start_next(self, i)
       local w = b.work
       b.work = nil
       timed_wait(self, w)
