@@ -37,6 +37,8 @@ local function collectives(spec, ddp)
   return #ddp.buckets
 end
 
+-- BENCH_SEQUENTIAL=1: each bucket's hook finished in wait() alone (no second stage started early), for an A/B
+local sequential = os.getenv('BENCH_SEQUENTIAL') == '1'
 local g = dlua.Generator(7 + rank)
 for spec in specs:gmatch('[^,]+') do
   local ddp = dist.DDP(build(), { hook = hook_of(spec) })
@@ -47,7 +49,14 @@ for spec in specs:gmatch('[^,]+') do
     grads:copy_(source)
     local works = {}
     for i, b in ipairs(ddp.buckets) do works[i] = ddp.hook(ddp.hook_state, b) end
-    for _, w in ipairs(works) do w:wait() end
+    for i, w in ipairs(works) do  -- DDP:wait's order: a two-stage hook's second stage for i and i+1, then wait i
+      if not sequential then
+        if w.progress then w.progress() end
+        local nx = works[i + 1]
+        if nx and nx.progress then nx.progress() end
+      end
+      w:wait()
+    end
   end
   for _ = 1, 2 do round() end  -- buffers sized, PowerSGD's Q made
   ddp:comm_stats{ reset = true }
