@@ -14,15 +14,6 @@
 #include "cpu/copy.h"
 #include "kernels/ew.h"
 
-/* ---- op tables derived from the X-macro lists ----------------------------------------------- */
-
-#define EW_ENUM_U(NAME, name, kind) EWU_##NAME,
-#define EW_ENUM_B(NAME, name, kind) EWB_##NAME,
-#define EW_ENUM_T(NAME, name, kind) EWT_##NAME,
-enum { DLUA_EW_UNARY_OPS(EW_ENUM_U) EWU_COUNT };
-enum { DLUA_EW_BINARY_OPS(EW_ENUM_B) EWB_COUNT };
-enum { DLUA_EW_TERNARY_OPS(EW_ENUM_T) EWT_COUNT };
-
 /* ---- the iterator --------------------------------------------------------------------------- */
 
 #define EW_MAX_OPS DLUA_EW_MAX_OPS

@@ -44,6 +44,14 @@
 /* Ternary ops update x in place: x = f(x, a, b, v). */
 #define DLUA_EW_TERNARY_OPS(X) X(ADDCMUL, addcmul, ARITH) X(ADDCDIV, addcdiv, FLOAT)
 
+/* Each op's position in its list: the `op` of an element-wise descriptor (kernels/ew.h), alike on every backend. */
+#define EW_ENUM_U(NAME, name, kind) EWU_##NAME,
+#define EW_ENUM_B(NAME, name, kind) EWB_##NAME,
+#define EW_ENUM_T(NAME, name, kind) EWT_##NAME,
+enum { DLUA_EW_UNARY_OPS(EW_ENUM_U) EWU_COUNT };
+enum { DLUA_EW_BINARY_OPS(EW_ENUM_B) EWB_COUNT };
+enum { DLUA_EW_TERNARY_OPS(EW_ENUM_T) EWT_COUNT };
+
 /* ---- unary: f(x, p1, p2); p1/p2 are only read by clamp ---------------------------------- */
 
 #define DLUA_EW_UNARY_FLOATS(T, S, M)                                                          \

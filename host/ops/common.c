@@ -23,6 +23,17 @@ dlua_status_t dlua_ops_check_peers(const char *op, const dlua_tensor_t *x, const
   return DLUA_OK;
 }
 
+dlua_status_t dlua_ops_check_writable(const char *op, const dlua_tensor_t *t) {
+  for (int d = 0; d < t->ndim; d++)
+    if (t->sizes[d] > 1 && t->strides[d] == 0) {
+      char b[200];
+      return DLUA_ERR(DLUA_ERR_ARG,
+                      "%s: cannot write into %s: it is an expanded view whose elements share memory (clone it first)",
+                      op, dlua_tensor_describe(t, b, sizeof b));
+    }
+  return DLUA_OK;
+}
+
 
 dlua_status_t dlua_ops_out_begin(const char *op, dlua_tensor_t **out, int ndim, const int64_t *sizes,
                                  dlua_dtype_t dtype, const dlua_tensor_t *const *inputs, int ninputs,

@@ -10,6 +10,9 @@ dlua_status_t dlua_ops_check_input(const char *op, const dlua_tensor_t *t, const
 /* Every live tensor of ts (entries may be NULL) on x's device, by dlua_ops_check_input: the message names x and the
    first that is not. A freed or absent entry is left to the check that names it. */
 dlua_status_t dlua_ops_check_peers(const char *op, const dlua_tensor_t *x, const dlua_tensor_t *const *ts, int n);
+/* DLUA_ERR_ARG when `t` is an expanded view (a stride-0 dim of size > 1): writing it would write one element many
+   times. Names the op and the tensor. */
+dlua_status_t dlua_ops_check_writable(const char *op, const dlua_tensor_t *t);
 
 /* Where a kernel that writes contiguous `dtype` elements puts its result: *out itself when
    that is already a contiguous tensor of `dtype` sharing no storage with the inputs, else a

@@ -17,16 +17,10 @@
 #include "ops/backend.h"
 #include "ops/common.h"
 
-/* ---- op tables derived from the X-macro lists ----------------------------------------------- */
+/* ---- op tables derived from the X-macro lists (positions: EWU_/EWB_/EWT_, kernels/elementwise_ops.h) --- */
 
 enum { EW_KIND_ARITH, EW_KIND_FLOAT, EW_KIND_PRED };
 
-#define EW_ENUM_U(NAME, name, kind) EWU_##NAME,
-#define EW_ENUM_B(NAME, name, kind) EWB_##NAME,
-#define EW_ENUM_T(NAME, name, kind) EWT_##NAME,
-enum { DLUA_EW_UNARY_OPS(EW_ENUM_U) EWU_COUNT };
-enum { DLUA_EW_BINARY_OPS(EW_ENUM_B) EWB_COUNT };
-enum { DLUA_EW_TERNARY_OPS(EW_ENUM_T) EWT_COUNT };
 _Static_assert((int)EWU_LOGICAL_NOT == (int)DLUA_UNARY_LOGICAL_NOT && (int)EWU_CLAMP == (int)DLUA_UNARY_COUNT,
                "DLUA_EW_UNARY_OPS must list the public unary ops in enum order");
 _Static_assert((int)EWB_ATAN2 == (int)DLUA_BINARY_ATAN2 && (int)EWB_LOGICAL_XOR == (int)DLUA_BINARY_LOGICAL_XOR &&
@@ -151,18 +145,6 @@ static int unsafe_overlap(const dlua_tensor_t *out, const dlua_tensor_t *in) {
   return 0;
 }
 
-static dlua_status_t check_writable(const char *op, const dlua_tensor_t *t) {
-  for (int d = 0; d < t->ndim; d++)
-    if (t->sizes[d] > 1 && t->strides[d] == 0) {
-      char b[200];
-      return DLUA_ERR(DLUA_ERR_ARG,
-                      "%s: cannot write into %s: it is an expanded view whose elements share memory (clone it first)",
-                      op, dlua_tensor_describe(t, b, sizeof b));
-    }
-  return DLUA_OK;
-}
-
-
 /* Runs the launch described by e (family, op, dtype, elsize and scalars set by the caller) over (*out, ins...) at
    shape (nd, shape). The kernel computes in dtype `rdt` for its output and reads inputs of dtype in_dt[i] (-1: as
    they are). Resolves the `out` convention: allocates *out, or writes through a temporary when *out has another
@@ -179,7 +161,7 @@ static dlua_status_t ew_exec(const char *op, dlua_tensor_t **out, dlua_dtype_t r
   const dlua_tensor_t *ops[EW_MAX_OPS];
   dlua_tensor_t *dst = *out;
   if (!allocated) {
-    s = check_writable(op, dst);
+    s = dlua_ops_check_writable(op, dst);
     if (s == DLUA_OK && dst->dtype != rdt) {
       s = dlua_tensor_empty(&tmp_out, nd, shape, rdt, device);
       dst = tmp_out;

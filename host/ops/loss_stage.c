@@ -2,6 +2,7 @@
    family (kernels/loss.h) see contiguous buffers of their compute dtype, and write a result that the `out`
    convention then copies (converting) into the caller's tensor. */
 #include "ops/loss_stage.h"
+#include "ops/common.h"
 #include <stdint.h>
 #include "core/dtype.h"
 #include "core/error.h"
@@ -64,13 +65,7 @@ dlua_status_t dlua_loss_out_stage(const char *op, dlua_tensor_t **out, int nd, c
   dlua_tensor_t *t = *out;
   int direct = t->dtype == ct && dlua_tensor_is_contiguous(t);
   if (!o->allocated) {
-    for (int d = 0; d < t->ndim; d++)
-      if (t->sizes[d] > 1 && t->strides[d] == 0) {
-        char b[200];
-        return DLUA_ERR(DLUA_ERR_ARG,
-                        "%s: cannot write into %s: it is an expanded view whose elements share memory (clone it first)",
-                        op, dlua_tensor_describe(t, b, sizeof b));
-      }
+    DLUA_TRY(dlua_ops_check_writable(op, t));
     int64_t n = dlua_tensor_numel(t);
     size_t es = dlua_dtype_size(ct);
     uintptr_t lo = (uintptr_t)dlua_tensor_ptr(t), hi = lo + (uintptr_t)n * es;

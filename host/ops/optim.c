@@ -89,6 +89,19 @@ static dlua_status_t check_grad_scale(const char *op, double s) {
   return DLUA_OK;
 }
 
+/* Adam's, AdamW's and LAMB's scalars: lr, eps, weight_decay >= 0, betas in [0, 1), a finite grad_scale, step >= 1. */
+static dlua_status_t check_adam_hypers(const char *op, double lr, double beta1, double beta2, double eps,
+                                       double weight_decay, double grad_scale, int64_t step) {
+  DLUA_TRY(check_hyper(op, "lr", lr, 0, INFINITY, 0));
+  DLUA_TRY(check_hyper(op, "beta1", beta1, 0, 1, 1));
+  DLUA_TRY(check_hyper(op, "beta2", beta2, 0, 1, 1));
+  DLUA_TRY(check_hyper(op, "eps", eps, 0, INFINITY, 0));
+  DLUA_TRY(check_hyper(op, "weight_decay", weight_decay, 0, INFINITY, 0));
+  DLUA_TRY(check_grad_scale(op, grad_scale));
+  if (step < 1) return DLUA_ERR(DLUA_ERR_ARG, "%s: step counts this step from 1, got %" PRId64, op, step);
+  return DLUA_OK;
+}
+
 /* Mixed precision's master weights: the 16-bit copy of the parameters a layer computes with, written
    chunk by chunk right after the chunk's update, while it is in cache (no pass of its own). lowp:
    NULL, or a contiguous float16/bfloat16 tensor of param's element count on the CPU. */
@@ -189,13 +202,7 @@ static dlua_status_t adam_step(const char *op, int decoupled, dlua_tensor_t *par
     DLUA_TRY(check_apart(op, "max_exp_avg_sq", max_exp_avg_sq, "exp_avg_sq", exp_avg_sq));
   }
   DLUA_TRY(check_range(op, param, offset, length));
-  DLUA_TRY(check_hyper(op, "lr", lr, 0, INFINITY, 0));
-  DLUA_TRY(check_hyper(op, "beta1", beta1, 0, 1, 1));
-  DLUA_TRY(check_hyper(op, "beta2", beta2, 0, 1, 1));
-  DLUA_TRY(check_hyper(op, "eps", eps, 0, INFINITY, 0));
-  DLUA_TRY(check_hyper(op, "weight_decay", weight_decay, 0, INFINITY, 0));
-  DLUA_TRY(check_grad_scale(op, grad_scale));
-  if (step < 1) return DLUA_ERR(DLUA_ERR_ARG, "%s: step counts this step from 1, got %" PRId64, op, step);
+  DLUA_TRY(check_adam_hypers(op, lr, beta1, beta2, eps, weight_decay, grad_scale, step));
   dlua_optim_step_desc_t d = {
       .dtype = (int)param->dtype, .length = length, .lowp = lowp ? at(lowp, offset) : NULL,
       .lowp_dtype = lowp ? (int)lowp->dtype : 0, .device = param->device,
@@ -322,13 +329,7 @@ dlua_status_t dlua_optim_lamb_step(dlua_tensor_t *param, const dlua_tensor_t *gr
   DLUA_TRY(check_apart(op, "exp_avg", exp_avg, "grad", grad));
   DLUA_TRY(check_apart(op, "exp_avg_sq", exp_avg_sq, "grad", grad));
   DLUA_TRY(check_apart(op, "exp_avg", exp_avg, "exp_avg_sq", exp_avg_sq));
-  DLUA_TRY(check_hyper(op, "lr", lr, 0, INFINITY, 0));
-  DLUA_TRY(check_hyper(op, "beta1", beta1, 0, 1, 1));
-  DLUA_TRY(check_hyper(op, "beta2", beta2, 0, 1, 1));
-  DLUA_TRY(check_hyper(op, "eps", eps, 0, INFINITY, 0));
-  DLUA_TRY(check_hyper(op, "weight_decay", weight_decay, 0, INFINITY, 0));
-  DLUA_TRY(check_grad_scale(op, grad_scale));
-  if (step < 1) return DLUA_ERR(DLUA_ERR_ARG, "%s: step counts this step from 1, got %" PRId64, op, step);
+  DLUA_TRY(check_adam_hypers(op, lr, beta1, beta2, eps, weight_decay, grad_scale, step));
   DLUA_TRY(check_ranges(op, param, n_ranges, offsets, lengths));
   if (n_ranges == 0) return DLUA_OK;
   dlua_optim_ranges_desc_t d = {
