@@ -23,6 +23,14 @@ static dlua_status_t check_reduction(const char *op, dlua_loss_reduction_t r) {
 
 /* ---- softmax ----------------------------------------------------------------------------------- */
 
+/* The upstream gradient of a reduced (mean or sum) loss: one value. */
+static dlua_status_t reduced_grad(const char *op, const dlua_tensor_t *grad_output) {
+  if (dlua_tensor_numel(grad_output) == 1) return DLUA_OK;
+  char b[200];
+  return DLUA_ERR(DLUA_ERR_ARG, "%s: grad_output %s of a reduced loss must hold one value", op,
+                  dlua_tensor_describe(grad_output, b, sizeof b));
+}
+
 static dlua_status_t softmax_dims(const char *op, const dlua_tensor_t *t, int dim, int64_t *outer, int64_t *K,
                                   int64_t *inner) {
   int nd = t->ndim ? t->ndim : 1;  // a 0-dim tensor is one row of one element, as in torch
@@ -301,10 +309,8 @@ dlua_status_t dlua_nn_cross_entropy_backward(dlua_tensor_t **grad_logits, const 
     DLUA_TRY(dlua_ops_check_input(op, grad_output, log_probs));
     if (reduction == DLUA_LOSS_NONE) {
       DLUA_TRY(dlua_loss_check_same_shape(op, "grad_output", grad_output, "labels", labels));
-    } else if (dlua_tensor_numel(grad_output) != 1) {
-      char b[200];
-      return DLUA_ERR(DLUA_ERR_ARG, "%s: grad_output %s of a reduced loss must hold one value", op,
-                      dlua_tensor_describe(grad_output, b, sizeof b));
+    } else {
+      DLUA_TRY(reduced_grad(op, grad_output));
     }
   }
   const struct dlua_loss_ops *k;
@@ -394,10 +400,8 @@ dlua_status_t dlua_nn_mse_loss_backward(dlua_tensor_t **grad_input, const dlua_t
     if (reduction == DLUA_LOSS_NONE) {
       DLUA_TRY(dlua_loss_check_same_shape(op, "grad_output", grad_output, "input", input));
       rt = dlua_dtype_promote(rt, grad_output->dtype);
-    } else if (dlua_tensor_numel(grad_output) != 1) {
-      char b[200];
-      return DLUA_ERR(DLUA_ERR_ARG, "%s: grad_output %s of a reduced loss must hold one value", op,
-                      dlua_tensor_describe(grad_output, b, sizeof b));
+    } else {
+      DLUA_TRY(reduced_grad(op, grad_output));
     }
   }
   const struct dlua_loss_ops *k;
