@@ -432,20 +432,25 @@ end
 -- Seconds spent blocked on bucket communication since construction (ddp.comm_wait_s): the
 -- part of the all-reduce that backward did not hide (dlua.metrics reads it).
 local now = dlua.perf_counter
--- Before waiting for bucket i, a two-stage hook (PowerSGD: w.progress) gets bucket i's and then bucket i+1's second
--- stage started, so i's second collective overlaps i+1's work; every rank waits buckets in one order.
-local function start_next(self, i)
-  local w = self.buckets[i].work
-  if w and w.progress then w.progress() end
-  local nb = self.buckets[i + 1]
-  if nb and nb.work and nb.work.progress then nb.work.progress() end
-end
-
-local function timed_wait(self, w)
+local function timed(self, fn, w)
   local t0 = now()
-  w:wait()
+  fn(w)
   self.comm_wait_s = self.comm_wait_s + (now() - t0)
 end
+local function wait_work(w) w:wait() end
+local function progress_work(w) w.progress() end
+
+-- Before waiting for bucket i, a two-stage hook (PowerSGD: w.progress) gets bucket i's and then bucket i+1's second
+-- stage started, so i's second collective overlaps i+1's work; every rank waits buckets in one order. The time
+-- blocked there (on the first collective) counts as waiting, as it did inside wait().
+local function start_next(self, i)
+  local w = self.buckets[i].work
+  if w and w.progress then timed(self, progress_work, w) end
+  local nb = self.buckets[i + 1]
+  if nb and nb.work and nb.work.progress then timed(self, progress_work, nb.work) end
+end
+
+local function timed_wait(self, w) timed(self, wait_work, w) end
 
 -- Waits for every bucket's communication.
 function DDP:wait()
