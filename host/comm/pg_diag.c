@@ -59,18 +59,20 @@ void dlua_pg_diagnose(dlua_pg_t *pg, dlua_work_t *w, dlua_pg_result_t r, const c
       at_key(keys[m], PG_NAME + 32, pg, q);
       ranks[m++] = q;
     }
+    /* Each position is read as soon as it appears: outside dlua's launcher rank 0 serves the store, and once its
+       own diagnosis is over it exits, taking the store with it, before a later rank's window ends. */
     int64_t end = now_ms() + PG_DIAG_MS;
     while (store_ok) {
       if (dlua_store_check(pg->store, (const char *const *)keys, m, exists) != DLUA_OK) break;
       int all = 1;
-      for (int i = 0; i < m; i++) all &= exists[i];
+      for (int i = 0; i < m; i++) {
+        size_t len;
+        void *v = NULL;
+        if (exists[i] && !vals[i] && dlua_store_get(pg->store, keys[i], 0, &v, &len) == DLUA_OK) vals[i] = v;
+        all &= vals[i] != NULL;
+      }
       if (all || now_ms() >= end) break;
       sleep_ms(100);
-    }
-    for (int i = 0; i < m && store_ok; i++) {
-      size_t len;
-      void *v = NULL;
-      if (exists[i] && dlua_store_get(pg->store, keys[i], 0, &v, &len) == DLUA_OK) vals[i] = v;
     }
   }
 
