@@ -108,6 +108,16 @@ rm -rf "$folder"
 awk -v a="${losses[0]:-x}" -v b="${losses[1]:-y}" 'BEGIN { exit !(a + 0 == a && b + 0 == b && a - b < 0.01 && b - a < 0.01) }'
 check "resnet50_ddp --data: channels-last and contiguous batches give the same training loss" $? "losses: ${losses[*]}"
 
+# --amp f16: the progress lines show the loss scale and the steps skipped (#20); bf16 has no scaler, so no scale
+out=$(timeout 120 "$DLUA" recipes/fashion_mnist.lua --amp f16 --model small_cnn --limit 256 --batch 32 --epochs 1 --no-eval \
+  --print-every 4 --threads 1 2>&1); rc=$?
+[ $rc = 0 ] && [ "$(grep -cE '^epoch 1 +[48]/8  loss [0-9.]+ +[0-9]+ img/s  ETA [0-9]+s  scale 65536, 0 skipped$' <<<"$out")" = 2 ]
+check "fashion_mnist --amp f16: progress lines give the scale and the skipped steps" $? "rc=$rc: $out"
+out=$(timeout 120 "$DLUA" recipes/fashion_mnist.lua --amp bf16 --model small_cnn --limit 128 --batch 32 --epochs 1 --no-eval \
+  --print-every 4 --threads 1 2>&1); rc=$?
+[ $rc = 0 ] && grep -qE '^epoch 1 +4/4  loss ' <<<"$out" && ! grep -q 'skipped' <<<"$out"
+check "fashion_mnist --amp bf16: no scaler, no scale in the progress lines" $? "rc=$rc: $out"
+
 out=$("$DLUA" recipes/resnet50_ddp.lua --accumulat 2 2>&1); rc=$?
 [ $rc = 2 ] && grep -q "unknown option '--accumulat'" <<<"$out" && grep -q "accumulate" <<<"$out"
 check "resnet50_ddp rejects an unknown option by name" $? "rc=$rc: $out"

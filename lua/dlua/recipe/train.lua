@@ -170,12 +170,13 @@ function M.train(spec)
         end
         local s = floor(i / per)
         local dt = dlua.perf_counter() - t0
+        local scale = t.scaler and t.scaler:is_enabled() and '  ' .. t.scaler:summary() or ''  -- the loss scale and the steps skipped
         if c.progress == 'bar' then
           L:progress(epoch, s, steps_per_epoch, meter.loss_sum:item() / meter.seen, fresh * replicas / dt,
-            floor((total - step) * dt / fresh * d.batch))
+            floor((total - step) * dt / fresh * d.batch), scale)
         elseif s % c.print_every == 0 or s == steps_per_epoch then
-          L:print('epoch %d  step %d/%d  loss %.4f  lr %.4g  %.1f img/s%s', epoch, s, steps_per_epoch, meter.loss_sum:item() / meter.seen,
-            t.optimizer:get_lr(), fresh * replicas / dt, norm and format('  grad norm %.4g', norm) or '')
+          L:print('epoch %d  step %d/%d  loss %.4f  lr %.4g  %.1f img/s%s%s', epoch, s, steps_per_epoch, meter.loss_sum:item() / meter.seen,
+            t.optimizer:get_lr(), fresh * replicas / dt, norm and format('  grad norm %.4g', norm) or '', scale)
         end
         if hooks.on_step then hooks.on_step(t, { epoch = epoch, step = step, loss = loss, outcome = outcome }) end
         if k.every > 0 and step % k.every == 0 then save() end
