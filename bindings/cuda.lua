@@ -36,6 +36,17 @@ local function ordinal(op, d)
 end
 M.ordinal = ordinal
 
+-- torch.cuda.get_device_capability: (major, minor) of the device (default the current one).
+function M.get_device_capability(d)
+  local v = ffi.new('int[2]')
+  check(C.dlua_cuda_get_device_capability(ordinal('get_device_capability', d), v, v + 1), 'get_device_capability')
+  return tonumber(v[0]), tonumber(v[1])
+end
+-- torch.cuda.is_bf16_supported: a device (default the current one) with bfloat16 arithmetic (compute capability >= 8.0).
+function M.is_bf16_supported(d)
+  if not M.is_available() then return false end
+  return (M.get_device_capability(d)) >= 8
+end
 function M.set_device(d) check(C.dlua_cuda_set_device(ordinal('set_device', d)), 'set_device') end
 function M.current_device() return ordinal('current_device', nil) end
 function M.synchronize(d) check(C.dlua_cuda_synchronize(ordinal('synchronize', d)), 'synchronize') end

@@ -103,6 +103,16 @@ static dlua_status_t need_device(const char *op, int *device) {
   return DLUA_OK;
 }
 
+dlua_status_t dlua_cuda_get_device_capability(int device, int *major, int *minor) {
+  *major = *minor = 0;
+  DLUA_TRY(need_device("get_device_capability", &device));
+  struct cudaDeviceProp p;
+  CUDA_TRY("get_device_capability", cudaGetDeviceProperties(&p, device), device);
+  *major = p.major;
+  *minor = p.minor;
+  return DLUA_OK;
+}
+
 /* Makes `device` current for a call and restores the previous one after. */
 typedef struct {
   int prev, device;

@@ -18,6 +18,10 @@ dlua_status_t dlua_cuda_get_device(int *device) {
   return none("current_device");
 }
 dlua_status_t dlua_cuda_synchronize(int device) { return none("synchronize"); }
+dlua_status_t dlua_cuda_get_device_capability(int device, int *major, int *minor) {
+  *major = *minor = 0;
+  return none("get_device_capability");
+}
 const char *dlua_cuda_runtime_info(void) { return "no CUDA device available (built without CUDA)"; }
 
 dlua_status_t dlua_cuda_stream_create(dlua_cuda_stream_t **out, int device) {

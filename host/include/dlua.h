@@ -757,6 +757,8 @@ dlua_status_t dlua_cuda_synchronize(int device);
 /* Run-time versions for `dlua -v`: driver, runtime, each device's name and memory, the cuDNN/cuBLAS/NCCL
    actually loaded; or "no CUDA device available (<reason>)". */
 const char *dlua_cuda_runtime_info(void);
+/* The device's compute capability (9.0 on an H100/H200; bfloat16 arithmetic needs 8.0). */
+dlua_status_t dlua_cuda_get_device_capability(int device, int *major, int *minor);
 
 /* Streams and events: opaque handles, released with their destroy function. A NULL stream is the
    device's default stream. */

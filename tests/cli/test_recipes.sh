@@ -108,6 +108,11 @@ rm -rf "$folder"
 awk -v a="${losses[0]:-x}" -v b="${losses[1]:-y}" 'BEGIN { exit !(a + 0 == a && b + 0 == b && a - b < 0.01 && b - a < 0.01) }'
 check "resnet50_ddp --data: channels-last and contiguous batches give the same training loss" $? "losses: ${losses[*]}"
 
+# --amp's default, auto: off on the CPU (bf16 on a GPU of compute capability >= 8.0), said in the plan
+out=$(timeout 60 "$DLUA" recipes/fashion_mnist.lua --dry-run --device cpu 2>&1); rc=$?
+[ $rc = 0 ] && grep -qF "precision  float32 (auto: off on the CPU)" <<<"$out"
+check "fashion_mnist: --amp auto is off on the CPU, and the plan says why" $? "rc=$rc: $out"
+
 # --amp f16: the progress lines show the loss scale and the steps skipped (#20); bf16 has no scaler, so no scale
 out=$(timeout 120 "$DLUA" recipes/fashion_mnist.lua --amp f16 --model small_cnn --limit 256 --batch 32 --epochs 1 --no-eval \
   --print-every 4 --threads 1 2>&1); rc=$?

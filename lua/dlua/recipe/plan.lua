@@ -66,8 +66,8 @@ function M.lines(c, info)
   if p.compress ~= 'none' then par = par .. ', gradients compressed ' .. p.compress end
   if p.sync_bn then par = par .. ', SyncBatchNorm' end
   add('  parallel   %s', par)
-  add('  precision  %s', c.amp == 'off' and 'float32' or c.amp == 'bf16' and 'bf16 autocast, float32 master weights'
-    or 'f16 autocast with loss scaling, float32 master weights')
+  add('  precision  %s%s', c.amp == 'off' and 'float32' or c.amp == 'bf16' and 'bf16 autocast, float32 master weights'
+    or 'f16 autocast with loss scaling, float32 master weights', c.amp_why and ' (' .. c.amp_why .. ')' or '')
   local m = M.memory(c, info.params)
   add('  memory     %s model states per rank (parameters %s, gradients %s, optimizer %s), activations not counted', mb(m.total),
     mb(m.parameters), mb(m.gradients), mb(m.optimizer))

@@ -49,6 +49,7 @@ end
 function M.train(spec)
   local c = validate.validate(spec)
   local e = env.setup({ device = c.device, threads = c.threads })
+  c.amp, c.amp_why = validate.resolve_amp(c, e.device)
   dlua.manual_seed(c.seed)
   local L = log.Logger({ rank = e.rank, every = c.print_every, tty = c.progress == 'bar' and nil or false })
   local dist = dlua.dist

@@ -110,9 +110,11 @@ function M.trainer(c)
   self.optimizer = M.make_optimizer(self.model, c.optim or { name = 'sgd', lr = 0.1 })
   self.schedule = c.schedule
   -- mixed precision: #20's API, dlua.amp.from_spec(spec) -> {dtype =, scaler =}
-  if c.amp and c.amp ~= 'off' then
+  local amp = c.amp
+  if amp == 'auto' then amp = require('dlua.recipe.validate').resolve_amp({ amp = amp, stages = p.pipeline and 1 or 0 }, self.device) end
+  if amp and amp ~= 'off' then
     self.amp = assert(M.optional('dlua.amp', 20))
-    local a = self.amp.from_spec(c.amp)
+    local a = self.amp.from_spec(amp)
     self.amp_dtype, self.scaler = a.dtype, a.scaler
   end
   self.ckpt = c.checkpoint or {}

@@ -14,7 +14,7 @@ local SCHEMA = {
   epochs = { 'int+', 1 },
   accumulate = { 'int+', 1 },
   clip_grad = { 'num0', 0 },
-  amp = { { 'off', 'bf16', 'f16' }, 'off' },
+  amp = { { 'off', 'bf16', 'f16', 'auto' }, 'off' },  -- 'auto': M.resolve_amp, once the device is known
   activation_checkpoint = { { 'none', 'blocks', 'stages' }, 'none' },
   device = { 'string', 'auto' },
   threads = { 'int0', 0 },
@@ -165,7 +165,7 @@ function M.validate(spec, world, local_world)
     refuse('model: expected a module or a function(info) returning one, got %s', type(c.model))
   end
   -- the modules of issues not merged yet
-  if c.amp ~= 'off' and not available('dlua.amp') then refuse('amp: not yet available (issue #20)') end
+  if c.amp ~= 'off' and c.amp ~= 'auto' and not available('dlua.amp') then refuse('amp: not yet available (issue #20)') end
   if p.compress ~= 'none' and not available('dlua.dist.compress') then refuse('parallel.compress: not yet available (issue #22)') end
   -- sharding, compression
   if p.zero > 3 then refuse('parallel.zero = %d: expected 0 (DDP), 1, 2 or 3', p.zero) end
@@ -191,7 +191,7 @@ function M.validate(spec, world, local_world)
     if p.zero > 1 then refuse('parallel.zero %d with parallel.pipeline: not supported yet (zero 1 shards the optimizer state across the replicas)', p.zero) end
     if p.zero == 1 and c.clip_grad > 0 then refuse('clip_grad with parallel.pipeline and zero 1: not supported yet') end
     if p.compress ~= 'none' then refuse('parallel.compress with parallel.pipeline: not supported yet') end
-    if c.amp ~= 'off' then refuse('amp with parallel.pipeline: not supported yet (the pipeline runs its own forward)') end
+    if c.amp ~= 'off' and c.amp ~= 'auto' then refuse('amp with parallel.pipeline: not supported yet (the pipeline runs its own forward)') end
     if bmb == 'auto' then refuse("parallel.ddp.bucket_mb = 'auto' with parallel.pipeline: not supported") end
     replicas = world / stages
   end
@@ -255,6 +255,20 @@ function M.validate(spec, world, local_world)
     if not cuda.is_available() then refuse('device = %s: no CUDA device available (%s)', c.device, tostring(cuda.unavailable_reason())) end
   end
   return c
+end
+
+-- amp = 'auto' on the device the rank trains on: bf16 on a GPU with bfloat16 arithmetic (compute capability
+-- >= 8.0), else off (the CPU, where bf16 is no faster on most machines (docs/nn.md), older GPUs, a pipeline, a
+-- build without dlua.amp). Returns the setting and why, for the plan.
+function M.resolve_amp(c, device)
+  if c.amp ~= 'auto' then return c.amp end
+  if device == 'cpu' then return 'off', 'auto: off on the CPU' end
+  if c.stages and c.stages > 0 then return 'off', 'auto: off with a pipeline' end
+  if not available('dlua.amp') then return 'off', 'auto: dlua.amp is not in this build' end
+  local cuda = require 'dlua.cuda'
+  local major, minor = cuda.get_device_capability(device)
+  if major < 8 then return 'off', format('auto: %s has compute capability %d.%d, bf16 needs 8.0', device, major, minor) end
+  return 'bf16', format('auto: %s supports bf16', device)
 end
 
 return M

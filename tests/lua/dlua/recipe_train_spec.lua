@@ -21,6 +21,23 @@ local function refused(s, want, world)
 end
 
 describe('recipe.train validation', function()
+  it("amp = 'auto': off on the CPU and with a pipeline, bf16 on a GPU of compute capability >= 8.0", function()
+    assert.equals('off', (V.resolve_amp({ amp = 'auto' }, 'cpu')))
+    assert.equals('auto: off on the CPU', select(2, V.resolve_amp({ amp = 'auto' }, 'cpu')))
+    for _, a in ipairs({ 'off', 'bf16', 'f16' }) do assert.equals(a, (V.resolve_amp({ amp = a }, 'cpu'))) end
+    assert.equals('auto', V.validate(spec({ amp = 'auto' }), 1, 1).amp)  -- kept until the device is known
+    local cuda = require 'dlua.cuda'
+    if not cuda.is_available() then
+      assert.is_false(cuda.is_bf16_supported())
+      return print('  (no CUDA device: the GPU half of amp = auto not checked here)')
+    end
+    local major, minor = cuda.get_device_capability(0)
+    assert.is_true(major >= 1 and minor >= 0, 'capability ' .. major .. '.' .. minor)
+    assert.equals(major >= 8, cuda.is_bf16_supported(0))
+    assert.equals(major >= 8 and 'bf16' or 'off', (V.resolve_amp({ amp = 'auto' }, 'cuda:0')))
+    assert.equals('off', (V.resolve_amp({ amp = 'auto', stages = 2 }, 'cuda:0')))
+  end)
+
   it('refuses the modules of issues not merged yet, by issue', function()
     if not pcall(require, 'dlua.amp') then refused(spec({ amp = 'bf16' }), 'amp: not yet available (issue #20)') end
     if not pcall(require, 'dlua.dist.compress') then
