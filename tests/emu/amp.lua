@@ -147,4 +147,15 @@ for _, c in ipairs({ { 'bfloat16', false, 2 ^ -7 }, { 'float16', true, 2 ^ -10 }
       .. 'twin = param:to(%s) bit for bit; losses within %.2g of the CPU, parameters within %.2g', dt, o[1], dt, worst, dp))
   end
 end
+-- the front door checks the copy: on param's device, 16 bits, param's element count
+do
+  local K = require 'bindings.nn'
+  local p, g = dlua.zeros(10):to('cuda'), dlua.zeros(10):to('cuda')
+  for _, c in ipairs({ { dlua.zeros(10):bfloat16(), "must be on param's device" },
+                       { dlua.zeros(9):bfloat16():to('cuda'), 'must be a contiguous bfloat16 or float16 tensor' },
+                       { dlua.zeros(10):to('cuda'), 'must be a contiguous bfloat16 or float16 tensor' } }) do
+    local ok, e = pcall(K.sgd_step, p, g, nil, 0, 10, 0.1, 0, 0, 0, false, false, true, 1, c[1])
+    check(not ok and tostring(e):find(c[2], 1, true), 'sgd_step with a bad 16-bit copy: %s', tostring(e))
+  end
+end
 print(string.format('emu/amp: %d checks passed', checks))
