@@ -1,7 +1,7 @@
 /* Fused optimizer steps (SGD and Adam/AdamW, which write mixed precision's 16-bit copy in the same pass, LARS and
    LAMB with deterministic per-parameter norms), AMP unscaling and clip_grad_norm_'s partial norms on CUDA: kernels
-   over flat arena ranges whose per-element code is the CPU's (host/kernels/optim_ops.h). They fill the CUDA table's optim family (host/kernels/optim.h); compression's slots
-   stay NULL (the CPU only). */
+   over flat arena ranges whose per-element code is the CPU's (host/kernels/optim_ops.h). They fill the CUDA table's
+   optim family (host/kernels/optim.h); compression's slots stay NULL (the CPU only). */
 #include "cuda/ew_common.cuh"
 #include "kernels/optim_ops.h"
 #include "cuda/device_guard.cuh"
@@ -459,8 +459,8 @@ static dlua_status_t cuda_step(const char *op, int kind, const dlua_optim_step_d
   const int device = d->device, dtype = d->dtype;
   void *lp = d->lowp;
   if (lp && (dtype != DLUA_DTYPE_F32 || (d->lowp_dtype != DLUA_DTYPE_BF16 && d->lowp_dtype != DLUA_DTYPE_F16)))
-    return DLUA_ERR(DLUA_ERR_ARG, "%s: a 16-bit copy needs float32 params and a bfloat16 or float16 copy (dtypes %d, %d)",
-                    op, dtype, d->lowp_dtype);
+    return DLUA_ERR(DLUA_ERR_ARG, "%s: a 16-bit copy needs float32 params and a bfloat16 or float16 copy "
+                    "(dtypes %d, %d)", op, dtype, d->lowp_dtype);
   if (length <= 0) return DLUA_OK;
   DLUA_CU_SELECT(guard, op, device);
   cudaStream_t s = (cudaStream_t)dlua_cuda_raw_stream(device);

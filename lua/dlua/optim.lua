@@ -6,7 +6,8 @@ local optim = {}
 
 -- Mixed precision's master weights (dlua.amp): parameter tensor -> {opt, dt, offset, numel} for the
 -- optimizers whose fused step can write a 16-bit twin of the arena in the same pass (SGD, Adam, AdamW
--- over a float32 arena, on the CPU or CUDA; not under ZeRO, whose step covers a shard only). Weak: a dropped model takes its entries.
+-- over a float32 arena, on the CPU or CUDA; not under ZeRO, whose step covers a shard only).
+-- Weak: a dropped model takes its entries.
 optim.lowp_owner = setmetatable({}, { __mode = 'k' })
 
 -- Splits the model's flat layout into ranges that share a parameter group. Groups are
