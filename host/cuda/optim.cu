@@ -1,7 +1,7 @@
-/* Fused optimizer steps (SGD, Adam/AdamW, LARS and LAMB with deterministic per-parameter norms), AMP unscaling and
-   clip_grad_norm_'s partial norms on CUDA: kernels over flat arena ranges whose per-element code is the CPU's
-   (host/kernels/optim_ops.h). They fill the CUDA table's optim family (host/kernels/optim.h); compression's slots
-   stay NULL (the CPU only). */
+/* Fused optimizer steps (SGD and Adam/AdamW, which write mixed precision's 16-bit copy in the same pass, LARS and
+   LAMB with deterministic per-parameter norms), AMP unscaling and clip_grad_norm_'s partial norms on CUDA: kernels
+   over flat arena ranges whose per-element code is the CPU's (host/kernels/optim_ops.h). They fill the CUDA table's
+   optim family (host/kernels/optim.h); compression's slots stay NULL (the CPU only). */
 #include "cuda/ew_common.cuh"
 #include "kernels/optim_ops.h"
 #include "cuda/device_guard.cuh"
@@ -60,40 +60,60 @@ template <> struct Step<double> {
   }
 };
 
-/* Scalars rounded to T on the host exactly as the CPU backend's optim.c's loops round them. */
+/* Scalars rounded to T on the host exactly as the CPU backend's optim.c's loops round them. lp: mixed precision's
+   16-bit copy of the range (float32 params only), NULL when the step writes none. */
 template <typename T> struct SgdK {
   T *p, *buf;
   const T *g;
+  uint16_t *lp;
   T gs, wd, mom, damp1, lr;
   int nesterov, maximize, first;
 };
 template <typename T> struct AdamK {
   T *p, *m, *v, *vmax;
   const T *g;
+  uint16_t *lp;
   T gs, decay, l2, b1, omb1, b2, omb2, neg_step, bc2_sqrt, eps;
   int maximize, amsgrad;
 };
 
-template <typename T> __global__ void k_sgd(SgdK<T> k, int64_t n) {
+/* Master weights: element i of the 16-bit copy (LP DLUA_DTYPE_F16 or BF16) = the parameter just updated, in the same
+   pass (no pass of its own over the arena), converted as the CPU's dlua_convert and copy_ convert (core/dtype.h's
+   round to nearest even), so the bits are param:to(dtype)'s. kNoLowp: no copy, nothing compiled in. */
+constexpr int kNoLowp = -1;
+template <int LP> struct Lowp {
+  static __device__ __forceinline__ void put(uint16_t *lp, int64_t i, float v) { lp[i] = Tr<LP>::st(v); }
+};
+template <> struct Lowp<kNoLowp> {
+  template <typename T> static __device__ __forceinline__ void put(uint16_t *, int64_t, T) {}
+};
+
+template <typename T, int LP> __global__ void k_sgd(SgdK<T> k, int64_t n) {
   const int64_t stride = (int64_t)gridDim.x * blockDim.x;
-  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
     Step<T>::sgd(k.p + i, k.g[i], k.buf ? k.buf + i : nullptr, k.gs, k.wd, k.mom, k.damp1, k.lr, k.nesterov,
                  k.maximize, k.first);
+    Lowp<LP>::put(k.lp, i, k.p[i]);
+  }
 }
 
-template <typename T> __global__ void k_adam(AdamK<T> k, int64_t n) {
+template <typename T, int LP> __global__ void k_adam(AdamK<T> k, int64_t n) {
   const int64_t stride = (int64_t)gridDim.x * blockDim.x;
-  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
     Step<T>::adam(k.p + i, k.g[i], k.m + i, k.v + i, k.vmax ? k.vmax + i : nullptr, k.gs, k.decay, k.l2, k.b1,
                   k.omb1, k.b2, k.omb2, k.neg_step, k.bc2_sqrt, k.eps, k.maximize, k.amsgrad);
+    Lowp<LP>::put(k.lp, i, k.p[i]);
+  }
 }
 
-template <typename T> dlua_status_t step(const char *op, int kind, const dlua_opt_args_t *a, int64_t n, cudaStream_t s) {
+template <typename T, int LP>
+dlua_status_t step(const char *op, int kind, const dlua_opt_args_t *a, int64_t n, void *lp, cudaStream_t s) {
   if (kind == 0) {
     SgdK<T> k;
     k.p = (T *)a->p;
     k.buf = (T *)a->s1;
     k.g = (const T *)a->g;
+    k.lp = (uint16_t *)lp;
     k.gs = (T)a->grad_scale;
     k.wd = (T)a->weight_decay;
     k.mom = (T)a->momentum;
@@ -102,7 +122,7 @@ template <typename T> dlua_status_t step(const char *op, int kind, const dlua_op
     k.nesterov = a->nesterov;
     k.maximize = a->maximize;
     k.first = a->first;
-    k_sgd<T><<<grid_for(n), kThreads, 0, s>>>(k, n);
+    k_sgd<T, LP><<<grid_for(n), kThreads, 0, s>>>(k, n);
   } else {
     AdamK<T> k;
     k.p = (T *)a->p;
@@ -110,6 +130,7 @@ template <typename T> dlua_status_t step(const char *op, int kind, const dlua_op
     k.v = (T *)a->s2;
     k.vmax = (T *)a->s3;
     k.g = (const T *)a->g;
+    k.lp = (uint16_t *)lp;
     k.gs = (T)a->grad_scale;
     k.decay = (T)(a->decoupled ? 1.0 - a->lr * a->weight_decay : 1.0);  // AdamW; Adam: L2 below
     k.l2 = (T)(a->decoupled ? 0.0 : a->weight_decay);
@@ -122,7 +143,7 @@ template <typename T> dlua_status_t step(const char *op, int kind, const dlua_op
     k.eps = (T)a->eps;
     k.maximize = a->maximize;
     k.amsgrad = a->amsgrad;
-    k_adam<T><<<grid_for(n), kThreads, 0, s>>>(k, n);
+    k_adam<T, LP><<<grid_for(n), kThreads, 0, s>>>(k, n);
   }
   return launched(op);
 }
@@ -430,18 +451,26 @@ template <int DT> void norm_chunks(const void *x, int64_t n, double p, double *p
 }  // namespace
 }  // namespace dlua_cu
 
-/* SGD (kind 0) and Adam/AdamW (kind 1): one grid-stride kernel over the range. */
+/* SGD (kind 0) and Adam/AdamW (kind 1): one grid-stride kernel over the range, which also writes the 16-bit copy
+   when the descriptor brings one (float32 params; the front door checked it). */
 static dlua_status_t cuda_step(const char *op, int kind, const dlua_optim_step_desc_t *d) {
   using namespace dlua_cu;
-  if (d->lowp) return DLUA_ERR(DLUA_ERR_ARG, "%s: a 16-bit copy is written on the CPU only", op);
   const int64_t length = d->length;
   const int device = d->device, dtype = d->dtype;
+  void *lp = d->lowp;
+  if (lp && (dtype != DLUA_DTYPE_F32 || (d->lowp_dtype != DLUA_DTYPE_BF16 && d->lowp_dtype != DLUA_DTYPE_F16)))
+    return DLUA_ERR(DLUA_ERR_ARG, "%s: a 16-bit copy needs float32 params and a bfloat16 or float16 copy "
+                    "(dtypes %d, %d)", op, dtype, d->lowp_dtype);
   if (length <= 0) return DLUA_OK;
   DLUA_CU_SELECT(guard, op, device);
   cudaStream_t s = (cudaStream_t)dlua_cuda_raw_stream(device);
   const dlua_opt_args_t *a = &d->args;
-  if (dtype == DLUA_DTYPE_F32) return step<float>(op, kind, a, length, s);
-  if (dtype == DLUA_DTYPE_F64) return step<double>(op, kind, a, length, s);
+  if (dtype == DLUA_DTYPE_F32) {
+    if (!lp) return step<float, kNoLowp>(op, kind, a, length, NULL, s);
+    if (d->lowp_dtype == DLUA_DTYPE_BF16) return step<float, DLUA_DTYPE_BF16>(op, kind, a, length, lp, s);
+    return step<float, DLUA_DTYPE_F16>(op, kind, a, length, lp, s);
+  }
+  if (dtype == DLUA_DTYPE_F64) return step<double, kNoLowp>(op, kind, a, length, NULL, s);
   return DLUA_ERR(DLUA_ERR_ARG, "%s: param must be float32 or float64 (dtype %d)", op, dtype);
 }
 

@@ -25,7 +25,8 @@ typedef struct {
 
 /* SGD or Adam/AdamW over `length` elements of param's dtype (DLUA_DTYPE_F32 or F64), pointers on `device`.
    lowp: NULL, or mixed precision's 16-bit copy of the same range (lowp_dtype F16 or BF16, param float32), written
-   chunk by chunk right after the chunk's update (the front door allows it on the CPU only). */
+   in the same pass as the update (the CPU: chunk by chunk right after the chunk's update; CUDA: by the thread that
+   updated the element), on `device` too. */
 typedef struct {
   int dtype;
   int64_t length;

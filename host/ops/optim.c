@@ -104,13 +104,14 @@ static dlua_status_t check_adam_hypers(const char *op, double lr, double beta1, 
 
 /* Mixed precision's master weights: the 16-bit copy of the parameters a layer computes with, written
    chunk by chunk right after the chunk's update, while it is in cache (no pass of its own). lowp:
-   NULL, or a contiguous float16/bfloat16 tensor of param's element count on the CPU. */
+   NULL, or a contiguous float16/bfloat16 tensor of param's element count on param's device (the CPU's chunks,
+   CUDA's grid-stride kernel). */
 static dlua_status_t check_lowp(const char *op, const dlua_tensor_t *lowp, const dlua_tensor_t *p) {
   char b1[200], b2[200];
   if (!lowp) return DLUA_OK;
   if (!lowp->storage) return DLUA_ERR(DLUA_ERR_ARG, "%s: lowp copy is freed", op);
-  if (lowp->device != DLUA_CPU || p->device != DLUA_CPU)
-    return DLUA_ERR(DLUA_ERR_ARG, "%s: a 16-bit copy is written on the CPU only, got param %s and copy %s", op,
+  if (lowp->device != p->device)
+    return DLUA_ERR(DLUA_ERR_ARG, "%s: the 16-bit copy must be on param's device, got param %s and copy %s", op,
                     dlua_tensor_describe(p, b2, sizeof b2), dlua_tensor_describe(lowp, b1, sizeof b1));
   if ((lowp->dtype != DLUA_DTYPE_BF16 && lowp->dtype != DLUA_DTYPE_F16) || p->dtype != DLUA_DTYPE_F32 ||
       dlua_tensor_numel(lowp) != dlua_tensor_numel(p) || !dlua_tensor_is_contiguous(lowp))

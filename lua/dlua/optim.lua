@@ -6,7 +6,8 @@ local optim = {}
 
 -- Mixed precision's master weights (dlua.amp): parameter tensor -> {opt, dt, offset, numel} for the
 -- optimizers whose fused step can write a 16-bit twin of the arena in the same pass (SGD, Adam, AdamW
--- on the CPU, not under ZeRO, whose step covers a shard only). Weak: a dropped model takes its entries.
+-- over a float32 arena, on the CPU or CUDA; not under ZeRO, whose step covers a shard only).
+-- Weak: a dropped model takes its entries.
 optim.lowp_owner = setmetatable({}, { __mode = 'k' })
 
 -- Splits the model's flat layout into ranges that share a parameter group. Groups are
@@ -120,7 +121,7 @@ local function new_optimizer(cls, name, model, opts, defaults)
     for _, e in ipairs(model:named_parameters()) do named[e.name] = e.param end
     for _, en in ipairs(self.arena.entries) do
       local prm = named[en.name]
-      if prm and en.dtype == 'float32' and self.arena.params[en.dtype].device == 'cpu' then
+      if prm and en.dtype == 'float32' then  -- either backend's kernel writes the twin (host/ops/optim.c)
         optim.lowp_owner[prm] = { opt = self, dt = en.dtype, offset = en.offset, numel = en.numel }
       end
     end
@@ -128,14 +129,15 @@ local function new_optimizer(cls, name, model, opts, defaults)
   return self
 end
 
--- The arena's 16-bit twin for autocast (dlua.amp): {tensor, dtype, fresh}, made on first use; fresh while
--- the last step wrote it. Nil where the step cannot write one.
+-- The arena's 16-bit twin for autocast (dlua.amp): {tensor, dtype, fresh}, made on first use on the
+-- arena's device (the kernel writes it there); fresh while the last step wrote it. Nil where the step
+-- cannot write one.
 function Optimizer:lowp_twin(dt, lowdt)
   if not self._lowp_kernels then return nil end
   self._lowp = self._lowp or {}
-  local tw = self._lowp[dt]
-  if not tw or tw.dtype ~= lowdt or tw.tensor.p == nil then
-    tw = { dtype = lowdt, tensor = dlua.empty(self.state[dt].numel, { dtype = lowdt }), fresh = false }
+  local tw, dev = self._lowp[dt], self.arena.params[dt].device
+  if not tw or tw.dtype ~= lowdt or tw.tensor.p == nil or tw.tensor.device ~= dev then  -- or the arena moved
+    tw = { dtype = lowdt, tensor = dlua.empty(self.state[dt].numel, { dtype = lowdt, device = dev }), fresh = false }
     self._lowp[dt] = tw
   end
   return tw

@@ -121,9 +121,10 @@ amp.cast = cast
 -- Master weights: a parameter that an SGD/Adam/AdamW arena holds is used through that arena's
 -- 16-bit twin, which the optimizer's fused step writes in the same pass as the update; the twin is
 -- cast in one pass only when no step has written it (the first step, or after parameters changed
--- some other way: load_state_dict, clear_cache). Other parameters (no optimizer yet, ZeRO's shards,
--- LARS/LAMB, CUDA): one cast of each per outermost autocast region, {epoch, lp} per parameter
--- tensor, the copy overwritten in place when a new region starts (no allocation per step).
+-- some other way: load_state_dict, clear_cache). CPU and CUDA arenas alike: the twin lies on the
+-- arena's device. Other parameters (no optimizer yet, ZeRO's shards, LARS/LAMB): one cast of each
+-- per outermost autocast region, {epoch, lp} per parameter tensor, the copy overwritten in place
+-- when a new region starts (no allocation per step).
 local cache = setmetatable({}, { __mode = 'k' })
 local twins = setmetatable({}, { __mode = 'k' })  -- every twin handed out, for invalidate()
 local casts, arena_casts = 0, 0
