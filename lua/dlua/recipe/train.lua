@@ -180,7 +180,7 @@ function M.train(spec)
             t.optimizer:get_lr(), fresh * replicas / dt, norm and format('  grad norm %.4g', norm) or '', scale)
         end
         if hooks.on_step then hooks.on_step(t, { epoch = epoch, step = step, loss = loss, outcome = outcome }) end
-        if k.every > 0 and step % k.every == 0 then save() end
+        if outcome ~= 'skipped' and k.every > 0 and step % k.every == 0 then save() end  -- a skipped step left step where the last save was
         if t.stop_requested or k.stop_after > 0 and step >= k.stop_after then
           stopped = true
           break

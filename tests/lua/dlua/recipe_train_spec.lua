@@ -5,6 +5,7 @@ local data = require 'dlua.data'
 local recipe = require 'dlua.recipe'
 local V = require 'dlua.recipe.validate'
 local P = require 'dlua.recipe.plan'
+local format = string.format
 
 local function model() return nn.Sequential(nn.Flatten(), nn.Linear(784, 10)) end
 local function spec(t)
@@ -143,6 +144,45 @@ describe('recipe.train plan', function()
       "data.train needs data.sampler: the DistributedSampler it follows (the epoch's order, the resume cursor)")
     refused({ model = model, data = { batch = 8, train = train, sampler = sampler, eval = eval } },
       "data.classes: needed with data.train (the model's outputs)")
+  end)
+
+  it('amp f16: a skipped step saves no second checkpoint of the step before it, nor one of step 0', function()
+    if not pcall(require, 'dlua.amp') then return print('  (no dlua.amp in this build: not checked)') end
+    dlua.manual_seed(5)
+    local x = dlua.randn({ 64, 4 })
+    local y = x:narrow(2, 1, 1):view(64):gt(0):long() + 1
+    local ds = data.TensorDataset(x, y)
+    local sampler = data.DistributedSampler({ n = 64, num_replicas = 1, rank = 0, shuffle = true, seed = 3, drop_last = true })
+    local train = recipe.MemoryLoader({ dataset = ds, sampler = sampler, batch = 16, drop_last = true, mean = 0, std = 1 })
+    local dir = os.tmpname()
+    os.remove(dir)
+    local outcomes, saved = {}, {}
+    -- a second layer's weights of ~50: the hidden gradient, 65536 x (loss gradient / 16) x 50 x 8, overflows float16
+    -- until the scale has halved a few times; then the steps apply
+    local net = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    for _, e in ipairs(net:named_parameters()) do if e.name == '1.weight' then e.param:copy_(dlua.randn({ 2, 8 }) * 50) end end
+    local r = recipe.train({ model = net, data = { train = train, sampler = sampler, classes = 2, batch = 16 },
+      epochs = 3, amp = 'f16', eval = false, print_every = 100, checkpoint = { dir = dir, every = 1 },
+      hooks = { on_step = function(t, info)
+        if not t._counting then
+          t._counting, t.save = true, function(self, ...)
+            saved[#saved + 1] = self.progress.step
+            return getmetatable(self).__index.save(self, ...)
+          end
+        end
+        outcomes[#outcomes + 1] = info.outcome
+      end } })
+    os.execute("rm -rf '" .. dir .. "'")
+    local skipped = 0
+    for _, o in ipairs(outcomes) do if o == 'skipped' then skipped = skipped + 1 end end
+    assert.is_true(skipped > 0 and skipped < #outcomes, format('%d of %d steps skipped: the test needs some of each', skipped, #outcomes))
+    assert.equals(#outcomes - skipped, r.step)
+    local seen = {}
+    for _, s in ipairs(saved) do
+      assert.is_true(s > 0, 'a checkpoint of step 0')
+      assert.is_nil(seen[s], 'step ' .. s .. ' saved twice')
+      seen[s] = true
+    end
   end)
 
   it('runs: a small model on 256 images learns, calls its hooks, reports its step and checksum', function()
