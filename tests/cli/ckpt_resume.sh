@@ -59,5 +59,23 @@ straight=$(losses "$work/rn_straight.log")
 resumed=$(losses "$work/rn_a.log" "$work/rn_b.log" | grep -v '^parameters'; losses "$work/rn_b.log" | grep '^parameters')
 [ -n "$straight" ] && [ "$straight" = "$resumed" ] && grep -q '^parameters' <<<"$straight"
 check "resnet50_ddp: stop at 3 (mid epoch 2), resume = the straight run (every loss, the crc)" $? "$(diff <(echo "$straight") <(echo "$resumed"))"
+
+# ---- a compressor's state (top-k residuals; PowerSGD's residuals, Q and step, from its step 10) and the f16 loss
+# scaler resume too: stop, resume, the straight run's every loss and crc (#22, #20)
+resume_same() {  # tag stop-step args...
+  local tag=$1 stop=$2; shift 2
+  run "${tag}_straight" 2 "$@" && run "${tag}_a" 2 "$@" --save "$work/$tag" --stop-after "$stop" \
+    && run "${tag}_b" 2 "$@" --save "$work/$tag" --resume auto || return 1
+  local straight resumed
+  straight=$(losses "$work/${tag}_straight.log")
+  resumed=$(losses "$work/${tag}_a.log" "$work/${tag}_b.log" | grep -v '^parameters'; losses "$work/${tag}_b.log" | grep '^parameters')
+  [ -n "$straight" ] && [ "$straight" = "$resumed" ] && grep -q '^parameters' <<<"$straight" && grep -q "resumed from $work/$tag/$(printf step-%06d "$stop")" "$work/${tag}_b.log" \
+    || { diff <(echo "$straight") <(echo "$resumed"); return 1; }
+}
+out=$(resume_same fm_topk 5 "${fm[@]}" --compress topk:0.05); check "fashion_mnist --compress topk:0.05: stop at 5, resume = the straight run" $? "$out"
+out=$(resume_same fm_psgd 12 "${fm[@]}" --compress powersgd:1); check "fashion_mnist --compress powersgd:1: stop at 12 (after its start), resume = the straight run" $? "$out"
+out=$(resume_same fm_f16 5 "${fm[@]}" --amp f16); check "fashion_mnist --amp f16: stop at 5, resume = the straight run (the scaler's state)" $? "$out"
+out=$(resume_same rn_topk 3 "${rn[@]}" --compress topk:0.05); check "resnet50_ddp --compress topk:0.05: stop at 3, resume = the straight run" $? "$out"
+
 echo "$passed passed, $failed failed"
 [ "$failed" = 0 ]
