@@ -1,6 +1,6 @@
 /* The blas family of the backend table (ops/backend.h): matrix products. host/ops/linalg.c (mm, bmm, addmm,
    matmul) settles shapes, dtypes, broadcast batch dims, the operands' BLAS form and `out`, fills one
-   descriptor and calls `gemm`; host/cpu/linalg.c (oneDNN sgemm, tiled f64/integer GEMM) and
+   descriptor and calls `gemm`; host/cpu/linalg.c (oneDNN sgemm and bf16 GEMM, tiled f64/integer GEMM) and
    host/cuda/blaslt.c (cuBLASLt) run it. */
 #ifndef DLUA_KERNELS_BLAS_H
 #define DLUA_KERNELS_BLAS_H
