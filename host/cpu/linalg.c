@@ -1,11 +1,12 @@
-/* CPU matrix products: sgemm through oneDNN, our own f64/integer GEMM, and the blas table's slots that run
-   the products of host/ops/linalg.c (mm/bmm/addmm/matmul). */
+/* CPU matrix products: sgemm and bf16 GEMM through oneDNN, our own f64/integer GEMM, and the blas table's
+   slots that run the products of host/ops/linalg.c (mm/bmm/addmm/matmul). */
 #include <inttypes.h>
 #include <math.h>
 #include <oneapi/dnnl/dnnl.h>
 #include <omp.h>
 #include <stdlib.h>
 #include <string.h>
+#include "core/copy.h"
 #include "core/error.h"
 #include "core/tensor.h"
 #include "cpu/index.h"
@@ -101,6 +102,66 @@ dlua_status_t dlua_sgemm(int trans_a, int trans_b, int64_t m, int64_t n, int64_t
   return DLUA_OK;
 }
 
+/* ---- bfloat16 products through oneDNN -----------------------------------------------------------
+   oneDNN 2.6 exports dnnl_gemm_bf16bf16f32 (row-major like dnnl_sgemm: bf16 A and B, float32
+   accumulation and C) without declaring it in its public header (its own tests declare it so);
+   bfloat16_t there is a struct of one uint16_t. It needs AVX-512 (else it answers unimplemented):
+   bf16_gemm_available() probes it once. The bf16 x bf16 products are exact in float32, so the
+   result is sgemm's on the widened operands up to the summation order. */
+extern dnnl_status_t dnnl_gemm_bf16bf16f32(char transa, char transb, dnnl_dim_t M, dnnl_dim_t N, dnnl_dim_t K,
+                                           float alpha, const uint16_t *A, dnnl_dim_t lda, const uint16_t *B,
+                                           dnnl_dim_t ldb, float beta, float *C, dnnl_dim_t ldc);
+
+static _Atomic int bf16_gemm_state = -1;  // -1 not probed, 0 unavailable, 1 available
+
+static int bf16_gemm_available(void) {
+  int st = bf16_gemm_state;
+  if (st < 0) {
+    // (2, 2) x (2, 2) of 1, 2, 3, 4 (exact in bf16): [[7, 10], [15, 22]]
+    const uint16_t a[4] = {0x3f80, 0x4000, 0x4040, 0x4080};
+    float c[4] = {0};
+    st = dnnl_gemm_bf16bf16f32('N', 'N', 2, 2, 2, 1.0f, a, 2, a, 2, 0.0f, c, 2) == dnnl_success && c[0] == 7.0f &&
+         c[1] == 10.0f && c[2] == 15.0f && c[3] == 22.0f;
+    bf16_gemm_state = st;
+  }
+  return st;
+}
+
+/* (rows, cols) bf16 with leading dimension ld -> a compact float32 copy (ld = cols). */
+static float *widen_bf16(const uint16_t *src, int64_t rows, int64_t cols, int64_t ld) {
+  float *dst = malloc(sizeof(float) * (size_t)(rows * cols > 0 ? rows * cols : 1));
+  if (dst)
+    for (int64_t r = 0; r < rows; r++) dlua_convert_half_to_f32(dst + r * cols, src + r * ld, cols, 1);
+  return dst;
+}
+
+/* dlua_sgemm's contract on bf16 A and B (float32 C, ldc = n). The matrix-vector shapes (m or n of 1)
+   take sgemm's thread-count-independent GEMV on widened copies: oneDNN splits k across threads there. */
+static dlua_status_t gemm_bf16(int trans_a, int trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+                               const uint16_t *a, int64_t lda, const uint16_t *b, int64_t ldb, float beta, float *c) {
+  if (m == 0 || n == 0) return DLUA_OK;
+  if (k == 0 || alpha == 0.0f) {
+    scale_rows_f32(m, n, beta, c, n);
+    return DLUA_OK;
+  }
+  if (m == 1 || n == 1) {
+    int64_t ar = trans_a ? k : m, ac = trans_a ? m : k, br = trans_b ? n : k, bc = trans_b ? k : n;
+    float *wa = widen_bf16(a, ar, ac, lda), *wb = wa ? widen_bf16(b, br, bc, ldb) : NULL;
+    dlua_status_t s = wa && wb ? dlua_sgemm(trans_a, trans_b, m, n, k, alpha, wa, ac, wb, bc, beta, c, n)
+                               : DLUA_ERR(DLUA_ERR_OOM, "bf16 gemm: out of memory widening a (%" PRId64 ", %" PRId64
+                                          ") x (%" PRId64 ", %" PRId64 ") product", m, k, k, n);
+    free(wa);
+    free(wb);
+    return s;
+  }
+  dnnl_status_t st = dnnl_gemm_bf16bf16f32(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', m, n, k, alpha, a, lda, b, ldb,
+                                           beta, c, n);
+  if (st != dnnl_success)
+    return DLUA_ERR(DLUA_ERR_BACKEND, "bf16 gemm: oneDNN dnnl_gemm_bf16bf16f32 failed with status %d (m=%" PRId64
+                    " n=%" PRId64 " k=%" PRId64 ")", (int)st, m, n, k);
+  return DLUA_OK;
+}
+
 /* ---- our own GEMM for f64 and integers ------------------------------------------------------
    oneDNN has no dgemm, and Debian's OpenBLAS (a second thread pool, and a generic kernel on
    CPUs it does not recognise) is not worth linking for f64. A packed, tiled GEMM: tiles of C
@@ -183,27 +244,33 @@ static dlua_status_t cpu_gemm(const char *op, const dlua_gemm_desc_t *pl) {
   if (nbatch == 0 || m == 0 || n == 0) return DLUA_OK;
   size_t es = dlua_dtype_size(ct);
   if (ct == DLUA_DTYPE_F32) {
+    const int bf16 = pl->ab_bf16 != 0;  // A and B hold bfloat16 (caps.bf16_ab), C float32
+    const size_t abs = bf16 ? 2 : es;
     int ta, tb;
     int64_t lda, ldb;
     if (!dlua_blas_form(m, k, pl->ars, pl->acs, &ta, &lda) || !dlua_blas_form(k, n, pl->brs, pl->bcs, &tb, &ldb))
-      return DLUA_ERR(DLUA_ERR_INTERNAL, "%s: operand layout not expressible for sgemm", op);
+      return DLUA_ERR(DLUA_ERR_INTERNAL, "%s: operand layout not expressible for %s", op, bf16 ? "bf16 gemm" : "sgemm");
     // Many small products: one per thread. Otherwise one after another, each threaded.
     int across = nbatch > 1 && m * n * k < (1 << 18);
     dlua_status_t status = DLUA_OK;
 #pragma omp parallel for schedule(static) if (across)
     for (int64_t bi = 0; bi < nbatch; bi++) {
-      const float *a = (const float *)(ap + dlua_unravel(pl->bnd, pl->bsz, pl->ast, bi) * (int64_t)es);
-      const float *b = (const float *)(bp + dlua_unravel(pl->bnd, pl->bsz, pl->bst, bi) * (int64_t)es);
+      const char *a = ap + dlua_unravel(pl->bnd, pl->bsz, pl->ast, bi) * (int64_t)abs;
+      const char *b = bp + dlua_unravel(pl->bnd, pl->bsz, pl->bst, bi) * (int64_t)abs;
       float *c = (float *)(cp + dlua_unravel(pl->bnd, pl->bsz, pl->cst, bi) * (int64_t)es);
-      dlua_status_t s = dlua_sgemm(ta, tb, m, n, k, (float)alpha, a, lda, b, ldb, (float)beta, c, n);
+      dlua_status_t s = bf16 ? gemm_bf16(ta, tb, m, n, k, (float)alpha, (const uint16_t *)a, lda, (const uint16_t *)b,
+                                         ldb, (float)beta, c)
+                             : dlua_sgemm(ta, tb, m, n, k, (float)alpha, (const float *)a, lda, (const float *)b, ldb,
+                                          (float)beta, c, n);
       if (s != DLUA_OK) {
 #pragma omp atomic write
         status = s;
       }
     }
     // The worker's message stayed in its own thread: record one here.
-    if (status != DLUA_OK) return DLUA_ERR(status, "%s: sgemm failed on a (%" PRId64 ", %" PRId64 ") x (%" PRId64
-                                           ", %" PRId64 ") product of the batch", op, m, k, k, n);
+    if (status != DLUA_OK) return DLUA_ERR(status, "%s: %s failed on a (%" PRId64 ", %" PRId64 ") x (%" PRId64
+                                           ", %" PRId64 ") product of the batch", op, bf16 ? "bf16 gemm" : "sgemm",
+                                           m, k, k, n);
     return status;
   }
   size_t ns = tiled_scratch_elems();
@@ -237,7 +304,11 @@ static dlua_dtype_t compute_dtype(dlua_dtype_t d) {
 
 static dlua_status_t cpu_caps(const char *op, int dtype, dlua_gemm_caps_t *caps) {
   (void)op;
-  *caps = (dlua_gemm_caps_t){.dtype = (int)compute_dtype((dlua_dtype_t)dtype), .blas_form = 0, .empty_sum = 1};
+  dlua_dtype_t ct = compute_dtype((dlua_dtype_t)dtype);
+  // bf16 x bf16 in a float32 product (a bf16 result, or a bf16 product added into float32) runs on
+  // oneDNN's bf16 GEMM without float32 copies of the operands; f16 has no oneDNN GEMM: staged.
+  *caps = (dlua_gemm_caps_t){.dtype = (int)ct, .blas_form = 0, .empty_sum = 1,
+                             .bf16_ab = ct == DLUA_DTYPE_F32 && bf16_gemm_available()};
   return DLUA_OK;
 }
 

@@ -1,6 +1,6 @@
 /* The blas family of the backend table (ops/backend.h): matrix products. host/ops/linalg.c (mm, bmm, addmm,
    matmul) settles shapes, dtypes, broadcast batch dims, the operands' BLAS form and `out`, fills one
-   descriptor and calls `gemm`; host/cpu/linalg.c (oneDNN sgemm, tiled f64/integer GEMM) and
+   descriptor and calls `gemm`; host/cpu/linalg.c (oneDNN sgemm and bf16 GEMM, tiled f64/integer GEMM) and
    host/cuda/blaslt.c (cuBLASLt) run it. */
 #ifndef DLUA_KERNELS_BLAS_H
 #define DLUA_KERNELS_BLAS_H
@@ -14,6 +14,7 @@ extern "C" {
 /* C[b] (m, n) = alpha * A[b] (m, k) x B[b] (k, n) + beta * C[b], for every b of the broadcast batch dims. */
 typedef struct {
   int dtype;                   /* A, B and C alike: the compute dtype the backend's `compute` slot chose */
+  int ab_bf16;                 /* 1: A and B hold bfloat16 instead (dtype float32, where caps.bf16_ab said so) */
   int64_t m, n, k;             /* k may be 0: C = beta * C (only on a backend whose `compute` takes it) */
   int64_t ars, acs, brs, bcs;  /* row and column strides of A's and B's matrices, in elements */
   int bnd;                     /* batch dims (0: one product) */
@@ -30,6 +31,7 @@ typedef struct {
   int dtype;      /* the compute dtype, or -1: the backend does not multiply `dtype` tensors */
   int blas_form;  /* every operand must have one unit stride (else only float32 ones need it) */
   int empty_sum;  /* 1: gemm takes k = 0; 0: the front door makes C = beta * C itself */
+  int bf16_ab;    /* 1: when dtype is float32 and A and B both are bfloat16, gemm takes them as they are (ab_bf16) */
 } dlua_gemm_caps_t;
 
 struct dlua_blas_ops {

@@ -127,6 +127,9 @@ static dlua_status_t product(const char *op, dlua_tensor_t **out, const dlua_ten
     return DLUA_ERR(DLUA_ERR_ARG, "%s: not supported for %s tensors on their device (got %s and %s)", op,
                     dlua_dtype_name(rdt), dlua_tensor_describe(a, b1, sizeof b1), dlua_tensor_describe(b, b2, sizeof b2));
   const dlua_dtype_t ct = (dlua_dtype_t)caps.dtype;
+  // bf16 x bf16 on a backend that multiplies bf16 into its float32 C: the operands are not staged.
+  const int ab_bf16 = caps.bf16_ab && ct == DLUA_DTYPE_F32 && a->dtype == DLUA_DTYPE_BF16 && b->dtype == DLUA_DTYPE_BF16;
+  const dlua_dtype_t abt = ab_bf16 ? DLUA_DTYPE_BF16 : ct;
 
   // Shape first (on the caller's tensors), so errors name them before any copy is made.
   struct dlua_tensor av = *a, bv = *b;
@@ -162,8 +165,8 @@ static dlua_status_t product(const char *op, dlua_tensor_t **out, const dlua_ten
   dlua_ops_out_t plan = {0};
   const dlua_tensor_t *ins[2] = {a, b};
   dlua_status_t s = dlua_ops_out_begin_on(op, out, ond, osizes, ct, ins, 2, dev, &plan);
-  if (s == DLUA_OK) s = to_compute(a, ct, &ta, &av);
-  if (s == DLUA_OK) s = to_compute(b, ct, &tb, &bv);
+  if (s == DLUA_OK) s = to_compute(a, abt, &ta, &av);
+  if (s == DLUA_OK) s = to_compute(b, abt, &tb, &bv);
   if (s == DLUA_OK) {
     promote_1d(&av, a_as_row);
     promote_1d(&bv, b_as_col ? 0 : 1);
@@ -197,6 +200,7 @@ static dlua_status_t product(const char *op, dlua_tensor_t **out, const dlua_ten
   if (s == DLUA_OK) {
     const int64_t nbatch = dlua_shape_numel(pl.bnd, pl.bsz);
     pl.dtype = (int)ct;
+    pl.ab_bf16 = ab_bf16;
     pl.a = dlua_tensor_ptr(&av);
     pl.b = dlua_tensor_ptr(&bv);
     pl.c = dlua_tensor_ptr(plan.dst);

@@ -3,6 +3,7 @@
 #include <check.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -549,6 +550,188 @@ START_TEST(test_f64_large) {
 }
 END_TEST
 
+/* ---- bfloat16 products (oneDNN's bf16 GEMM, float32 accumulation) ------------------------------------
+   The reference is the product of the same bf16 values in float64, rounded once to bf16 here (round to
+   nearest even, written without the library's casts). Two kinds of operands:
+   - small integers (-8..8): every product and partial sum (|sum| <= 64 k < 2^24) is exact in float32,
+     so whatever the summation order the result must be the reference rounded once, bit for bit;
+   - uniform values rounded to bf16: the float32 accumulation may differ from the exact sum by
+     e32 = (k + 2) 2^-24 sum|a b| (Higham's bound for k products summed in float32, plus the beta term),
+     and rounding that to bf16 moves it by at most half the bf16 spacing at the float32 value, which is
+     at most one spacing (ulp) at |exact| + e32 (a value just below a power of two may round up to it,
+     where the spacing doubles): |got - exact| <= e32 + ulp_bf16(|exact| + e32). */
+
+/* x rounded to bfloat16's 8 significant bits, ties to even (normal range). */
+static double bf16_rne(double x) {
+  if (x == 0 || !isfinite(x)) return x;
+  int e;
+  frexp(x, &e);  // |x| in [2^(e-1), 2^e)
+  double ulp = ldexp(1.0, e - 8);
+  return nearbyint(x / ulp) * ulp;  // the default rounding mode: to nearest, ties to even
+}
+
+/* bf16's spacing at |x| > 0: 2^(e-8) for |x| in [2^(e-1), 2^e). */
+static double bf16_ulp(double x) {
+  if (x == 0) return 0;
+  int e;
+  frexp(x, &e);
+  return ldexp(1.0, e - 8);
+}
+
+static double *bf16_vals(int64_t n, int ints) {
+  double *v = malloc(sizeof(double) * (size_t)(n > 0 ? n : 1));
+  for (int64_t i = 0; i < n; i++) {
+    double u = tu_xorshift(&rng_state);
+    v[i] = ints ? floor((u + 1) * 8.5) - 8 : bf16_rne(u);
+  }
+  return v;
+}
+
+/* The (r, c) bf16 matrix of row-major values v (exact in bf16); transposed: a view of an (c, r) tensor. */
+static dlua_tensor_t *bf16_matrix(int64_t r, int64_t c, const double *v, int transposed) {
+  if (!transposed) return tu_mk(DLUA_DTYPE_BF16, 2, (int64_t[2]){r, c}, v);
+  double *vt = malloc(sizeof(double) * (size_t)(r * c > 0 ? r * c : 1));
+  for (int64_t i = 0; i < r; i++)
+    for (int64_t j = 0; j < c; j++) vt[j * r + i] = v[i * c + j];
+  dlua_tensor_t *t0 = tu_mk(DLUA_DTYPE_BF16, 2, (int64_t[2]){c, r}, vt), *t = NULL;
+  ck_assert_int_eq(dlua_tensor_transpose(&t, t0, 0, 1), DLUA_OK);
+  dlua_tensor_free(t0);
+  free(vt);
+  return t;
+}
+
+/* out (dtype want_dt) against exact values p with magnitudes s (sums of |terms|), as the block above says. */
+static void expect_bf16_result(const dlua_tensor_t *out, dlua_dtype_t want_dt, const double *p, const double *s,
+                               int64_t total, int64_t k, int exact, const char *what) {
+  ck_assert_msg(dlua_tensor_dtype(out) == want_dt, "%s: dtype %s", what, dlua_dtype_name(dlua_tensor_dtype(out)));
+  double *got = tu_values(out);
+  for (int64_t i = 0; i < total; i++) {
+    double want = want_dt == DLUA_DTYPE_BF16 ? bf16_rne(p[i]) : p[i];
+    double e32 = (double)(k + 2) * ldexp(1.0, -24) * s[i];
+    double bound = e32 + (want_dt == DLUA_DTYPE_BF16 ? bf16_ulp(fabs(p[i]) + e32) : 0.0);
+    int ok = exact ? got[i] == want : fabs(got[i] - p[i]) <= bound;
+    if (!ok)
+      ck_abort_msg("%s: [%lld] = %.9g, exact %.9g (rounded %.9g, bound %.3g)", what, (long long)i, got[i], p[i], want,
+                   exact ? 0.0 : bound);
+  }
+  free(got);
+}
+
+static void abs_vals(double *v, int64_t n) {
+  for (int64_t i = 0; i < n; i++) v[i] = fabs(v[i]);
+}
+
+/* op(A) (m, k) @ op(B) (k, n), both bf16 (ta/tb: transposed views), through mm; and addmm with a bf16
+   bias (beta 0.5, alpha 2) and into a float32 accumulator (the linear layer's weight gradient). */
+static void check_bf16_mm(int64_t m, int64_t k, int64_t n, int ta, int tb, int ints) {
+  char what[160];
+  snprintf(what, sizeof what, "bf16 mm (%lld, %lld) x (%lld, %lld) ta=%d tb=%d %s", (long long)m, (long long)k,
+           (long long)k, (long long)n, ta, tb, ints ? "integers" : "uniform");
+  double *av = bf16_vals(m * k, ints), *bv = bf16_vals(k * n, ints), *cv = bf16_vals(n, ints);
+  double *p = malloc(sizeof(double) * (size_t)(m * n + 1)), *sm = malloc(sizeof(double) * (size_t)(m * n + 1));
+  double *q = malloc(sizeof(double) * (size_t)(m * n + 1)), *sq = malloc(sizeof(double) * (size_t)(m * n + 1));
+  ref_mm(m, n, k, av, bv, p);
+  dlua_tensor_t *a = bf16_matrix(m, k, av, ta), *b = bf16_matrix(k, n, bv, tb), *bias = tu_mk(DLUA_DTYPE_BF16, 1, &n, cv);
+  abs_vals(av, m * k);
+  abs_vals(bv, k * n);
+  ref_mm(m, n, k, av, bv, sm);
+  dlua_tensor_t *out = NULL;
+  ck_assert_msg(dlua_tensor_mm(&out, a, b) == DLUA_OK, "%s: %s", what, dlua_last_error());
+  expect_shape(out, 2, (int64_t[2]){m, n});
+  expect_bf16_result(out, DLUA_DTYPE_BF16, p, sm, m * n, k, ints, what);
+  dlua_tensor_free(out);
+  out = NULL;
+  for (int64_t i = 0; i < m * n; i++) {
+    q[i] = 0.5 * cv[i % n] + 2.0 * p[i];
+    sq[i] = 0.5 * fabs(cv[i % n]) + 2.0 * sm[i];
+  }
+  ck_assert_msg(dlua_tensor_addmm(&out, bias, a, b, 0.5, 2.0) == DLUA_OK, "%s addmm: %s", what, dlua_last_error());
+  expect_bf16_result(out, DLUA_DTYPE_BF16, q, sq, m * n, k, ints, what);
+  dlua_tensor_free(out);
+  // acc (float32) += A B, in place: the float32 result, not rounded to bf16
+  double *accv = bf16_vals(m * n, 1);
+  dlua_tensor_t *acc = tu_mk(DLUA_DTYPE_F32, 2, (int64_t[2]){m, n}, accv), *keep = acc;
+  for (int64_t i = 0; i < m * n; i++) {
+    q[i] = accv[i] + p[i];
+    sq[i] = fabs(accv[i]) + sm[i];
+  }
+  ck_assert_msg(dlua_tensor_addmm(&acc, acc, a, b, 1.0, 1.0) == DLUA_OK, "%s into f32: %s", what, dlua_last_error());
+  ck_assert_ptr_eq(acc, keep);
+  expect_bf16_result(acc, DLUA_DTYPE_F32, q, sq, m * n, k, ints, what);
+  dlua_tensor_t *ts[] = {a, b, bias, acc};
+  for (size_t i = 0; i < 4; i++) dlua_tensor_free(ts[i]);
+  free(av);
+  free(bv);
+  free(cv);
+  free(accv);
+  free(p);
+  free(sm);
+  free(q);
+  free(sq);
+}
+
+START_TEST(test_bf16_products) {
+  // k not a multiple of 16 (oneDNN's bf16 kernels work on pairs and blocks of k), tall and wide, a
+  // float32 accumulation past bf16's 8 bits (k = 1000 of integers: sums to 64000, ties included)
+  static const int64_t shapes[][3] = {{37, 53, 29}, {5, 17, 3}, {128, 64, 10}, {64, 1000, 48}, {2, 7, 300}};
+  for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
+    for (int t = 0; t < 4; t++)
+      for (int ints = 0; ints < 2; ints++) check_bf16_mm(shapes[s][0], shapes[s][1], shapes[s][2], t & 1, t >> 1, ints);
+  // matrix-vector shapes (the thread-independent GEMV on float32 copies)
+  check_bf16_mm(1, 300, 40, 0, 1, 0);
+  check_bf16_mm(40, 300, 1, 1, 0, 1);
+  // batched matmul: (3, 20, 37) @ (3, 37, 24), and (3, 20, 37) @ (37, 24) (one taller product)
+  for (int shared = 0; shared < 2; shared++) {
+    int64_t m = 20, k = 37, n = 24, nb = 3;
+    double *av = bf16_vals(nb * m * k, 0), *bv = bf16_vals((shared ? 1 : nb) * k * n, 0);
+    double *p = malloc(sizeof(double) * (size_t)(nb * m * n)), *sm = malloc(sizeof(double) * (size_t)(nb * m * n));
+    for (int64_t i = 0; i < nb; i++) ref_mm(m, n, k, av + i * m * k, bv + (shared ? 0 : i * k * n), p + i * m * n);
+    dlua_tensor_t *a = tu_mk(DLUA_DTYPE_BF16, 3, (int64_t[3]){nb, m, k}, av);
+    dlua_tensor_t *b = shared ? tu_mk(DLUA_DTYPE_BF16, 2, (int64_t[2]){k, n}, bv)
+                              : tu_mk(DLUA_DTYPE_BF16, 3, (int64_t[3]){nb, k, n}, bv);
+    abs_vals(av, nb * m * k);
+    abs_vals(bv, (shared ? 1 : nb) * k * n);
+    for (int64_t i = 0; i < nb; i++) ref_mm(m, n, k, av + i * m * k, bv + (shared ? 0 : i * k * n), sm + i * m * n);
+    dlua_tensor_t *out = NULL;
+    ck_assert_msg(dlua_tensor_matmul(&out, a, b) == DLUA_OK, "bf16 matmul: %s", dlua_last_error());
+    expect_shape(out, 3, (int64_t[3]){nb, m, n});
+    expect_bf16_result(out, DLUA_DTYPE_BF16, p, sm, nb * m * n, k, 0, shared ? "bf16 matmul 3-D @ 2-D" : "bf16 matmul batched");
+    dlua_tensor_free(out);
+    dlua_tensor_free(a);
+    dlua_tensor_free(b);
+    free(av);
+    free(bv);
+    free(p);
+    free(sm);
+  }
+  // empty dims: (0, 5) x (5, 3) is (0, 3); (3, 0) x (0, 4) is zeros, and addmm's beta * c
+  double five[15] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  dlua_tensor_t *e0 = tu_mk(DLUA_DTYPE_BF16, 2, (int64_t[2]){0, 5}, five), *e1 = tu_mk(DLUA_DTYPE_BF16, 2, (int64_t[2]){5, 3}, five);
+  dlua_tensor_t *out = NULL;
+  ck_assert_int_eq(dlua_tensor_mm(&out, e0, e1), DLUA_OK);
+  expect_shape(out, 2, (int64_t[2]){0, 3});
+  ck_assert_int_eq(dlua_tensor_dtype(out), DLUA_DTYPE_BF16);
+  dlua_tensor_free(out);
+  dlua_tensor_t *k0a = tu_mk(DLUA_DTYPE_BF16, 2, (int64_t[2]){3, 0}, five), *k0b = tu_mk(DLUA_DTYPE_BF16, 2, (int64_t[2]){0, 4}, five);
+  dlua_tensor_t *c12 = tu_mk(DLUA_DTYPE_BF16, 2, (int64_t[2]){3, 4}, five);
+  out = NULL;
+  ck_assert_int_eq(dlua_tensor_mm(&out, k0a, k0b), DLUA_OK);
+  double zeros[12] = {0}, half[12], absum[12];
+  for (int i = 0; i < 12; i++) {
+    half[i] = 0.5 * five[i];
+    absum[i] = half[i];
+  }
+  expect_bf16_result(out, DLUA_DTYPE_BF16, zeros, zeros, 12, 0, 1, "bf16 mm k = 0");
+  dlua_tensor_free(out);
+  out = NULL;
+  ck_assert_int_eq(dlua_tensor_addmm(&out, c12, k0a, k0b, 0.5, 1.0), DLUA_OK);
+  expect_bf16_result(out, DLUA_DTYPE_BF16, half, absum, 12, 0, 1, "bf16 addmm k = 0");
+  dlua_tensor_free(out);
+  dlua_tensor_t *ts[] = {e0, e1, k0a, k0b, c12};
+  for (size_t i = 0; i < 5; i++) dlua_tensor_free(ts[i]);
+}
+END_TEST
+
 /* The same product computed with 1 and 2 threads must agree bit for bit. */
 static void same_with_threads(int64_t m, int64_t k, int64_t n, dlua_dtype_t dt) {
   int64_t sa[2] = {m, k}, sb[2] = {k, n};
@@ -576,6 +759,9 @@ START_TEST(test_thread_independent) {
   same_with_threads(16, 50000, 16, DLUA_DTYPE_F32);
   same_with_threads(200, 300, 100, DLUA_DTYPE_F32);
   same_with_threads(100, 300, 150, DLUA_DTYPE_F64);
+  same_with_threads(200, 300, 100, DLUA_DTYPE_BF16);
+  same_with_threads(16, 50000, 16, DLUA_DTYPE_BF16);
+  same_with_threads(1, 20000, 7, DLUA_DTYPE_BF16);
 }
 END_TEST
 
@@ -598,6 +784,42 @@ START_TEST(test_backend_table) {
                         .alpha = 2.0, .beta = 1.0, .device = DLUA_CPU};
   ck_assert_int_eq(k->gemm("mm", &d), DLUA_OK);
   ck_assert(cv[0] == 8 && cv[1] == 18 && cv[2] == 28 && cv[3] == 38);
+  // bf16 operands stay bf16 (caps.bf16_ab) where oneDNN has its bf16 GEMM (AVX-512), for a bf16 result and
+  // for a float32 one (a bf16 product added into float32); f16 operands are staged (a->dtype decides).
+  __builtin_cpu_init();
+  int avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  for (int rd = 0; rd < 3; rd++) {
+    const dlua_dtype_t rdt[3] = {DLUA_DTYPE_BF16, DLUA_DTYPE_F32, DLUA_DTYPE_F16};
+    ck_assert_int_eq(k->caps("mm", rdt[rd], &caps), DLUA_OK);
+    ck_assert_int_eq(caps.dtype, DLUA_DTYPE_F32);
+    if (avx512) ck_assert_int_eq(caps.bf16_ab, 1);
+  }
+  ck_assert_int_eq(k->caps("mm", DLUA_DTYPE_F64, &caps), DLUA_OK);
+  ck_assert_int_eq(caps.bf16_ab, 0);
+  if (!avx512) printf("test_backend_table: no AVX-512 on this CPU, so no bf16 GEMM in oneDNN: bf16_ab not checked\n");
+  if (caps.bf16_ab || (k->caps("mm", DLUA_DTYPE_BF16, &caps) == DLUA_OK && caps.bf16_ab)) {
+    // C (2, 2) f32 = 2 A B + C for bf16 A (2, 3) and B (3, 2) on a descriptor, and the (2, 3) x (3, 1) GEMV
+    const float af[6] = {1, 2, 3, 4, 5, 6}, bf[6] = {1, -1, 0.5f, 2, -3, 0.25f};
+    uint16_t ah[6], bh[6];
+    for (int i = 0; i < 6; i++) {
+      ah[i] = dlua_f32_to_bf16(af[i]);
+      bh[i] = dlua_f32_to_bf16(bf[i]);
+    }
+    float cf[4] = {10, 20, 30, 40};
+    dlua_gemm_desc_t h = {.dtype = DLUA_DTYPE_F32, .ab_bf16 = 1, .m = 2, .n = 2, .k = 3, .ars = 3, .acs = 1,
+                          .brs = 2, .bcs = 1, .a = ah, .b = bh, .c = cf, .alpha = 2.0, .beta = 1.0, .device = DLUA_CPU};
+    ck_assert_int_eq(k->gemm("mm", &h), DLUA_OK);
+    // A B = [[1 + 1 - 9, -1 + 4 + 0.75], [4 + 2.5 - 18, -4 + 10 + 1.5]] = [[-7, 3.75], [-11.5, 7.5]]
+    ck_assert_msg(cf[0] == -4 && cf[1] == 27.5f && cf[2] == 7 && cf[3] == 55, "%g %g %g %g", cf[0], cf[1], cf[2], cf[3]);
+    float cv1[2] = {0, 0};
+    h.n = 1;
+    h.brs = 2;  // B's first column, (3, 1) with row stride 2
+    h.c = cv1;
+    h.beta = 0.0;
+    ck_assert_int_eq(k->gemm("mm", &h), DLUA_OK);
+    ck_assert_msg(cv1[0] == -14 && cv1[1] == -23, "%g %g", cv1[0], cv1[1]);
+  }
 
   const int64_t sz[2] = {2, 2};
   dlua_tensor_t *a = make_rand(2, sz, DLUA_DTYPE_F32), *out = NULL;
@@ -640,6 +862,7 @@ int main(void) {
   tcase_add_test(tc, test_matmul_batched);
   tcase_add_test(tc, test_addmm);
   tcase_add_test(tc, test_f64_large);
+  tcase_add_test(tc, test_bf16_products);
   tcase_add_test(tc, test_thread_independent);
   tcase_add_test(tc, test_backend_table);
   suite_add_tcase(s, tc);

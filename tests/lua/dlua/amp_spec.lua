@@ -147,6 +147,35 @@ describe('dlua.amp.autocast', function()
     end
   end)
 
+  it('a Linear layer runs on bf16 products (oneDNN bf16 GEMM on the CPU): bounds against float64', function()
+    -- References: float64 products of the bf16-rounded operands. A float32 accumulation of k terms is
+    -- within e32 = (k + 2) 2^-24 sum|terms| of the exact sum; a bf16 output adds its rounding, at most
+    -- one bf16 ulp, and one ulp at |v| is at most 2^-7 |v| (8 significant bits).
+    local function within(got, exact, mag, k, to_bf16, what)
+      local e32 = mag * ((k + 2) * 2 ^ -24)
+      local bound = to_bf16 and e32 + (exact:abs() + e32) * 2 ^ -7 or e32
+      local over = ((got:double() - exact):abs() - bound):max():item()
+      assert.is_true(over <= 0, what .. ' exceeds its bound by ' .. over)
+    end
+    dlua.manual_seed(21)
+    local lin = nn.Linear(53, 29)  -- k = 53 in the forward: not a multiple of 16
+    lin:zero_grad()
+    local x, gy = dlua.randn(37, 53), dlua.randn(37, 29)
+    local out = amp.autocast('bf16', function() return lin:forward(x) end)
+    assert.equals('bfloat16', out.dtype)
+    local gx = amp.autocast('bf16', function() return lin:backward(x, gy) end)
+    assert.equals('float32', gx.dtype)               -- the input's dtype
+    assert.equals('float32', lin.grad_weight.dtype)  -- the float32 arena, not rounded to bf16
+    local xd, wd, bd, gd = rounded(x, 'bfloat16'), rounded(lin.weight, 'bfloat16'), rounded(lin.bias, 'bfloat16'),
+      rounded(gy, 'bfloat16')
+    within(out, dlua.addmm(bd, xd, wd:t()), dlua.addmm(bd:abs(), xd:abs(), wd:abs():t()), 53, true, 'forward')
+    within(lin.grad_weight, dlua.mm(gd:t(), xd), dlua.mm(gd:abs():t(), xd:abs()), 37, false, 'grad weight')
+    within(gx, dlua.mm(gd, wd), dlua.mm(gd:abs(), wd:abs()), 29, true, 'grad input')  -- bf16, then widened
+    -- a second backward accumulates into the float32 gradient
+    amp.autocast('bf16', function() return lin:backward(x, gy) end)
+    within(lin.grad_weight, dlua.mm(gd:t(), xd) * 2, dlua.mm(gd:abs():t(), xd:abs()) * 2, 38, false, 'grad weight x2')
+  end)
+
   it('keeps channels-last activations channels-last through the casts', function()
     local x = dlua.randn(2, 16, 3, 3):contiguous('channels_last')
     local b = amp.cast(x, 'bfloat16')
