@@ -276,7 +276,8 @@ local function orthogonalize(p, eps)
   p:copy_(c)
 end
 
--- A new Q: the same seeded normal draws on every rank (plans are built in the same order everywhere).
+-- A new Q: the same seeded normal draws on every rank (plans are built in the same order everywhere). The
+-- generator's position is part of the hook's state: a resumed run draws what the uninterrupted one would have.
 function Hook:_init_q(mt)
   self._gen = self._gen or dlua.Generator(self.seed)
   mt.Q:copy_(dlua.randn({ mt.m, mt.r }, { generator = self._gen }))
@@ -381,10 +382,12 @@ function M.powersgd(opts)
 end
 
 ---------------------------------------------------------------------------------------------
--- State for checkpoints: step counters, residuals, momentum, Q factors (per rank: ckpt.comm_state).
+-- State for checkpoints: step counters, residuals, momentum, Q factors, PowerSGD's generator (per rank:
+-- ckpt.comm_state, or ckpt.save of the DDP model).
 
 function Hook:state_dict()
   local sd = { spec = self.spec, step = self.step }
+  if self._gen then sd.generator = self._gen:get_state() end  -- {seed, offset}: where the next fresh Q's draws start
   for _, key in ipairs({ 'residual', 'momentum_buffer' }) do
     if self[key] then
       sd[key] = {}
@@ -404,6 +407,13 @@ function Hook:load_state_dict(sd)
     fail(2, "compress: the saved state is of hook '%s', this hook is '%s'", tostring(sd.spec), self.spec)
   end
   self.step = sd.step or 0
+  -- No saved generator: none had drawn yet (or a checkpoint from before it was saved), so draws start from the seed.
+  self._gen = nil
+  if sd.generator ~= nil then
+    if type(sd.generator) ~= 'table' then fail(2, 'compress: load_state_dict: generator must be a {seed, offset} table, got %s', type(sd.generator)) end
+    self._gen = dlua.Generator(self.seed)
+    self._gen:set_state(sd.generator)
+  end
   for _, key in ipairs({ 'residual', 'momentum_buffer' }) do
     if sd[key] then
       self[key] = {}

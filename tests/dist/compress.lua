@@ -204,12 +204,14 @@ end
 
 ---------------------------------------------------------------------------------------------
 -- ranks stay bit-identical over training (PowerSGD's Q is the same everywhere), and a checkpoint resume continues
--- bit for bit: the hook's residuals, Q factors and step counter are saved (per rank) and restored
-local function train(make, from, to, state_in)
+-- bit for bit: the hook's residuals, Q factors, generator and step counter are saved (per rank) and restored.
+-- warm_start = false draws a fresh Q every step: the resumed run must continue the generator's stream.
+local function train(make, from, to, state_in, after_load)
   local model = dist.DDP(net(), { hook = make(), first_bucket_mb = 0.01 })
   local opt = optim.SGD(model, { lr = 0.05, momentum = 0.9 })
   local st = { model = model, optimizer = opt, comm = ckpt.comm_state(model) }
   if state_in then ckpt.load(state_in, st) end
+  if after_load then after_load(model) end
   for s = from, to do
     opt:zero_grad()
     backward(model, 30 + s)
@@ -219,9 +221,10 @@ local function train(make, from, to, state_in)
 end
 local makers = {
   ['powersgd:1'] = function() return compress.powersgd{ rank = 1, start_step = 3 } end,
+  ['powersgd:1:cold'] = function() return compress.powersgd{ rank = 1, start_step = 3, warm_start = false } end,
   ['topk:0.02'] = function() return compress.topk{ ratio = 0.02, momentum_correction = 0.5, warmup_steps = 12 } end,
 }
-for _, spec in ipairs({ 'powersgd:1', 'topk:0.02' }) do
+for _, spec in ipairs({ 'powersgd:1', 'powersgd:1:cold', 'topk:0.02' }) do
   local make = makers[spec]
   local full = train(make, 1, 14)
   local p = full.arena.params.float32
@@ -234,6 +237,12 @@ for _, spec in ipairs({ 'powersgd:1', 'topk:0.02' }) do
   check(bits_equal(resumed.arena.params.float32, p), '%s: a resumed run differs from the uninterrupted one by %g', spec,
     max_abs(resumed.arena.params.float32 - p))
   check(resumed.hook_state.step == 14, '%s: the resumed hook counts step %d', spec, resumed.hook_state.step)
+  if spec == 'powersgd:1:cold' then
+    -- the generator is what carries it: restarting its draws from the seed (as before it was saved) diverges
+    local reseeded = train(make, 10, 14, path, function(m) m.hook_state._gen = nil end)
+    check(not bits_equal(reseeded.arena.params.float32, p), '%s: resuming with the generator reset to its seed changed nothing',
+      spec)
+  end
   -- and the check can fail: the same resume without the hook's state does not continue bit for bit
   local m2 = dist.DDP(net(), { hook = make(), first_bucket_mb = 0.01 })
   local o2 = optim.SGD(m2, { lr = 0.05, momentum = 0.9 })
