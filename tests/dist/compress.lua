@@ -206,12 +206,16 @@ end
 -- ranks stay bit-identical over training (PowerSGD's Q is the same everywhere), and a checkpoint resume continues
 -- bit for bit: the hook's residuals, Q factors, generator and step counter are saved (per rank) and restored.
 -- warm_start = false draws a fresh Q every step: the resumed run must continue the generator's stream.
-local function train(make, from, to, state_in, after_load)
-  local model = dist.DDP(net(), { hook = make(), first_bucket_mb = 0.01 })
+-- The state is saved either by an explicit entry comm = ckpt.comm_state(model), or by ckpt.save itself with the DDP
+-- model (entry 'model.comm'); a resume loads it from either form, with or without the explicit entry.
+-- o: {load = checkpoint, comm = true (give comm = ckpt.comm_state(model)), skip = {...}, after_load = fn(model)}
+local function train(make, from, to, o)
+  o = o or {}
+  local model = dist.DDP(make and net() or net(), { hook = make and make() or nil, first_bucket_mb = 0.01 })
   local opt = optim.SGD(model, { lr = 0.05, momentum = 0.9 })
-  local st = { model = model, optimizer = opt, comm = ckpt.comm_state(model) }
-  if state_in then ckpt.load(state_in, st) end
-  if after_load then after_load(model) end
+  local st = { model = model, optimizer = opt, comm = o.comm and ckpt.comm_state(model) or nil }
+  if o.load then ckpt.load(o.load, st, { skip = o.skip }) end
+  if o.after_load then o.after_load(model) end
   for s = from, to do
     opt:zero_grad()
     backward(model, 30 + s)
@@ -224,36 +228,58 @@ local makers = {
   ['powersgd:1:cold'] = function() return compress.powersgd{ rank = 1, start_step = 3, warm_start = false } end,
   ['topk:0.02'] = function() return compress.topk{ ratio = 0.02, momentum_correction = 0.5, warmup_steps = 12 } end,
 }
+local function has_entry(path, name)
+  for _, e in ipairs(ckpt.info(path).entries) do if e == name then return true end end
+  return false
+end
 for _, spec in ipairs({ 'powersgd:1', 'powersgd:1:cold', 'topk:0.02' }) do
   local make = makers[spec]
   local full = train(make, 1, 14)
   local p = full.arena.params.float32
   local all = gather(p)
   for r = 2, world do check(bits_equal(all[1], all[r]), '%s: rank %d parameters differ from rank 0 after 14 steps', spec, r - 1) end
-  local _, st = train(make, 1, 9)
-  local path = dir .. '/' .. spec:gsub(':', '_')
-  ckpt.save(path, st, { step = 9 })
-  local resumed = train(make, 10, 14, path)
-  check(bits_equal(resumed.arena.params.float32, p), '%s: a resumed run differs from the uninterrupted one by %g', spec,
-    max_abs(resumed.arena.params.float32 - p))
-  check(resumed.hook_state.step == 14, '%s: the resumed hook counts step %d', spec, resumed.hook_state.step)
+  local base = dir .. '/' .. spec:gsub(':', '_')
+  local paths = {}
+  for _, saved in ipairs({ 'explicit', 'plain' }) do
+    local _, st = train(make, 1, 9, { comm = saved == 'explicit' })
+    paths[saved] = base .. '_' .. saved
+    ckpt.save(paths[saved], st, { step = 9 })
+  end
+  dist.barrier()  -- rank 0 writes index.json once every rank's files are written
+  check(has_entry(paths.plain, 'model.comm') and not has_entry(paths.explicit, 'model.comm') and has_entry(paths.explicit, 'comm'),
+    "%s: {model = ddp} saves 'model.comm', {model, comm = ckpt.comm_state(model)} saves 'comm' only", spec)
+  for _, saved in ipairs({ 'explicit', 'plain' }) do
+    for _, given in ipairs({ true, false }) do
+      local resumed = train(make, 10, 14, { load = paths[saved], comm = given })
+      check(bits_equal(resumed.arena.params.float32, p), '%s: saved %s, loaded %s: a resumed run differs from the '
+        .. 'uninterrupted one by %g', spec, saved, given and 'with comm' or 'as {model, optimizer}', max_abs(resumed.arena.params.float32 - p))
+      check(resumed.hook_state.step == 14, '%s: the resumed hook counts step %d', spec, resumed.hook_state.step)
+    end
+  end
   if spec == 'powersgd:1:cold' then
     -- the generator is what carries it: restarting its draws from the seed (as before it was saved) diverges
-    local reseeded = train(make, 10, 14, path, function(m) m.hook_state._gen = nil end)
+    local reseeded = train(make, 10, 14, { load = paths.plain, after_load = function(m) m.hook_state._gen = nil end })
     check(not bits_equal(reseeded.arena.params.float32, p), '%s: resuming with the generator reset to its seed changed nothing',
       spec)
   end
-  -- and the check can fail: the same resume without the hook's state does not continue bit for bit
-  local m2 = dist.DDP(net(), { hook = make(), first_bucket_mb = 0.01 })
-  local o2 = optim.SGD(m2, { lr = 0.05, momentum = 0.9 })
-  ckpt.load(path, { model = m2, optimizer = o2 }, { strict = false })
-  for s = 10, 14 do
-    o2:zero_grad()
-    backward(m2, 30 + s)
-    o2:step()
+  -- and the check can fail: the same resume without the hook's state (skipped) does not continue bit for bit
+  for saved, skip in pairs({ explicit = 'comm', plain = 'model.comm' }) do
+    local m2 = train(make, 10, 14, { load = paths[saved], skip = { skip } })
+    check(not bits_equal(m2.arena.params.float32, p), '%s: resuming without the hook state (skip %s) changed nothing', spec, skip)
   end
-  check(not bits_equal(m2.arena.params.float32, p), '%s: resuming without the hook state changed nothing', spec)
-  say('%s: parameters bit-identical on %d ranks after 14 steps; resumed at step 10 from a checkpoint: bit for bit', spec, world)
+  say('%s: parameters bit-identical on %d ranks after 14 steps; resumed at step 10 from a checkpoint of {model, optimizer} '
+    .. 'or {model, optimizer, comm}, loaded either way: bit for bit', spec, world)
+end
+-- a checkpoint without communication state (a model without a hook, or saved before ckpt.save carried it) still
+-- loads into a model with a hook, strict, and the hook starts afresh
+do
+  local _, st = train(nil, 1, 4)
+  ckpt.save(dir .. '/nohook', st, { step = 4 })
+  dist.barrier()
+  check(not has_entry(dir .. '/nohook', 'model.comm'), 'a DDP model without a hook saved a model.comm entry')
+  local ok, err = pcall(train, makers['topk:0.02'], 5, 6, { load = dir .. '/nohook' })
+  check(ok, 'loading a checkpoint without comm state into a hooked model: %s', tostring(err))
+  say('a checkpoint without communication state loads into a model with a hook (strict)')
 end
 
 ---------------------------------------------------------------------------------------------
