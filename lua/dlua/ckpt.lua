@@ -122,18 +122,29 @@ function ckpt.per_rank(obj)
   return setmetatable({ inner = obj, ckpt_per_rank = true }, PerRank)
 end
 
--- DDP's communication state (the hook's state, the accumulation counter), per rank.
+-- DDP's communication state (the hook's state, the accumulation counter), per rank. comm_of names the model, so
+-- save and load know this entry holds that model's state.
 function ckpt.comm_state(ddp)
   if type(ddp) ~= 'table' or type(ddp.comm_state_dict) ~= 'function' then fail(2, 'comm_state: expected a dlua.dist.DDP model') end
   return setmetatable({ inner = {
     state_dict = function() return ddp:comm_state_dict() end,
     load_state_dict = function(_, sd) ddp:load_comm_state_dict(sd) end,
-  }, ckpt_per_rank = true }, PerRank)
+  }, ckpt_per_rank = true, comm_of = ddp }, PerRank)
 end
 
 local function has_method(obj, name)
   local ok, f = pcall(function() return obj[name] end)
   return ok and type(f) == 'function'
+end
+
+-- A dlua.dist.DDP model whose hook keeps state (a dlua.dist.compress hook, or any hook state with state_dict() and
+-- load_state_dict()): save and load carry that state with the model, per rank, as the entry '<name>.comm' (a name
+-- no state entry can have), so {model = ddp} alone does not drop the residuals (PyTorch did: pytorch #75666).
+local function stateful_ddp(obj)
+  local ddp = package.loaded['dlua.ddp']
+  if type(obj) ~= 'table' or type(ddp) ~= 'table' or getmetatable(obj) ~= ddp.DDP_methods then return false end
+  local hs = rawget(obj, 'hook_state')
+  return type(hs) == 'table' and has_method(hs, 'state_dict') and has_method(hs, 'load_state_dict')
 end
 
 local function is_module(obj)
@@ -153,22 +164,20 @@ local function collect(state, opts, world, level)
     names[#names + 1] = k
   end
   table.sort(names)
-  local entries = {}
+  -- The models whose communication state the state names itself (ckpt.comm_state(model)): that entry holds it,
+  -- marked comm_of = the model's name; the others' goes into '<name>.comm'.
+  local comm_of, explicit = {}, {}
   for _, name in ipairs(names) do
-    local obj = state[name]
-    local e = { name = name, obj = obj, tensors = {}, per_rank = per_rank[name] or false }
-    local sd
-    if (type(obj) == 'table' or type(obj) == 'cdata') and not dlua.is_tensor(obj) and has_method(obj, 'state_dict') then
-      e.kind = is_module(obj) and 'module' or 'object'
-      local ok, r = pcall(function() return obj:state_dict() end)
-      if not ok then fail(level + 1, "save: state '%s': state_dict() failed: %s", name, tostring(r)) end
-      sd = r
-      if type(obj) == 'table' and rawget(obj, 'ckpt_per_rank') then e.per_rank = true end
-    elseif type(obj) == 'function' or type(obj) == 'userdata' or type(obj) == 'thread' then
-      fail(level + 1, "save: state '%s' is a %s (expected an object with state_dict(), a table, a tensor or a value)", name, type(obj))
-    else
-      e.kind, sd = type(obj) == 'table' and 'table' or 'value', obj
-    end
+    local d = type(state[name]) == 'table' and rawget(state[name], 'comm_of')
+    if d then explicit[d] = name end
+  end
+  for _, name in ipairs(names) do
+    local en = explicit[state[name]]
+    if en and stateful_ddp(state[name]) then comm_of[en] = name end
+  end
+  local entries = {}
+  -- e.tree: sd as JSON, its tensors as {"$tensor": path} refs listed in e.tensors
+  local function encode(e, sd)
     local seen = {}
     local ok, tree = pcall(J.encode, sd, function(x, p)
       if dlua.is_tensor(x) then
@@ -185,8 +194,25 @@ local function collect(state, opts, world, level)
         return '{"$tensor":' .. J.quote(path) .. '}'
       end
     end, '')
-    if not ok then fail(level + 1, "save: state '%s': %s", name, (tostring(tree):gsub('^%.', ''))) end
+    if not ok then fail(level + 2, "save: state '%s': %s", e.name, (tostring(tree):gsub('^%.', ''))) end
     e.tree = tree
+  end
+  for _, name in ipairs(names) do
+    local obj = state[name]
+    local e = { name = name, obj = obj, tensors = {}, per_rank = per_rank[name] or false, comm_of = comm_of[name] }
+    local sd
+    if (type(obj) == 'table' or type(obj) == 'cdata') and not dlua.is_tensor(obj) and has_method(obj, 'state_dict') then
+      e.kind = is_module(obj) and 'module' or 'object'
+      local ok, r = pcall(function() return obj:state_dict() end)
+      if not ok then fail(level + 1, "save: state '%s': state_dict() failed: %s", name, tostring(r)) end
+      sd = r
+      if type(obj) == 'table' and rawget(obj, 'ckpt_per_rank') then e.per_rank = true end
+    elseif type(obj) == 'function' or type(obj) == 'userdata' or type(obj) == 'thread' then
+      fail(level + 1, "save: state '%s' is a %s (expected an object with state_dict(), a table, a tensor or a value)", name, type(obj))
+    else
+      e.kind, sd = type(obj) == 'table' and 'table' or 'value', obj
+    end
+    encode(e, sd)
     entries[#entries + 1] = e
     -- Under DDP a model's parameters are equal on every rank, its buffers (batch-norm running
     -- statistics, computed from each rank's own batches) are not: each rank's are saved too, as a
@@ -200,6 +226,13 @@ local function collect(state, opts, world, level)
       end
       b.tree = '{' .. concat(parts, ',') .. '}'
       entries[#entries + 1] = b
+    end
+    if stateful_ddp(obj) and not explicit[obj] then
+      local c = { name = name .. '.comm', kind = 'comm', obj = obj, tensors = {}, per_rank = true }
+      local ok, r = pcall(function() return obj:comm_state_dict() end)
+      if not ok then fail(level + 1, "save: state '%s': comm_state_dict() failed: %s", c.name, tostring(r)) end
+      encode(c, r)
+      entries[#entries + 1] = c
     end
   end
   return entries
@@ -382,7 +415,8 @@ local function index_text(entries, step, world, sharded, infos, files_by_rank)
         local pr = infos[r].per_rank[e.name]
         trees[#trees + 1], locs[#locs + 1] = pr.tree, pr.tensors
       end
-      body = format('{"kind":%s,"per_rank":true,"ranks":[%s],"rank_tensors":[%s]}', J.quote(e.kind), concat(trees, ','), concat(locs, ','))
+      body = format('{"kind":%s,"per_rank":true,%s"ranks":[%s],"rank_tensors":[%s]}', J.quote(e.kind),
+        e.comm_of and '"comm_of":' .. J.quote(e.comm_of) .. ',' or '', concat(trees, ','), concat(locs, ','))
     else
       body = format('{"kind":%s,"per_rank":false,"tree":%s,"tensors":%s}', J.quote(e.kind), e.tree, locations(e))
     end
@@ -600,6 +634,6 @@ end
 
 -- Loading lives in dlua/ckpt/load.lua (ckpt.load, and its helpers for the recipes).
 require('dlua.ckpt.load')(ckpt, { B = B, J = J, fail = fail, check_options = check_options, need_available = need_available,
-  read_text = read_text, is_module = is_module, exists = exists })
+  read_text = read_text, is_module = is_module, exists = exists, stateful_ddp = stateful_ddp })
 
 return ckpt

@@ -135,8 +135,12 @@ function Hook:density()
 end
 
 -- The CUDA form of K.topk and K.topk_unpack: the same selection (the k largest |v|, v the residual after adding the
--- gradient, or DGC's momentum), values and 1-based int32 indices in two buffers, sent entries of v and u set to 0
--- (v - v), every rank's part scatter-added in rank order, divided by the world size.
+-- gradient, or DGC's momentum), sent entries of v and u set to 0 (v - v), every rank's part scatter-added in rank
+-- order, divided by the world size. As on the CPU, one all_gather of 2k 32-bit words per rank: the k values, then
+-- the k 1-based indices. dlua has no reinterpreting view of a device tensor (float32 bits as int32), so the
+-- indices travel as float32 values, exact up to 2^24 (h.packed_index_limit); a larger bucket (ZeRO-1's whole arena
+-- of a big model) sends its int32 indices in a second all_gather instead.
+M.PACKED_INDEX_LIMIT = 2 ^ 24
 local function topk_cuda(h, b, k, acc, mom, world, t0)
   local g = b.tensor
   local v = g
@@ -153,17 +157,33 @@ local function topk_cuda(h, b, k, acc, mom, world, t0)
   local vals = v:gather(1, idx)
   if acc then acc:scatter_add_(1, idx, -vals) end
   if mom then mom:scatter_add_(1, idx, -mom:gather(1, idx)) end
-  local i32 = h:_scratch(b, 'idx32', { k }, 'int32')
-  i32:copy_(idx)
-  local gv = h:_scratch(b, 'gvals', { world, k }, 'float32')
-  local gi = h:_scratch(b, 'gidx', { world, k }, 'int32')
   local ov, oi = {}, {}
-  for r = 1, world do ov[r], oi[r] = gv:narrow(1, r, 1):view(k), gi:narrow(1, r, 1):view(k) end
-  local w1 = b.dist.all_gather(ov, vals, { async = true, group = b.group })
-  local w2 = b.dist.all_gather(oi, i32, { async = true, group = b.group })
+  local work, indices_back
+  if b.numel <= (h.packed_index_limit or M.PACKED_INDEX_LIMIT) then
+    local packed = h:_scratch(b, 'packed', { 2 * k }, 'float32')
+    packed:narrow(1, 1, k):copy_(vals)
+    packed:narrow(1, k + 1, k):copy_(idx)  -- exact: every index is an integer <= 2^24
+    local gathered = h:_scratch(b, 'gathered', { world, 2 * k }, 'float32')
+    local outs = {}
+    for r = 1, world do outs[r] = gathered:narrow(1, r, 1):view(2 * k) end
+    work = b.dist.all_gather(outs, packed, { async = true, group = b.group })
+    local gi = h:_scratch(b, 'gidx', { world, k }, 'int32')
+    for r = 1, world do ov[r], oi[r] = outs[r]:narrow(1, 1, k), gi:narrow(1, r, 1):view(k) end
+    indices_back = function() gi:copy_(gathered:narrow(2, k + 1, k)) end  -- back to int32 indices, every rank's at once
+  else
+    local i32 = h:_scratch(b, 'idx32', { k }, 'int32')
+    i32:copy_(idx)
+    local gv = h:_scratch(b, 'gvals', { world, k }, 'float32')
+    local gi = h:_scratch(b, 'gidx', { world, k }, 'int32')
+    for r = 1, world do ov[r], oi[r] = gv:narrow(1, r, 1):view(k), gi:narrow(1, r, 1):view(k) end
+    local w1 = b.dist.all_gather(ov, vals, { async = true, group = b.group })
+    local w2 = b.dist.all_gather(oi, i32, { async = true, group = b.group })
+    work = { wait = function() w1:wait(); w2:wait() end }
+  end
   count(b, 8 * k, now() - t0)
-  return then_do({ wait = function() w1:wait(); w2:wait() end }, function()
+  return then_do(work, function()
     local t1 = now()
+    if indices_back then indices_back() end
     g:zero_()
     for r = 1, world do g:scatter_add_(1, oi[r], ov[r]) end
     g:copy_(g / world)  -- a division, as the CPU kernel and all-reduce's avg
@@ -276,7 +296,8 @@ local function orthogonalize(p, eps)
   p:copy_(c)
 end
 
--- A new Q: the same seeded normal draws on every rank (plans are built in the same order everywhere).
+-- A new Q: the same seeded normal draws on every rank (plans are built in the same order everywhere). The
+-- generator's position is part of the hook's state: a resumed run draws what the uninterrupted one would have.
 function Hook:_init_q(mt)
   self._gen = self._gen or dlua.Generator(self.seed)
   mt.Q:copy_(dlua.randn({ mt.m, mt.r }, { generator = self._gen }))
@@ -381,10 +402,12 @@ function M.powersgd(opts)
 end
 
 ---------------------------------------------------------------------------------------------
--- State for checkpoints: step counters, residuals, momentum, Q factors (per rank: ckpt.comm_state).
+-- State for checkpoints: step counters, residuals, momentum, Q factors, PowerSGD's generator (per rank:
+-- ckpt.comm_state, or ckpt.save of the DDP model).
 
 function Hook:state_dict()
   local sd = { spec = self.spec, step = self.step }
+  if self._gen then sd.generator = self._gen:get_state() end  -- {seed, offset}: where the next fresh Q's draws start
   for _, key in ipairs({ 'residual', 'momentum_buffer' }) do
     if self[key] then
       sd[key] = {}
@@ -404,6 +427,13 @@ function Hook:load_state_dict(sd)
     fail(2, "compress: the saved state is of hook '%s', this hook is '%s'", tostring(sd.spec), self.spec)
   end
   self.step = sd.step or 0
+  -- No saved generator: none had drawn yet (or a checkpoint from before it was saved), so draws start from the seed.
+  self._gen = nil
+  if sd.generator ~= nil then
+    if type(sd.generator) ~= 'table' then fail(2, 'compress: load_state_dict: generator must be a {seed, offset} table, got %s', type(sd.generator)) end
+    self._gen = dlua.Generator(self.seed)
+    self._gen:set_state(sd.generator)
+  end
   for _, key in ipairs({ 'residual', 'momentum_buffer' }) do
     if sd[key] then
       self[key] = {}

@@ -1,7 +1,8 @@
 -- Gradient compression hooks on CUDA buckets (the emulator in CI; a GPU under tests/gpu/nccl.sh): each hook gives a
 -- model on this rank's CUDA device the gradients the same hook gives the same model on the CPU, over 3 steps with
 -- error feedback carried: fp16/bf16 and top-k bit for bit (the same casts, selection and rank-ordered sums), PowerSGD
--- within float32 rounding of the products; top-k residuals hold exactly what was not sent.
+-- within float32 rounding of the products; top-k sends one all_gather of 2k words per bucket (two past 2^24 elements);
+-- top-k residuals hold exactly what was not sent.
 --   dlua --nproc 2 tests/dist/compress_cuda.lua
 local dlua = require 'dlua'
 local nn = require 'dlua.nn'
@@ -30,8 +31,11 @@ local B = 4
 local crit = nn.CrossEntropyLoss()
 -- Runs the hook over DDP's own buckets as backward would, on gradients set by hand: step s gives every rank its own
 -- seeded normal values, the same on both devices, so the two hooks see identical inputs.
-local function grads_after(dev, spec, steps)
-  local ddp = dist.DDP(net():to(dev), { hook = compress.from_spec(spec), first_bucket_mb = 0.01 })
+-- (spec: a from_spec string, or a function making the hook; ready(ddp) runs before the first step)
+local function grads_after(dev, spec, steps, ready)
+  local hook = type(spec) == 'function' and spec() or compress.from_spec(spec)
+  local ddp = dist.DDP(net():to(dev), { hook = hook, first_bucket_mb = 0.01 })
+  if ready then ready(ddp) end
   local arena = ddp.arena.grads.float32
   local out = {}
   for s = 1, steps do
@@ -59,6 +63,41 @@ for _, c in ipairs({ { 'fp16', 0 }, { 'bf16', 0 }, { 'topk:0.05', 0 }, { 'topk:1
     print(string.format('compress_cuda %-16s on %s: 3 steps (error feedback carried) within %.2g of the CPU hook', spec,
       device, worst))
   end
+end
+
+-- top-k's exchange is one all_gather per bucket of 2k 32-bit words, as on the CPU (the indices as exact float32
+-- values); a bucket past packed_index_limit (2^24 elements) sends values and int32 indices in two, and both give
+-- the CPU hook's gradients bit for bit
+do
+  local calls, words = 0, 0
+  local orig = dist.all_gather
+  dist.all_gather = function(outs, t, opts)
+    calls, words = calls + 1, words + t:numel()
+    return orig(outs, t, opts)
+  end
+  for _, limit in ipairs({ 2 ^ 24, 0 }) do  -- the default (compress.PACKED_INDEX_LIMIT), and every bucket past it
+    local make = function()
+      local h = compress.topk{ ratio = 0.05 }
+      h.packed_index_limit = limit
+      return h
+    end
+    local gd, ddp = grads_after(device, make, 3, function() calls, words = 0, 0 end)
+    local c, w = calls, words
+    local gc = grads_after('cpu', 'topk:0.05', 3)
+    local worst = 0
+    for s = 1, 3 do worst = math.max(worst, max_rel(gd[s], gc[s])) end
+    local k_total = 0
+    for _, b in ipairs(ddp.buckets) do k_total = k_total + math.max(1, math.ceil(0.05 * b.numel)) end
+    local per = limit > 0 and 1 or 2
+    check(c == per * 3 * #ddp.buckets and w == 3 * 2 * k_total, 'top-k on %s (index limit %g): %d all_gathers of %d words '
+      .. 'in 3 steps, expected %d of %d', device, limit, c, w, per * 3 * #ddp.buckets, 3 * 2 * k_total)
+    check(worst == 0, 'top-k on %s (index limit %g): gradients differ from the CPU hook\'s by %.3g relative', device, limit, worst)
+    if rank == 0 then
+      print(string.format('compress_cuda top-k on %s, %s: %d all_gather(s) per bucket, %d words per step, bit-identical to the CPU hook',
+        device, limit > 0 and 'indices packed with the values' or 'past the index limit', per, 2 * k_total))
+    end
+  end
+  dist.all_gather = orig
 end
 
 -- top-k residuals on the device: residual after + sent = residual before + gradient, exactly

@@ -104,17 +104,47 @@ return function(ckpt, H)
     local rank, world = dist_info()
     local skip = {}
     for _, n in ipairs(o.skip or {}) do skip[n] = true end
-    local names, missing, unexpected = {}, {}, {}
-    for k in pairs(state) do
-      if not skip[k] then
-        names[#names + 1] = k
-        if index.entries[k] == nil then missing[#missing + 1] = tostring(k) end
+    -- What to load (objs) and from which entry (src): the state's entries, and the communication state of each DDP
+    -- model whose hook keeps state. That was saved with the model as '<name>.comm', or (ckpt.comm_state(model) in
+    -- the saved state) in the entry marked comm_of = name. A ckpt.comm_state(model) in the state loads it from either;
+    -- else it loads as '<name>.comm' (skip = {'<name>.comm'} leaves it); a checkpoint with neither loads without it.
+    local objs, src, explicit = {}, {}, {}
+    for k, v in pairs(state) do
+      objs[k], src[k] = v, k
+      local d = type(v) == 'table' and rawget(v, 'comm_of')
+      if d then explicit[d] = k end
+    end
+    local function comm_source(mname)
+      local c = index.entries[mname .. '.comm']
+      if c and c.kind == 'comm' then return mname .. '.comm' end
+      for en, ie in pairs(index.entries) do
+        if type(ie) == 'table' and ie.comm_of == mname then return en end
       end
     end
-    for k in pairs(index.entries) do
-      local base = k:match('^(.*)%.buffers$')  -- a model's per-rank buffers go with the model
-      if base and index.entries[k].kind == 'buffers' then k = base end
-      if state[k] == nil and not skip[k] then unexpected[#unexpected + 1] = k end
+    for k, v in pairs(state) do
+      if not skip[k] and H.stateful_ddp(v) then
+        local from, ek = comm_source(k), explicit[v]
+        if ek == nil then
+          local cname = k .. '.comm'
+          if from and not skip[cname] and not skip[from] then objs[cname], src[cname] = ckpt.comm_state(v), from end
+        elseif index.entries[ek] == nil and from then
+          src[ek] = from
+        end
+      end
+    end
+    local used = {}
+    for k, from in pairs(src) do if not skip[k] then used[from] = true end end
+    local names, missing, unexpected = {}, {}, {}
+    for k in pairs(objs) do
+      if not skip[k] then
+        names[#names + 1] = k
+        if index.entries[src[k]] == nil then missing[#missing + 1] = tostring(k) end
+      end
+    end
+    for k, ie in pairs(index.entries) do
+      local base = k:match('^(.*)%.buffers$') or k:match('^(.*)%.comm$')  -- a model's per-rank buffers and comm state go with the model
+      if base and (ie.kind == 'buffers' or ie.kind == 'comm') then k = base end
+      if state[k] == nil and not skip[k] and not used[k] then unexpected[#unexpected + 1] = k end
     end
     table.sort(names)
     table.sort(missing)
@@ -129,8 +159,8 @@ return function(ckpt, H)
     -- Which tree and tensors each entry takes: its own, or this rank's of a per-rank entry.
     local plan = {}
     for _, name in ipairs(names) do
-      local ie = index.entries[name]
-      local p = { name = name, obj = state[name], kind = ie.kind, compare = {} }
+      local ie = index.entries[src[name]]
+      local p = { name = name, obj = objs[name], kind = ie.kind, compare = {} }
       if ie.per_rank then
         local saved = #ie.ranks
         if saved == world then
@@ -266,7 +296,7 @@ return function(ckpt, H)
         elseif dlua.is_tensor(p.obj) then
           local x = p.found[p.tree.__tensor]
           x.f:read_into(x.e, p.obj, 3)
-        elseif p.kind == 'module' or p.kind == 'object' then
+        elseif p.kind == 'module' or p.kind == 'object' or p.kind == 'comm' then
           local okl, lerr = pcall(function() p.obj:load_state_dict(map_refs(p.tree, fresh)) end)
           if not okl then fail(4, "load %s: state '%s': load_state_dict failed: %s", stepdir, p.name, tostring(lerr)) end
         elseif p.kind == 'table' and type(p.obj) == 'table' then
