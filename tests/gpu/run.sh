@@ -104,14 +104,19 @@ say "benchmark: dlua vs PyTorch on this GPU (bench/gpu_resnet50.py)"
 val() { awk -F'\t' -v k="$1" '$1 == k {print $2}'; }
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (a > 0 && b > 0) printf "%.2fx", a / b; else print "n/a" }'; }
 printf '%-44s %12s %12s %8s\n' "what" "dlua" "pytorch" "ratio"
+# dlua.amp autocast (+ GradScaler for float16) against torch.autocast + GradScaler; then dlua's all-16-bit model
+# with float32 master weights (PyTorch AMP's O2, DeepSpeed's bf16 optimizer) against the same torch AMP numbers
 for dt in bfloat16 float16; do
-  d=$(cd "$build" && timeout 240 "$build/dlua" "$root/tests/gpu/resnet50.lua" bench cuda $dt 128 50 2>&1)
   t=$(timeout 240 python3 "$root/bench/gpu_resnet50.py" resnet50 $dt 128 50 2>&1)
-  di=$(printf '%s\n' "$d" | val img/s); ti=$(printf '%s\n' "$t" | val img/s)
-  [ -n "$di" ] || printf '%s\n' "$d" | tail -n 5
+  ti=$(printf '%s\n' "$t" | val img/s)
   [ -n "$ti" ] || printf '%s\n' "$t" | tail -n 5
-  printf '%-44s %12s %12s %8s\n' "ResNet-50 train img/s, b128, $dt, NHWC" "${di:-fail}" "${ti:-fail}" "$(ratio "${di:-0}" "${ti:-0}")"
-  printf '%-44s %12s %12s\n' "  peak memory MiB" "$(printf '%s\n' "$d" | val peak_mib)" "$(printf '%s\n' "$t" | val peak_mib)"
+  for how in amp o2; do
+    d=$(cd "$build" && timeout 240 "$build/dlua" "$root/tests/gpu/resnet50.lua" bench cuda $dt 128 50 $how 2>&1)
+    di=$(printf '%s\n' "$d" | val img/s)
+    [ -n "$di" ] || printf '%s\n' "$d" | tail -n 5
+    printf '%-44s %12s %12s %8s\n' "ResNet-50 train img/s, b128, $dt, NHWC, $how" "${di:-fail}" "${ti:-fail}" "$(ratio "${di:-0}" "${ti:-0}")"
+    printf '%-44s %12s %12s\n' "  peak memory MiB" "$(printf '%s\n' "$d" | val peak_mib)" "$(printf '%s\n' "$t" | val peak_mib)"
+  done
 done
 dg=$(cd "$build" && timeout 120 "$build/dlua" "$root/tests/gpu/resnet50.lua" gemm cuda 2>&1 | val tflops)
 tg=$(timeout 120 python3 "$root/bench/gpu_resnet50.py" gemm 2>&1 | val tflops)
