@@ -6,6 +6,7 @@
      OMP_NUM_THREADS=1 /tmp/dnnl_conv [reps=10] [batch=128]
      ONEDNN_MAX_CPU_ISA=AVX512_CORE OMP_NUM_THREADS=1 /tmp/dnnl_conv     # cap the ISA
      FLUSH=1 OMP_NUM_THREADS=1 /tmp/dnnl_conv 10 128 "nhwc/any direct"  # cold caches, one config
+     ALL_IMPLS=1 OMP_NUM_THREADS=2 /tmp/dnnl_conv 10 128 "nhwc/any direct"  # every non-reference impl
 
    Prints one line per (shape, direction, dtype, config): the minimum time of `reps` runs of the
    primitive alone, the reorders the caller's NHWC tensors would need to reach the primitive's
@@ -124,19 +125,21 @@ static double reorder_ms(const dnnl_memory_desc_t *user, const dnnl_memory_desc_
   return t;
 }
 
+static void time_pd(const_dnnl_primitive_desc_t pd, int n, const shape_t *sh, dir_t dir, const char *dtn,
+                    const cfg_t *cf, const dnnl_memory_desc_t *x_u, const dnnl_memory_desc_t *y_u);
+
 static void run_one(int n, const shape_t *sh, dir_t dir, dnnl_data_type_t dt, const cfg_t *cf) {
   int oh = sh->hw / sh->s;
   dnnl_dims_t xd = {n, sh->c, sh->hw, sh->hw}, yd = {n, sh->o, oh, oh}, wd = {sh->o, sh->c, 3, 3};
   dnnl_dims_t strides = {sh->s, sh->s}, pad = {1, 1};
   dnnl_data_type_t wdt = dt == dnnl_bf16 && dir == BWD_W && cf->dw_f32 ? dnnl_f32 : dt;
-  dnnl_memory_desc_t x, y, w, wf, x_u, y_u, w_u;
+  dnnl_memory_desc_t x, y, w, wf, x_u, y_u;
   CK(dnnl_memory_desc_init_by_tag(&x, 4, xd, dt, cf->act));
   CK(dnnl_memory_desc_init_by_tag(&y, 4, yd, dt, cf->act));
   CK(dnnl_memory_desc_init_by_tag(&w, 4, wd, wdt, cf->wei));
   CK(dnnl_memory_desc_init_by_tag(&wf, 4, wd, dt, cf->wei));
   CK(dnnl_memory_desc_init_by_tag(&x_u, 4, xd, dt, dnnl_nhwc));
   CK(dnnl_memory_desc_init_by_tag(&y_u, 4, yd, dt, dnnl_nhwc));
-  CK(dnnl_memory_desc_init_by_tag(&w_u, 4, wd, wdt, dnnl_ohwi));
   dnnl_convolution_desc_t fd, bd;
   dnnl_primitive_desc_t fpd = NULL, pd = NULL;
   const char *dtn = dt == dnnl_bf16 ? (dir == BWD_W ? (cf->dw_f32 ? "bf16/dwf32" : "bf16/dwbf16") : "bf16") : "f32";
@@ -146,23 +149,44 @@ static void run_one(int n, const shape_t *sh, dir_t dir, dnnl_data_type_t dt, co
            sh->s, dir_name[dir], dtn, cf->name);
     return;
   }
-  dnnl_status_t st = dnnl_success;
-  if (dir == FWD) {
-    pd = fpd;
-    fpd = NULL;
-  } else if (dir == BWD_D) {
+  // ALL_IMPLS=1: every implementation oneDNN offers for the descriptor, in its order of
+  // preference (reference ones skipped), not only the first.
+  int all = getenv("ALL_IMPLS") && atoi(getenv("ALL_IMPLS"));
+  const_dnnl_op_desc_t od = &fd;
+  if (dir == BWD_D) {
     CK(dnnl_convolution_backward_data_desc_init(&bd, cf->alg, &x, &w, &y, strides, pad, pad));
-    st = dnnl_primitive_desc_create(&pd, &bd, NULL, eng, fpd);
-  } else {
+    od = &bd;
+  } else if (dir == BWD_W) {
     CK(dnnl_convolution_backward_weights_desc_init(&bd, cf->alg, &x, &w, NULL, &y, strides, pad, pad));
-    st = dnnl_primitive_desc_create(&pd, &bd, NULL, eng, fpd);
+    od = &bd;
   }
-  if (st != dnnl_success) {
+  dnnl_primitive_desc_iterator_t it = NULL;
+  if (dnnl_primitive_desc_iterator_create(&it, od, NULL, eng, dir == FWD ? NULL : fpd) != dnnl_success) {
     printf("%-3d->%-3d %2dx%-2d s%d  %-11s %-11s %-22s unsupported\n", sh->c, sh->o, sh->hw, sh->hw, sh->s,
            dir_name[dir], dtn, cf->name);
-    if (fpd) dnnl_primitive_desc_destroy(fpd);
+    dnnl_primitive_desc_destroy(fpd);
     return;
   }
+  for (int first = 1;; first = 0) {
+    if (!first && (!all || dnnl_primitive_desc_iterator_next(it) != dnnl_success)) break;
+    pd = dnnl_primitive_desc_iterator_fetch(it);
+    const char *nm = "?";
+    dnnl_primitive_desc_query(pd, dnnl_query_impl_info_str, 0, &nm);
+    if (!first && strncmp(nm, "ref", 3) == 0) {
+      dnnl_primitive_desc_destroy(pd);
+      continue;
+    }
+    time_pd(pd, n, sh, dir, dtn, cf, &x_u, &y_u);
+    dnnl_primitive_desc_destroy(pd);
+  }
+  dnnl_primitive_desc_iterator_destroy(it);
+  dnnl_primitive_desc_destroy(fpd);
+}
+
+/* Times one primitive descriptor's primitive and prints its line. */
+static void time_pd(const_dnnl_primitive_desc_t pd, int n, const shape_t *sh, dir_t dir, const char *dtn,
+                    const cfg_t *cf, const dnnl_memory_desc_t *x_u, const dnnl_memory_desc_t *y_u) {
+  int oh = sh->hw / sh->s;
   const char *impl = "?";
   dnnl_primitive_desc_query(pd, dnnl_query_impl_info_str, 0, &impl);
   dnnl_query_t qa, qb, qc;
@@ -190,9 +214,9 @@ static void run_one(int n, const shape_t *sh, dir_t dir, dnnl_data_type_t dt, co
   double t = time_prim(p, s ? 4 : 3, args);
   // Activation reorders a caller with NHWC tensors would pay (weights excluded: microseconds).
   double ro = 0;
-  if (dir == FWD) ro = reorder_ms(&x_u, ma, 1) + reorder_ms(&y_u, mc, 0);
-  else if (dir == BWD_D) ro = reorder_ms(&y_u, ma, 1) + reorder_ms(&x_u, mc, 0);
-  else ro = reorder_ms(&x_u, ma, 1) + reorder_ms(&y_u, mb, 1);
+  if (dir == FWD) ro = reorder_ms(x_u, ma, 1) + reorder_ms(y_u, mc, 0);
+  else if (dir == BWD_D) ro = reorder_ms(y_u, ma, 1) + reorder_ms(x_u, mc, 0);
+  else ro = reorder_ms(x_u, ma, 1) + reorder_ms(y_u, mb, 1);
   double gmac = (double)n * oh * oh * sh->o * sh->c * 9 / (t * 1e6);
   printf("%-3d->%-3d %2dx%-2d s%d  %-11s %-11s %-22s %7.3f ms  +reorder %6.3f  %5.1f GMAC/s  %s\n", sh->c, sh->o,
          sh->hw, sh->hw, sh->s, dir_name[dir], dtn, cf->name, t, ro, gmac, impl);
@@ -202,8 +226,6 @@ static void run_one(int n, const shape_t *sh, dir_t dir, dnnl_data_type_t dt, co
   mem_free(b);
   mem_free(c);
   if (s) mem_free(s);
-  dnnl_primitive_desc_destroy(pd);
-  if (fpd) dnnl_primitive_desc_destroy(fpd);
 }
 
 /* Forward as im2col (NHWC, bf16) + dnnl_gemm_bf16bf16f32 (M = N*OH*OW, K = 9*C, N = O) + the f32
