@@ -109,9 +109,11 @@ amp.policy_of = policy_of
 local function floating(t) return is_tensor(t) and t:is_floating_point() end
 
 -- t in dtype dt, keeping channels-last memory channels-last (oneDNN's fast kernels want it; to()
--- alone would make it NCHW).
+-- alone would make it NCHW). That includes a tensor whose strides are both (one channel, as a
+-- grayscale image batch): NCHW there made every later activation NCHW, and oneDNN then reordered
+-- each bf16 convolution's operands (0.45 ms per 128x16x28x28 tensor, more than the convolution).
 local function cast(t, dt)
-  if t:dim() == 4 and not t:is_contiguous() and t:is_contiguous('channels_last') then
+  if t:dim() == 4 and t:is_contiguous('channels_last') then
     return create.empty_channels_last(core.sizes(core.handle('autocast', t)), { dtype = dt, device = t.device }):copy_(t)
   end
   return t:to(dt)
