@@ -1,4 +1,5 @@
-/* Batch-norm kernels for one scalar type: batchnorm.c includes this once per T (float, double) with FN naming the copies. */
+/* Batch-norm kernels for one scalar type: batchnorm.c includes this once per T (float, double) with FN naming the copies;
+   with BN_HALF (float only), also their drivers over f16/bf16 activations. */
 /* No include guard on purpose: each inclusion instantiates the kernels for another T.
 
    Inner loops live in always-inline helpers taking their options (ReLU mask, skip, which
@@ -462,6 +463,166 @@ static void FN(bn_bwd_apply)(const bn_geom_t *g, const T *x, const T *dy, const 
                  fb, A, B, D);
   }
 }
+
+#ifdef BN_HALF
+/* ---- 16-bit activations (the float instantiation only) -------------------------------------------- */
+
+/* The same four passes over f16/bf16 activations (bf: bf16), computing in float: each unit of work
+   (an (n, c) plane, or a block of rows: the units above) is widened into the calling thread's slice of
+   `work` (k buffers of wl floats), run through the float pass's own code for that unit, and its outputs
+   rounded to nearest even (copy_'s rounding). Widening is exact and the units and their order are the
+   float kernel's, so the bits are those of staging the whole tensor in float32 and casting back. */
+static inline float *FN(bn16_work)(float *work, int64_t wl, int k) { return work + (int64_t)omp_get_thread_num() * k * wl; }
+static inline void FN(bn16_in)(float *d, const uint16_t *s, int64_t n, int bf) { dlua_convert_half_to_f32(d, s, n, bf); }
+static inline void FN(bn16_out)(uint16_t *d, const float *s, int64_t n, int bf) {
+  dlua_convert_f32_to_half(d, s, n, 1.0f, bf);
+}
+
+/* bn_stats on 16-bit x (work: 1 buffer per thread). */
+static void FN(bn16_stats)(const bn_geom_t *g, const uint16_t *x, int bf, float *work, int64_t wl, const double *shift,
+                           double *scratch, double *sum, double *sumsq) {
+  const int64_t C = g->C, S = g->S;
+  if (!g->rows) {
+    const int64_t P = g->N * C;
+    double *ps = scratch, *pq = scratch + P;
+#pragma omp parallel for schedule(static) if (P * S > BN_PAR_MIN)
+    for (int64_t p = 0; p < P; p++) {
+      T *xp = FN(bn16_work)(work, wl, 1);
+      FN(bn16_in)(xp, x + p * S, S, bf);
+      const double k = shift[p % C];
+      double s = 0, q = 0;
+#pragma omp simd reduction(+ : s, q)
+      for (int64_t i = 0; i < S; i++) {
+        double d = (double)xp[i] - k;
+        s += d;
+        q += d * d;
+      }
+      ps[p] = s;
+      pq[p] = q;
+    }
+    bn_combine(ps, pq, g->N, C, sum, sumsq);
+    return;
+  }
+  const int64_t M = g->N * S, R = g->block_rows, nb = (M + R - 1) / R;
+  double *ps = scratch, *pq = scratch + nb * C;
+#pragma omp parallel for schedule(static) if (M * C > BN_PAR_MIN)
+  for (int64_t b = 0; b < nb; b++) {
+    const int64_t r1 = b * R + R < M ? b * R + R : M, n = (r1 - b * R) * C;
+    T *xp = FN(bn16_work)(work, wl, 1);
+    FN(bn16_in)(xp, x + b * R * C, n, bf);
+    FN(stats_rows)(C, r1 - b * R, xp, shift, ps + b * C, pq + b * C);
+  }
+  bn_combine(ps, pq, nb, C, sum, sumsq);
+}
+
+/* bn_apply on 16-bit x, skip, y (work: 2 buffers per thread; y may be x). */
+static void FN(bn16_apply)(const bn_geom_t *g, const uint16_t *x, const uint16_t *skip, uint16_t *y, int bf, float *work,
+                           int64_t wl, const T *mean, const T *a, const T *beta, int relu) {
+  const int64_t C = g->C, S = g->S;
+  if (!g->rows) {
+    const int64_t P = g->N * C;
+#pragma omp parallel for schedule(static) if (P * S > BN_PAR_MIN)
+    for (int64_t p = 0; p < P; p++) {
+      const int64_t c = p % C;
+      T *xp = FN(bn16_work)(work, wl, 2), *sp = skip ? xp + wl : NULL;
+      FN(bn16_in)(xp, x + p * S, S, bf);
+      if (sp) FN(bn16_in)(sp, skip + p * S, S, bf);
+#define BN_CALL(k, r) FN(apply_run)(S, xp, sp, xp, mean[c], a[c], beta[c], k, r)
+      BN_APPLY_DISPATCH(BN_CALL, sp, relu);
+#undef BN_CALL
+      FN(bn16_out)(y + p * S, xp, S, bf);
+    }
+    return;
+  }
+  const int64_t M = g->N * S, R = g->block_rows, nb = (M + R - 1) / R;
+#pragma omp parallel for schedule(static) if (M * C > BN_PAR_MIN)
+  for (int64_t b = 0; b < nb; b++) {
+    const int64_t r1 = b * R + R < M ? b * R + R : M, o = b * R * C, n = (r1 - b * R) * C;
+    T *xp = FN(bn16_work)(work, wl, 2), *sp = skip ? xp + wl : NULL;
+    FN(bn16_in)(xp, x + o, n, bf);
+    if (sp) FN(bn16_in)(sp, skip + o, n, bf);
+    FN(apply_rows)(C, r1 - b * R, xp, sp, xp, mean, a, beta, relu);
+    FN(bn16_out)(y + o, xp, n, bf);
+  }
+}
+
+/* bn_bwd_reduce on 16-bit x, dy, y (work: 3 buffers per thread). */
+static void FN(bn16_bwd_reduce)(const bn_geom_t *g, const uint16_t *x, const uint16_t *dy, const uint16_t *y, int bf,
+                                float *work, int64_t wl, const T *mean, const T *fa, const T *fb, double *scratch,
+                                double *sdy, double *sdx) {
+  const int64_t C = g->C, S = g->S;
+  if (!g->rows) {
+    const int64_t P = g->N * C;
+    double *ps = scratch, *pq = scratch + P;
+#pragma omp parallel for schedule(static) if (P * S > BN_PAR_MIN)
+    for (int64_t p = 0; p < P; p++) {
+      const int64_t c = p % C;
+      T *xp = FN(bn16_work)(work, wl, 3), *dp = xp + wl, *yp = y ? xp + 2 * wl : NULL;
+      FN(bn16_in)(xp, x + p * S, S, bf);
+      FN(bn16_in)(dp, dy + p * S, S, bf);
+      if (yp) FN(bn16_in)(yp, y + p * S, S, bf);
+      const T a = fa ? fa[c] : 0, b = fa ? fb[c] : 0;
+#define BN_CALL(mk) FN(reduce_run)(S, xp, dp, yp, mean[c], a, b, &ps[p], &pq[p], mk)
+      BN_MASK_DISPATCH(BN_CALL, bn_mask_kind(y, fa));
+#undef BN_CALL
+    }
+    bn_combine(ps, pq, g->N, C, sdy, sdx);
+    return;
+  }
+  const int64_t M = g->N * S, R = g->block_rows, nb = (M + R - 1) / R;
+  double *ps = scratch, *pq = scratch + nb * C;
+#pragma omp parallel for schedule(static) if (M * C > BN_PAR_MIN)
+  for (int64_t b = 0; b < nb; b++) {
+    const int64_t r1 = b * R + R < M ? b * R + R : M, o = b * R * C, n = (r1 - b * R) * C;
+    T *xp = FN(bn16_work)(work, wl, 3), *dp = xp + wl, *yp = y ? xp + 2 * wl : NULL;
+    FN(bn16_in)(xp, x + o, n, bf);
+    FN(bn16_in)(dp, dy + o, n, bf);
+    if (yp) FN(bn16_in)(yp, y + o, n, bf);
+    FN(reduce_rows)(C, r1 - b * R, xp, dp, yp, mean, fa, fb, ps + b * C, pq + b * C);
+  }
+  bn_combine(ps, pq, nb, C, sdy, sdx);
+}
+
+/* bn_bwd_apply on 16-bit x, dy, y, dx, dskip (work: 5 buffers per thread; dx or dskip may be dy). */
+static void FN(bn16_bwd_apply)(const bn_geom_t *g, const uint16_t *x, const uint16_t *dy, const uint16_t *y,
+                               uint16_t *dx, uint16_t *dskip, int bf, float *work, int64_t wl, const T *mean,
+                               const T *fa, const T *fb, const T *A, const T *B, const T *D) {
+  const int64_t C = g->C, S = g->S;
+  const int mask = bn_mask_kind(y, fa);
+  if (!g->rows) {
+    const int64_t P = g->N * C;
+#pragma omp parallel for schedule(static) if (P * S > BN_PAR_MIN)
+    for (int64_t p = 0; p < P; p++) {
+      const int64_t c = p % C;
+      T *xp = FN(bn16_work)(work, wl, 5), *dp = xp + wl, *yp = y ? xp + 2 * wl : NULL;
+      T *gp = dx ? xp + 3 * wl : NULL, *sp = dskip ? xp + 4 * wl : NULL;
+      FN(bn16_in)(xp, x + p * S, S, bf);
+      FN(bn16_in)(dp, dy + p * S, S, bf);
+      if (yp) FN(bn16_in)(yp, y + p * S, S, bf);
+      const T a = fa ? fa[c] : 0, b = fa ? fb[c] : 0;
+#define BN_CALL(mk, wx, ws) FN(bwd_run)(S, xp, dp, yp, gp, sp, mean[c], a, b, A[c], B[c], D[c], mk, wx, ws)
+      BN_BWD_DISPATCH(BN_CALL, mask, gp, sp);
+#undef BN_CALL
+      if (gp) FN(bn16_out)(dx + p * S, gp, S, bf);
+      if (sp) FN(bn16_out)(dskip + p * S, sp, S, bf);
+    }
+    return;
+  }
+  const int64_t M = g->N * S, R = g->block_rows, nb = (M + R - 1) / R;
+#pragma omp parallel for schedule(static) if (M * C > BN_PAR_MIN)
+  for (int64_t b = 0; b < nb; b++) {
+    const int64_t r1 = b * R + R < M ? b * R + R : M, o = b * R * C, n = (r1 - b * R) * C;
+    T *xp = FN(bn16_work)(work, wl, 5), *dp = xp + wl, *yp = y ? xp + 2 * wl : NULL;
+    T *gp = dx ? xp + 3 * wl : NULL, *sp = dskip ? xp + 4 * wl : NULL;
+    FN(bn16_in)(xp, x + o, n, bf);
+    FN(bn16_in)(dp, dy + o, n, bf);
+    if (yp) FN(bn16_in)(yp, y + o, n, bf);
+    FN(bwd_rows)(C, r1 - b * R, xp, dp, yp, gp, sp, mean, fa, fb, A, B, D);
+    if (gp) FN(bn16_out)(dx + o, gp, n, bf);
+    if (sp) FN(bn16_out)(dskip + o, sp, n, bf);
+  }
+}
+#endif /* BN_HALF */
 
 #undef BN_APPLY_DISPATCH
 #undef BN_BWD_DISPATCH
