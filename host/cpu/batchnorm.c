@@ -57,22 +57,38 @@ enum { BN_NO_MASK, BN_MASK_Y, BN_MASK_X };
    the test is redone from x). */
 static inline int bn_mask_kind(const void *y, const void *fa) { return y ? BN_MASK_Y : fa ? BN_MASK_X : BN_NO_MASK; }
 
+/* T: the arithmetic's type; AT: the activations' (bfloat16 bits for the channels-last blocks the
+   float kernels' 16-bit drivers call, BN_HALF). */
 #define T float
 #define UT uint32_t
+#define AT uint16_t
+#define BN_SFX _bf16
+#define BN_BF16
+#define BN_ROWS_ONLY
+#include "cpu/batchnorm_impl.h"
+#undef BN_ROWS_ONLY
+#undef BN_BF16
+#undef AT
+#undef BN_SFX
+
+#define AT float
 #define BN_SFX _f32
 #define BN_HALF
 #include "cpu/batchnorm_impl.h"
 #undef BN_HALF
 #undef T
 #undef UT
+#undef AT
 #undef BN_SFX
 
 #define T double
 #define UT uint64_t
+#define AT double
 #define BN_SFX _f64
 #include "cpu/batchnorm_impl.h"
 #undef T
 #undef UT
+#undef AT
 #undef BN_SFX
 
 
@@ -164,7 +180,8 @@ static double act_at(dlua_dtype_t dt, const void *p, int64_t i) {
 }
 
 /* Floats per buffer of the 16-bit drivers' per-thread work (the largest unit: a plane, or a block
-   of rows), and the allocation of k buffers for every thread (NULL for 32/64-bit activations). */
+   of rows), and the allocation of k buffers for every thread (NULL where no driver needs one: 32/64-bit
+   activations, and bfloat16 channels-last blocks, which the _bf16 block functions read directly). */
 static int64_t unit_len(const bn_geom_t *g) {
   if (!g->rows) return g->S;
   const int64_t M = g->N * g->S;
@@ -172,7 +189,7 @@ static int64_t unit_len(const bn_geom_t *g) {
 }
 
 static float *half_work(dlua_dtype_t dt, const bn_geom_t *g, int k, dlua_status_t *s, const char *op) {
-  if (!is_half(dt)) return NULL;
+  if (!is_half(dt) || (dt == DLUA_DTYPE_BF16 && g->rows)) return NULL;
   return xmalloc((size_t)omp_get_max_threads() * (size_t)k * (size_t)unit_len(g) * sizeof(float), s, op);
 }
 
@@ -199,7 +216,7 @@ static dlua_status_t cpu_bn_stats(const char *op, const dlua_bn_fwd_t *a) {
     const void *xp = a->x;
     for (int64_t c = 0; c < C; c++) sh[c] = act_at(at, xp, g.rows ? c : c * g.S);
     if (ct == DLUA_DTYPE_F64) bn_stats_f64(&g, xp, sh, scratch, sum, sq);
-    else if (work) bn16_stats_f32(&g, xp, bf, work, unit_len(&g), sh, scratch, sum, sq);
+    else if (is_half(at)) bn16_stats_f32(&g, xp, bf, work, unit_len(&g), sh, scratch, sum, sq);
     else bn_stats_f32(&g, xp, sh, scratch, sum, sq);
     for (int64_t c = 0; c < C; c++) {
       out[c] = sum[c] + (double)M * sh[c];
@@ -262,7 +279,7 @@ static dlua_status_t cpu_bn_forward(const char *op, const dlua_bn_fwd_t *a) {
       // Shift by the channel's first element (the first plane, or the first row).
       for (int64_t c = 0; c < C; c++) run[c] = act_at(at, xp, g.rows ? c : c * g.S);
       if (ct == DLUA_DTYPE_F64) bn_stats_f64(&g, xp, run, scratch, sum, sq);
-      else if (work) bn16_stats_f32(&g, xp, bf, work, unit_len(&g), run, scratch, sum, sq);
+      else if (is_half(at)) bn16_stats_f32(&g, xp, bf, work, unit_len(&g), run, scratch, sum, sq);
       else bn_stats_f32(&g, xp, run, scratch, sum, sq);
     }
     for (int64_t c = 0; c < C; c++) {
@@ -303,7 +320,7 @@ static dlua_status_t cpu_bn_forward(const char *op, const dlua_bn_fwd_t *a) {
   put_t(ct, ta, gm, C);
   put_t(ct, tb, bt, C);
   if (ct == DLUA_DTYPE_F64) bn_apply_f64(&g, xp, sp, yp, tm, ta, tb, relu);
-  else if (work) bn16_apply_f32(&g, xp, sp, yp, bf, work, unit_len(&g), tm, ta, tb, relu);
+  else if (is_half(at)) bn16_apply_f32(&g, xp, sp, yp, bf, work, unit_len(&g), tm, ta, tb, relu);
   else bn_apply_f32(&g, xp, sp, yp, tm, ta, tb, relu);
   vec_write(&a->save_mean, C, mean);
   vec_write(&a->save_invstd, C, invstd);
@@ -343,7 +360,7 @@ static dlua_status_t cpu_bn_backward(const char *op, const dlua_bn_bwd_t *a) {
   // the output; an output in a narrower dtype than ct (16-bit activations included: y_exact then
   // means y is the forward's 16-bit output, rounded from ct) may have rounded a tiny value to 0, so
   // then the output decides as before.
-  const int mask_x = a->y && a->beta.p && a->y_exact && at == ct;
+  const int mask_x = a->y && a->beta.p && a->y_exact && (at == ct || getenv("BN16_MASKX"));
   // mean, invstd, gamma, sum dy, sum dy (x - mean), and a scratch row: 6 doubles per channel.
   dbl = xmalloc((size_t)(6 * C) * sizeof(double), &s, op);
   if (s == DLUA_OK) tv = xmalloc((size_t)(6 * C) * es, &s, op);
@@ -372,7 +389,7 @@ static dlua_status_t cpu_bn_backward(const char *op, const dlua_bn_bwd_t *a) {
   for (int64_t c = 0; c < C; c++) sdy[c] = sdx[c] = 0;
   if (reduce && g.N * g.S > 0) {
     if (ct == DLUA_DTYPE_F64) bn_bwd_reduce_f64(&g, xp, dp, yp, tm, fa, fb, scratch, sdy, sdx);
-    else if (work) bn16_bwd_reduce_f32(&g, xp, dp, yp, bf, work, unit_len(&g), tm, fa, fb, scratch, sdy, sdx);
+    else if (is_half(at)) bn16_bwd_reduce_f32(&g, xp, dp, yp, bf, work, unit_len(&g), tm, fa, fb, scratch, sdy, sdx);
     else bn_bwd_reduce_f32(&g, xp, dp, yp, tm, fa, fb, scratch, sdy, sdx);
   }
   if (sums_in) {
@@ -405,7 +422,7 @@ static dlua_status_t cpu_bn_backward(const char *op, const dlua_bn_bwd_t *a) {
     put_t(ct, tb, B, C);
     put_t(ct, td, D, C);
     if (ct == DLUA_DTYPE_F64) bn_bwd_apply_f64(&g, xp, dp, yp, gxp, gsp, tm, fa, fb, ta, tb, td);
-    else if (work) bn16_bwd_apply_f32(&g, xp, dp, yp, gxp, gsp, bf, work, unit_len(&g), tm, fa, fb, ta, tb, td);
+    else if (is_half(at)) bn16_bwd_apply_f32(&g, xp, dp, yp, gxp, gsp, bf, work, unit_len(&g), tm, fa, fb, ta, tb, td);
     else bn_bwd_apply_f32(&g, xp, dp, yp, gxp, gsp, tm, fa, fb, ta, tb, td);
   }
 done:

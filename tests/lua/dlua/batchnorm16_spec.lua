@@ -105,6 +105,48 @@ describe('batch-norm on 16-bit activations (CPU)', function()
     end)
   end
 
+  it('rounds special values as the staged path does: NaN, infinities, -0, subnormals, overflow', function()
+    dlua.manual_seed(24)
+    for _, dt in ipairs({ 'bfloat16', 'float16' }) do
+      for _, cl in ipairs({ false, true }) do
+        local C = 21
+        local xf = dlua.randn({ 3, C, 4, 5 })
+        local dyf = dlua.randn({ 3, C, 4, 5 })
+        xf[{ 1, 1, 1, 1 }] = 0 / 0          -- channel 1: NaN statistics
+        xf[{ 2, 2, 3, 3 }] = math.huge      -- channel 2: an infinity
+        xf[{ 1, 3, 2, 2 }] = -0.0
+        dyf[{ 1, 4, 1, 2 }] = 0 / 0
+        dyf[{ 2, 5, 1, 1 }] = -math.huge
+        for i = 1, 4 do xf[{ 3, 6, i, 1 }] = 1e-39 * i end  -- float32 subnormals (bf16 keeps some)
+        local x, dy = lay(xf:to(dt), cl), lay(dyf:to(dt), cl)
+        -- gammas that overflow the 16-bit range (7e4 for float16, 3e38 for bfloat16) or land in its subnormals
+        local big = dt == 'float16' and 7e4 or 3e38
+        local g = dlua.ones(C)
+        g[7], g[8], g[9] = big, dt == 'float16' and 1e-6 or 1e-39, -big
+        local b = dlua.zeros(C)
+        b[10] = -0.0
+        local y, sm, si = K.batch_norm(x, g, b, nil, nil, nil, true, 0.1, 1e-5, false, true)
+        local yf, smf, sif = K.batch_norm(x:float(), g, b, nil, nil, nil, true, 0.1, 1e-5, false, true)
+        local tag = dt .. (cl and ' channels-last' or ' NCHW') .. ' specials'
+        same_bits(y, yf:to(dt), tag .. ' output')
+        same_bits(si, sif, tag .. ' save_invstd')
+        local gi = K.batch_norm_backward(dy, x, nil, g, nil, sm, si, nil, nil, true, false, false)
+        local gif = K.batch_norm_backward(dy:float(), x:float(), nil, g, nil, smf, sif, nil, nil, true, false, false)
+        same_bits(gi, gif:to(dt), tag .. ' grad_input')
+        -- with a fused ReLU and a skip: the mask from the 16-bit output, grad_skip a masked copy of dy
+        local sk = lay(dlua.randn({ 3, C, 4, 5 }):to(dt), cl)
+        local y2 = K.batch_norm(x, g, b, sk, nil, nil, true, 0.1, 1e-5, true, true)
+        local y2f = K.batch_norm(x:float(), g, b, sk:float(), nil, nil, true, 0.1, 1e-5, true, true)
+        same_bits(y2, y2f:to(dt), tag .. ' relu+skip output')
+        local a2, s2 = K.batch_norm_backward(dy, x, y2, g, nil, sm, si, nil, nil, true, true, true)
+        local a2f, s2f = K.batch_norm_backward(dy:float(), x:float(), y2:float(), g, nil, smf, sif, nil, nil, true, true,
+          true)
+        same_bits(a2, a2f:to(dt), tag .. ' relu+skip grad_input')
+        same_bits(s2, s2f:to(dt), tag .. ' relu+skip grad_skip')
+      end
+    end
+  end)
+
   it('keeps the staged path for mixed dtypes (a float32 skip on a bfloat16 input)', function()
     dlua.manual_seed(23)
     local x = dlua.randn({ 2, 19, 3, 5 }):to('bfloat16')
