@@ -360,7 +360,7 @@ static dlua_status_t cpu_bn_backward(const char *op, const dlua_bn_bwd_t *a) {
   // the output; an output in a narrower dtype than ct (16-bit activations included: y_exact then
   // means y is the forward's 16-bit output, rounded from ct) may have rounded a tiny value to 0, so
   // then the output decides as before.
-  const int mask_x = a->y && a->beta.p && a->y_exact && (at == ct || getenv("BN16_MASKX"));
+  const int mask_x = a->y && a->beta.p && a->y_exact && at == ct;
   // mean, invstd, gamma, sum dy, sum dy (x - mean), and a scratch row: 6 doubles per channel.
   dbl = xmalloc((size_t)(6 * C) * sizeof(double), &s, op);
   if (s == DLUA_OK) tv = xmalloc((size_t)(6 * C) * es, &s, op);
