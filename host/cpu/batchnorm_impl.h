@@ -214,9 +214,9 @@ static DLUA_CPU_CLONES void FN(stats_rows)(int64_t C, int64_t n, const AT *x, co
 }
 
 /* y = act((x - m) * a + b (+ skip)) over n rows; y may be x. */
-static inline __attribute__((always_inline)) void FN(apply_rows_k)(int64_t C, int64_t n, const AT *x, const AT *sk, AT *y,
-                                                                   const T *m, const T *a, const T *b, int has_skip,
-                                                                   int relu) {
+static inline __attribute__((always_inline)) void FN(apply_rows_k)(int64_t C, int64_t n, const AT *x, const AT *sk,
+                                                                   AT *y, const T *m, const T *a, const T *b,
+                                                                   int has_skip, int relu) {
   const FN(vT) zero = {0};
   const int64_t cv = C - C % VW;
   for (int64_t r = 0; r < n; r++)
@@ -506,8 +506,12 @@ static void FN(bn_bwd_apply)(const bn_geom_t *g, const T *x, const T *dy, const 
    float kernel's, so the bits are those of staging the whole tensor in float32 and casting back.
    bfloat16 blocks of rows skip the buffers: the _bf16 block functions (the same code, loading and
    storing bfloat16) read and write the activations directly, interleaved with the arithmetic. */
-static inline float *FN(bn16_work)(float *work, int64_t wl, int k) { return work + (int64_t)omp_get_thread_num() * k * wl; }
-static inline void FN(bn16_in)(float *d, const uint16_t *s, int64_t n, int bf) { dlua_convert_half_to_f32(d, s, n, bf); }
+static inline float *FN(bn16_work)(float *work, int64_t wl, int k) {
+  return work + (int64_t)omp_get_thread_num() * k * wl;
+}
+static inline void FN(bn16_in)(float *d, const uint16_t *s, int64_t n, int bf) {
+  dlua_convert_half_to_f32(d, s, n, bf);
+}
 static inline void FN(bn16_out)(uint16_t *d, const float *s, int64_t n, int bf) {
   dlua_convert_f32_to_half(d, s, n, 1.0f, bf);
 }
@@ -554,8 +558,8 @@ static void FN(bn16_stats)(const bn_geom_t *g, const uint16_t *x, int bf, float 
 }
 
 /* bn_apply on 16-bit x, skip, y (work: 2 buffers per thread; y may be x). */
-static void FN(bn16_apply)(const bn_geom_t *g, const uint16_t *x, const uint16_t *skip, uint16_t *y, int bf, float *work,
-                           int64_t wl, const T *mean, const T *a, const T *beta, int relu) {
+static void FN(bn16_apply)(const bn_geom_t *g, const uint16_t *x, const uint16_t *skip, uint16_t *y, int bf,
+                           float *work, int64_t wl, const T *mean, const T *a, const T *beta, int relu) {
   const int64_t C = g->C, S = g->S;
   if (!g->rows) {
     const int64_t P = g->N * C;
