@@ -153,6 +153,37 @@ describe('batch-norm on 16-bit activations (CPU)', function()
     end
   end)
 
+  it("SyncBatchNorm's halves on 16-bit activations equal the staged float32 path bit for bit", function()
+    dlua.manual_seed(25)
+    for _, dt in ipairs({ 'bfloat16', 'float16' }) do
+      for _, cl in ipairs({ false, true }) do
+        local C = 19
+        local x = lay((dlua.randn({ 5, C, 3, 7 }) + 2):to(dt), cl)
+        local dy, sk = lay(dlua.randn({ 5, C, 3, 7 }):to(dt), cl), lay(dlua.randn({ 5, C, 3, 7 }):to(dt), cl)
+        local g, b = dlua.rand(C) + 0.5, dlua.randn(C)
+        local tag = dt .. (cl and ' channels-last' or ' NCHW') .. ' sync'
+        local st, stf = K.batch_norm_stats(x), K.batch_norm_stats(x:float())
+        same_bits(st, stf, tag .. ' stats')
+        local rm, rv, rmf, rvf = dlua.zeros(C), dlua.ones(C), dlua.zeros(C), dlua.ones(C)
+        local y, sm, si = K.batch_norm_apply(x, g, b, sk, st, rm, rv, 0.1, 1e-5, true)
+        local yf, smf, sif = K.batch_norm_apply(x:float(), g, b, sk:float(), stf, rmf, rvf, 0.1, 1e-5, true)
+        same_bits(y, yf:to(dt), tag .. ' apply')
+        same_bits(rv, rvf, tag .. ' running_var')
+        local gg, gb, ggf, gbf = dlua.zeros(C), dlua.zeros(C), dlua.zeros(C), dlua.zeros(C)
+        local sums = K.batch_norm_backward_reduce(dy, x, y, g, nil, sm, si, gg, gb, true)
+        local sumsf = K.batch_norm_backward_reduce(dy:float(), x:float(), y:float(), g, nil, smf, sif, ggf, gbf, true)
+        same_bits(sums, sumsf, tag .. ' backward_reduce sums')
+        same_bits(gg, ggf, tag .. ' grad_weight')
+        same_bits(gb, gbf, tag .. ' grad_bias')
+        local gi, gs = K.batch_norm_backward_apply(dy, x, y, g, nil, sm, si, sums, true, true)
+        local gif, gsf = K.batch_norm_backward_apply(dy:float(), x:float(), y:float(), g, nil, smf, sif, sumsf, true,
+          true)
+        same_bits(gi, gif:to(dt), tag .. ' backward_apply grad_input')
+        same_bits(gs, gsf:to(dt), tag .. ' backward_apply grad_skip')
+      end
+    end
+  end)
+
   it('keeps the staged path for mixed dtypes (a float32 skip on a bfloat16 input)', function()
     dlua.manual_seed(23)
     local x = dlua.randn({ 2, 19, 3, 5 }):to('bfloat16')
