@@ -365,7 +365,7 @@ static dlua_status_t cpu_bn_backward(const char *op, const dlua_bn_bwd_t *a) {
   dbl = xmalloc((size_t)(6 * C) * sizeof(double), &s, op);
   if (s == DLUA_OK) tv = xmalloc((size_t)(6 * C) * es, &s, op);
   if (s == DLUA_OK && reduce && g.N * g.S > 0) scratch = xmalloc((size_t)scratch_len(&g) * sizeof(double), &s, op);
-  if (s == DLUA_OK && g.N * g.S > 0) work = half_work(at, &g, 5, &s, op);
+  if (s == DLUA_OK) work = half_work(at, &g, 5, &s, op);
   if (s != DLUA_OK) goto done;
   double *mean = dbl, *invstd = dbl + C, *gm = dbl + 2 * C, *sdy = dbl + 3 * C, *sdx = dbl + 4 * C;
   vec_read(&a->save_mean, C, mean, 0.0);
