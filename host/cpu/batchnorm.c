@@ -1,13 +1,16 @@
 /* The CPU batch-norm kernels (kernels/norm.h): statistics, normalisation fused with ReLU and a residual add,
    backward reduce and apply, and all their per-channel arithmetic (this file is built with -ffp-contract=off).
+   Activations are float32, float64, or float16/bfloat16 read and written here (computing in float32).
    The front doors (checks, layouts, staging, `out`) are host/ops/batchnorm.c. */
 #include <inttypes.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "core/api.h"
+#include "core/copy.h"
 #include "core/dtype.h"
 #include "core/error.h"
 #include "kernels/clones.h"
@@ -54,20 +57,38 @@ enum { BN_NO_MASK, BN_MASK_Y, BN_MASK_X };
    the test is redone from x). */
 static inline int bn_mask_kind(const void *y, const void *fa) { return y ? BN_MASK_Y : fa ? BN_MASK_X : BN_NO_MASK; }
 
+/* T: the arithmetic's type; AT: the activations' (bfloat16 bits for the channels-last blocks the
+   float kernels' 16-bit drivers call, BN_HALF). */
 #define T float
 #define UT uint32_t
-#define BN_SFX _f32
+#define AT uint16_t
+#define BN_SFX _bf16
+#define BN_BF16
+#define BN_ROWS_ONLY
 #include "cpu/batchnorm_impl.h"
+#undef BN_ROWS_ONLY
+#undef BN_BF16
+#undef AT
+#undef BN_SFX
+
+#define AT float
+#define BN_SFX _f32
+#define BN_HALF
+#include "cpu/batchnorm_impl.h"
+#undef BN_HALF
 #undef T
 #undef UT
+#undef AT
 #undef BN_SFX
 
 #define T double
 #define UT uint64_t
+#define AT double
 #define BN_SFX _f64
 #include "cpu/batchnorm_impl.h"
 #undef T
 #undef UT
+#undef AT
 #undef BN_SFX
 
 
@@ -133,11 +154,43 @@ static void *xmalloc(size_t n, dlua_status_t *s, const char *op) {
   return p;
 }
 
-/* The CPU computes in float32 or float64; the front door stages other dtypes (native_16bit 0). */
+/* The CPU computes in float32 or float64, and reads and writes float16 / bfloat16 activations itself
+   (native_16bit 1), computing in float32. */
 static dlua_status_t check_dtype(const char *op, int dtype) {
-  if (dtype == DLUA_DTYPE_F32 || dtype == DLUA_DTYPE_F64) return DLUA_OK;
-  return DLUA_ERR(DLUA_ERR_ARG, "%s: the CPU batch-norm kernels take float32 or float64 activations, got dtype %d", op,
-                  dtype);
+  if (dtype == DLUA_DTYPE_F32 || dtype == DLUA_DTYPE_F64 || dtype == DLUA_DTYPE_F16 || dtype == DLUA_DTYPE_BF16)
+    return DLUA_OK;
+  return DLUA_ERR(DLUA_ERR_ARG,
+                  "%s: the CPU batch-norm kernels take float16, bfloat16, float32 or float64 activations, got dtype %d",
+                  op, dtype);
+}
+
+static int is_half(dlua_dtype_t dt) { return dt == DLUA_DTYPE_F16 || dt == DLUA_DTYPE_BF16; }
+
+/* The dtype the arithmetic runs in: float64 for float64 activations, else float32. */
+static dlua_dtype_t compute_type(dlua_dtype_t dt) { return dt == DLUA_DTYPE_F64 ? DLUA_DTYPE_F64 : DLUA_DTYPE_F32; }
+
+/* Element i of activations of dtype dt, widened (exactly). */
+static double act_at(dlua_dtype_t dt, const void *p, int64_t i) {
+  switch (dt) {
+    case DLUA_DTYPE_F64: return ((const double *)p)[i];
+    case DLUA_DTYPE_F32: return ((const float *)p)[i];
+    case DLUA_DTYPE_F16: return dlua_f16_to_f32_inl(((const uint16_t *)p)[i]);
+    default: return dlua_bf16_to_f32_inl(((const uint16_t *)p)[i]);
+  }
+}
+
+/* Floats per buffer of the 16-bit drivers' per-thread work (the largest unit: a plane, or a block
+   of rows), and the allocation of k buffers for every thread (NULL where no driver needs one: 32/64-bit
+   activations, and bfloat16 channels-last blocks, which the _bf16 block functions read directly). */
+static int64_t unit_len(const bn_geom_t *g) {
+  if (!g->rows) return g->S;
+  const int64_t M = g->N * g->S;
+  return (g->block_rows < M ? g->block_rows : M) * g->C;
+}
+
+static float *half_work(dlua_dtype_t dt, const bn_geom_t *g, int k, dlua_status_t *s, const char *op) {
+  if (!is_half(dt) || (dt == DLUA_DTYPE_BF16 && g->rows)) return NULL;
+  return xmalloc((size_t)omp_get_max_threads() * (size_t)k * (size_t)unit_len(g) * sizeof(float), s, op);
 }
 
 /* ---- statistics (batch_norm_stats) ---------------------------------------------------------------- */
@@ -147,20 +200,23 @@ static dlua_status_t cpu_bn_stats(const char *op, const dlua_bn_fwd_t *a) {
   bn_geom_t g;
   geom_of(&a->g, &g);
   const int64_t C = g.C, M = a->M;
-  const dlua_dtype_t ct = (dlua_dtype_t)a->g.dtype;
+  const dlua_dtype_t at = (dlua_dtype_t)a->g.dtype, ct = compute_type(at);
+  const int bf = at == DLUA_DTYPE_BF16;
   dlua_status_t s = DLUA_OK;
   double *dbl = NULL, *scratch = NULL;
+  float *work = NULL;
   dbl = xmalloc((size_t)(3 * C) * sizeof(double), &s, op);
   if (s == DLUA_OK && M > 0) scratch = xmalloc((size_t)scratch_len(&g) * sizeof(double), &s, op);
+  if (s == DLUA_OK && M > 0) work = half_work(at, &g, 1, &s, op);
   if (s != DLUA_OK) goto done;
   double *out = a->stats_out, *sh = dbl, *sum = dbl + C, *sq = dbl + 2 * C;
   for (int64_t c = 0; c < 2 * C; c++) out[c] = 0;
   if (M > 0) {
     // As forward: sums of x - shift (a value of the channel), then the shift put back, in double.
     const void *xp = a->x;
-    for (int64_t c = 0; c < C; c++)
-      sh[c] = ct == DLUA_DTYPE_F64 ? ((const double *)xp)[g.rows ? c : c * g.S] : ((const float *)xp)[g.rows ? c : c * g.S];
+    for (int64_t c = 0; c < C; c++) sh[c] = act_at(at, xp, g.rows ? c : c * g.S);
     if (ct == DLUA_DTYPE_F64) bn_stats_f64(&g, xp, sh, scratch, sum, sq);
+    else if (is_half(at)) bn16_stats_f32(&g, xp, bf, work, unit_len(&g), sh, scratch, sum, sq);
     else bn_stats_f32(&g, xp, sh, scratch, sum, sq);
     for (int64_t c = 0; c < C; c++) {
       out[c] = sum[c] + (double)M * sh[c];
@@ -171,6 +227,7 @@ static dlua_status_t cpu_bn_stats(const char *op, const dlua_bn_fwd_t *a) {
 done:
   free(dbl);
   free(scratch);
+  free(work);
   return s;
 }
 
@@ -187,16 +244,19 @@ static dlua_status_t cpu_bn_forward(const char *op, const dlua_bn_fwd_t *a) {
   const int train = a->train, relu = a->relu;
   const double momentum = a->momentum, eps = a->eps;
   const double *stats = a->stats;
-  const dlua_dtype_t ct = (dlua_dtype_t)a->g.dtype;
+  const dlua_dtype_t at = (dlua_dtype_t)a->g.dtype, ct = compute_type(at);
+  const int bf = at == DLUA_DTYPE_BF16;
   const size_t es = dlua_dtype_size(ct);
 
   dlua_status_t s = DLUA_OK;
   double *dbl = NULL, *scratch = NULL;
   void *tv = NULL;
+  float *work = NULL;  // 16-bit activations: per-thread float copies of x and skip, one unit at a time
   // mean, invstd, gamma, beta, sum, sumsq, running values: 7 doubles per channel.
   dbl = xmalloc((size_t)(7 * C) * sizeof(double), &s, op);
   if (s == DLUA_OK) tv = xmalloc((size_t)(3 * C) * es, &s, op);
   if (s == DLUA_OK && train && !stats && M > 0) scratch = xmalloc((size_t)scratch_len(&g) * sizeof(double), &s, op);
+  if (s == DLUA_OK) work = half_work(at, &g, 2, &s, op);
   if (s != DLUA_OK) goto done;
   double *mean = dbl, *invstd = dbl + C, *gm = dbl + 2 * C, *bt = dbl + 3 * C, *sum = dbl + 4 * C, *sq = dbl + 5 * C,
          *run = dbl + 6 * C;
@@ -217,9 +277,9 @@ static dlua_status_t cpu_bn_forward(const char *op, const dlua_bn_fwd_t *a) {
   } else if (train) {
     if (M > 0) {
       // Shift by the channel's first element (the first plane, or the first row).
-      for (int64_t c = 0; c < C; c++)
-        run[c] = ct == DLUA_DTYPE_F64 ? ((const double *)xp)[g.rows ? c : c * g.S] : ((const float *)xp)[g.rows ? c : c * g.S];
+      for (int64_t c = 0; c < C; c++) run[c] = act_at(at, xp, g.rows ? c : c * g.S);
       if (ct == DLUA_DTYPE_F64) bn_stats_f64(&g, xp, run, scratch, sum, sq);
+      else if (is_half(at)) bn16_stats_f32(&g, xp, bf, work, unit_len(&g), run, scratch, sum, sq);
       else bn_stats_f32(&g, xp, run, scratch, sum, sq);
     }
     for (int64_t c = 0; c < C; c++) {
@@ -260,6 +320,7 @@ static dlua_status_t cpu_bn_forward(const char *op, const dlua_bn_fwd_t *a) {
   put_t(ct, ta, gm, C);
   put_t(ct, tb, bt, C);
   if (ct == DLUA_DTYPE_F64) bn_apply_f64(&g, xp, sp, yp, tm, ta, tb, relu);
+  else if (is_half(at)) bn16_apply_f32(&g, xp, sp, yp, bf, work, unit_len(&g), tm, ta, tb, relu);
   else bn_apply_f32(&g, xp, sp, yp, tm, ta, tb, relu);
   vec_write(&a->save_mean, C, mean);
   vec_write(&a->save_invstd, C, invstd);
@@ -267,6 +328,7 @@ done:
   free(dbl);
   free(tv);
   free(scratch);
+  free(work);
   return s;
 }
 
@@ -282,7 +344,8 @@ static dlua_status_t cpu_bn_backward(const char *op, const dlua_bn_bwd_t *a) {
   geom_of(&a->g, &g);
   const int64_t C = g.C, M = a->M;
   const int train = a->train, reduce = a->reduce, accumulate = a->accumulate;
-  const dlua_dtype_t ct = (dlua_dtype_t)a->g.dtype;
+  const dlua_dtype_t at = (dlua_dtype_t)a->g.dtype, ct = compute_type(at);
+  const int bf = at == DLUA_DTYPE_BF16;
   const size_t es = dlua_dtype_size(ct);
   const int want_dx = a->dx != NULL, want_skip = a->dskip != NULL;
   const double *sums_in = a->sums_in;
@@ -292,14 +355,17 @@ static dlua_status_t cpu_bn_backward(const char *op, const dlua_bn_bwd_t *a) {
   dlua_status_t s = DLUA_OK;
   double *dbl = NULL, *scratch = NULL;
   void *tv = NULL;
+  float *work = NULL;  // 16-bit activations: per-thread float copies of x, dy, y, dx, dskip, one unit at a time
   // With beta, the ReLU mask is the forward's own test redone from x, one stream less than reading
-  // the output; an output in a narrower dtype than ct may have rounded a tiny value to 0, so then
-  // the output decides as before.
-  const int mask_x = a->y && a->beta.p && a->y_exact;
+  // the output; an output in a narrower dtype than ct (16-bit activations included: y_exact then
+  // means y is the forward's 16-bit output, rounded from ct) may have rounded a tiny value to 0, so
+  // then the output decides as before.
+  const int mask_x = a->y && a->beta.p && a->y_exact && at == ct;
   // mean, invstd, gamma, sum dy, sum dy (x - mean), and a scratch row: 6 doubles per channel.
   dbl = xmalloc((size_t)(6 * C) * sizeof(double), &s, op);
   if (s == DLUA_OK) tv = xmalloc((size_t)(6 * C) * es, &s, op);
   if (s == DLUA_OK && reduce && g.N * g.S > 0) scratch = xmalloc((size_t)scratch_len(&g) * sizeof(double), &s, op);
+  if (s == DLUA_OK) work = half_work(at, &g, 5, &s, op);
   if (s != DLUA_OK) goto done;
   double *mean = dbl, *invstd = dbl + C, *gm = dbl + 2 * C, *sdy = dbl + 3 * C, *sdx = dbl + 4 * C;
   vec_read(&a->save_mean, C, mean, 0.0);
@@ -323,6 +389,7 @@ static dlua_status_t cpu_bn_backward(const char *op, const dlua_bn_bwd_t *a) {
   for (int64_t c = 0; c < C; c++) sdy[c] = sdx[c] = 0;
   if (reduce && g.N * g.S > 0) {
     if (ct == DLUA_DTYPE_F64) bn_bwd_reduce_f64(&g, xp, dp, yp, tm, fa, fb, scratch, sdy, sdx);
+    else if (is_half(at)) bn16_bwd_reduce_f32(&g, xp, dp, yp, bf, work, unit_len(&g), tm, fa, fb, scratch, sdy, sdx);
     else bn_bwd_reduce_f32(&g, xp, dp, yp, tm, fa, fb, scratch, sdy, sdx);
   }
   if (sums_in) {
@@ -355,17 +422,19 @@ static dlua_status_t cpu_bn_backward(const char *op, const dlua_bn_bwd_t *a) {
     put_t(ct, tb, B, C);
     put_t(ct, td, D, C);
     if (ct == DLUA_DTYPE_F64) bn_bwd_apply_f64(&g, xp, dp, yp, gxp, gsp, tm, fa, fb, ta, tb, td);
+    else if (is_half(at)) bn16_bwd_apply_f32(&g, xp, dp, yp, gxp, gsp, bf, work, unit_len(&g), tm, fa, fb, ta, tb, td);
     else bn_bwd_apply_f32(&g, xp, dp, yp, gxp, gsp, tm, fa, fb, ta, tb, td);
   }
 done:
   free(dbl);
   free(tv);
   free(scratch);
+  free(work);
   return s;
 }
 
 const struct dlua_norm_ops dlua_cpu_norm_ops = {
-    .native_16bit = 0,
+    .native_16bit = 1,
     .forward = cpu_bn_forward,
     .backward = cpu_bn_backward,
 };

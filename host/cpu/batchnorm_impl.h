@@ -1,4 +1,5 @@
-/* Batch-norm kernels for one scalar type: batchnorm.c includes this once per T (float, double) with FN naming the copies. */
+/* Batch-norm kernels for one scalar type: batchnorm.c includes this once per T (float, double) with FN naming the copies;
+   with BN_HALF (float only), also their drivers over f16/bf16 activations. */
 /* No include guard on purpose: each inclusion instantiates the kernels for another T.
 
    Inner loops live in always-inline helpers taking their options (ReLU mask, skip, which
@@ -16,10 +17,20 @@ static inline __attribute__((always_inline)) T FN(relu_mask)(T y, T d) {
   return d;
 }
 
+/* Activations are AT: T itself, or with BN_BF16 (T float) bfloat16 bits, widened on load and rounded
+   to nearest even on store exactly as dlua_bf16_to_f32_inl / dlua_f32_to_bf16_inl (copy_'s rules). */
+#ifdef BN_BF16
+static inline __attribute__((always_inline)) T FN(aget)(const AT *p, int64_t i) { return dlua_bf16_to_f32_inl(p[i]); }
+static inline __attribute__((always_inline)) void FN(aset)(AT *p, int64_t i, T v) { p[i] = dlua_f32_to_bf16_inl(v); }
+#else
+static inline __attribute__((always_inline)) T FN(aget)(const AT *p, int64_t i) { return p[i]; }
+static inline __attribute__((always_inline)) void FN(aset)(AT *p, int64_t i, T v) { p[i] = v; }
+#endif
+
 /* d masked as `mask` says (batchnorm.c's bn_mask_kind): by y[i] > 0, by the forward's own ReLU
    test xm * a + b > 0 (xm = x - mean; a, b the forward's scale and shift), or not at all. */
-static inline __attribute__((always_inline)) T FN(bwd_mask)(T d, int mask, const T *y, int64_t i, T xm, T a, T b) {
-  if (mask == BN_MASK_Y) return FN(relu_mask)(y[i], d);
+static inline __attribute__((always_inline)) T FN(bwd_mask)(T d, int mask, const AT *y, int64_t i, T xm, T a, T b) {
+  if (mask == BN_MASK_Y) return FN(relu_mask)(FN(aget)(y, i), d);
   if (mask == BN_MASK_X) return FN(relu_mask)(xm * a + b, d);
   return d;
 }
@@ -75,15 +86,36 @@ static inline __attribute__((always_inline)) FN(vT) FN(vload)(const T *p) {
   return v;
 }
 static inline __attribute__((always_inline)) void FN(vstore)(T *p, FN(vT) v) { memcpy(p, &v, sizeof v); }
+#ifdef BN_BF16
+/* VW bfloat16 activations, widened, and stored as aset. The load skips aget's quieting of a signalling
+   NaN: every use of a loaded value (arithmetic, a > 0 test, a masked copy stored through astore, which
+   sets the quiet bit itself) gives the same bits for a signalling NaN as for its quiet twin. */
+typedef uint16_t FN(vH) __attribute__((vector_size(32)));
+static inline __attribute__((always_inline)) FN(vT) FN(aload)(const AT *p) {
+  FN(vH) h;
+  memcpy(&h, p, sizeof h);
+  return (FN(vT))(__builtin_convertvector(h, FN(vU)) << 16);
+}
+static inline __attribute__((always_inline)) void FN(astore)(AT *p, FN(vT) v) {
+  const FN(vU) x = (FN(vU))v;
+  const FN(vU) nan = (FN(vU))((x & 0x7fffffffu) > 0x7f800000u);
+  const FN(vU) r = (nan & ((x >> 16) | 0x40u)) | (~nan & ((x + (0x7fffu + ((x >> 16) & 1u))) >> 16));
+  const FN(vH) h = __builtin_convertvector(r, FN(vH));
+  memcpy(p, &h, sizeof h);
+}
+#else
+static inline __attribute__((always_inline)) FN(vT) FN(aload)(const AT *p) { return FN(vload)(p); }
+static inline __attribute__((always_inline)) void FN(astore)(AT *p, FN(vT) v) { FN(vstore)(p, v); }
+#endif
 /* v where keep is all ones, else +0. */
 static inline __attribute__((always_inline)) FN(vT) FN(vkeep)(FN(vT) v, FN(vU) keep) {
   return (FN(vT))((FN(vU))v & keep);
 }
 /* bwd_mask on VW channels: y + i their outputs, xm, a, b their vectors. */
-static inline __attribute__((always_inline)) FN(vT) FN(vbwd_mask)(FN(vT) d, int mask, const T *y, int64_t i, FN(vT) xm,
+static inline __attribute__((always_inline)) FN(vT) FN(vbwd_mask)(FN(vT) d, int mask, const AT *y, int64_t i, FN(vT) xm,
                                                                   FN(vT) a, FN(vT) b) {
   const FN(vT) zero = {0};
-  if (mask == BN_MASK_Y) return FN(vkeep)(d, (FN(vU))(FN(vload)(y + i) > zero));
+  if (mask == BN_MASK_Y) return FN(vkeep)(d, (FN(vU))(FN(aload)(y + i) > zero));
   if (mask == BN_MASK_X) return FN(vkeep)(d, (FN(vU))(xm * a + b > zero));
   return d;
 }
@@ -146,7 +178,7 @@ static inline __attribute__((always_inline)) FN(vN) FN(hi8)(FN(vT) v) {
 /* Sums of (x - shift) and its square per channel over n rows, in double. Groups of about 8 KiB
    of rows keep the chunks of a wide row re-reading L1 rather than memory. */
 #define BN_GROUP(C) ((C) >= 1024 ? 2 : 2048 / (C) + 1)
-static DLUA_CPU_CLONES void FN(stats_rows)(int64_t C, int64_t n, const T *x, const double *shift, double *bs,
+static DLUA_CPU_CLONES void FN(stats_rows)(int64_t C, int64_t n, const AT *x, const double *shift, double *bs,
                                            double *bq) {
   const int64_t cv = C - C % VW, G = BN_GROUP(C);
   for (int64_t c = 0; c < C; c++) bs[c] = bq[c] = 0;
@@ -156,7 +188,7 @@ static DLUA_CPU_CLONES void FN(stats_rows)(int64_t C, int64_t n, const T *x, con
   if (NH == 2) memcpy(&kh, shift + c + 8, sizeof kh)
 #define BN_TERM(row, s, q)                         \
   do {                                             \
-    const FN(vT) v = FN(vload)(x + (row) * C + c); \
+    const FN(vT) v = FN(aload)(x + (row) * C + c); \
     const FN(vN) dl = FN(lo8)(v) - kl;             \
     s##l += dl;                                    \
     q##l += dl * dl;                               \
@@ -172,7 +204,7 @@ static DLUA_CPU_CLONES void FN(stats_rows)(int64_t C, int64_t n, const T *x, con
   for (int64_t c = cv; c < C; c++) {
     double s = 0, q = 0;
     for (int64_t r = 0; r < n; r++) {
-      double d = (double)x[r * C + c] - shift[c];
+      double d = (double)FN(aget)(x, r * C + c) - shift[c];
       s += d;
       q += d * d;
     }
@@ -182,28 +214,28 @@ static DLUA_CPU_CLONES void FN(stats_rows)(int64_t C, int64_t n, const T *x, con
 }
 
 /* y = act((x - m) * a + b (+ skip)) over n rows; y may be x. */
-static inline __attribute__((always_inline)) void FN(apply_rows_k)(int64_t C, int64_t n, const T *x, const T *sk, T *y,
-                                                                   const T *m, const T *a, const T *b, int has_skip,
-                                                                   int relu) {
+static inline __attribute__((always_inline)) void FN(apply_rows_k)(int64_t C, int64_t n, const AT *x, const AT *sk,
+                                                                   AT *y, const T *m, const T *a, const T *b,
+                                                                   int has_skip, int relu) {
   const FN(vT) zero = {0};
   const int64_t cv = C - C % VW;
   for (int64_t r = 0; r < n; r++)
     for (int64_t c = 0; c < cv; c += VW) {
-      FN(vT) v = (FN(vload)(x + r * C + c) - FN(vload)(m + c)) * FN(vload)(a + c) + FN(vload)(b + c);
-      if (has_skip) v += FN(vload)(sk + r * C + c);
+      FN(vT) v = (FN(aload)(x + r * C + c) - FN(vload)(m + c)) * FN(vload)(a + c) + FN(vload)(b + c);
+      if (has_skip) v += FN(aload)(sk + r * C + c);
       if (relu) v = FN(vkeep)(v, ~(FN(vU))(v < zero));
-      FN(vstore)(y + r * C + c, v);
+      FN(astore)(y + r * C + c, v);
     }
   for (int64_t c = cv; c < C; c++)
     for (int64_t r = 0; r < n; r++) {
-      T v = (x[r * C + c] - m[c]) * a[c] + b[c];
-      if (has_skip) v += sk[r * C + c];
+      T v = (FN(aget)(x, r * C + c) - m[c]) * a[c] + b[c];
+      if (has_skip) v += FN(aget)(sk, r * C + c);
       if (relu) v = v < 0 ? (T)0 : v;
-      y[r * C + c] = v;
+      FN(aset)(y, r * C + c, v);
     }
 }
 
-static DLUA_CPU_CLONES void FN(apply_rows)(int64_t C, int64_t n, const T *x, const T *sk, T *y, const T *m,
+static DLUA_CPU_CLONES void FN(apply_rows)(int64_t C, int64_t n, const AT *x, const AT *sk, AT *y, const T *m,
                                            const T *a, const T *b, int relu) {
 #define BN_CALL(k, rl) FN(apply_rows_k)(C, n, x, sk, y, m, a, b, k, rl)
   BN_APPLY_DISPATCH(BN_CALL, sk, relu);
@@ -212,8 +244,8 @@ static DLUA_CPU_CLONES void FN(apply_rows)(int64_t C, int64_t n, const T *x, con
 
 /* Sums of d and d * (x - m) per channel over n rows, in double; d = dy, masked as `mask` says
    (fa, fb: the forward's scale and shift for BN_MASK_X). Grouped like stats_rows. */
-static inline __attribute__((always_inline)) void FN(reduce_rows_k)(int64_t C, int64_t n, const T *x, const T *dy,
-                                                                    const T *y, const T *m, const T *fa, const T *fb,
+static inline __attribute__((always_inline)) void FN(reduce_rows_k)(int64_t C, int64_t n, const AT *x, const AT *dy,
+                                                                    const AT *y, const T *m, const T *fa, const T *fb,
                                                                     double *bs, double *bq, int mask) {
   const int64_t cv = C - C % VW, G = BN_GROUP(C);
   const FN(vT) zero = {0};
@@ -225,8 +257,8 @@ static inline __attribute__((always_inline)) void FN(reduce_rows_k)(int64_t C, i
 #define BN_TERM(row, s, q)                                                           \
   do {                                                                               \
     const int64_t i_ = (row) * C + c;                                                \
-    const FN(vT) xm = FN(vload)(x + i_) - vm;                                        \
-    const FN(vT) d = FN(vbwd_mask)(FN(vload)(dy + i_), mask, y, i_, xm, va, vb);     \
+    const FN(vT) xm = FN(aload)(x + i_) - vm;                                        \
+    const FN(vT) d = FN(vbwd_mask)(FN(aload)(dy + i_), mask, y, i_, xm, va, vb);     \
     BN_ACC(s, d);                                                                    \
     BN_ACC(q, d * xm);                                                               \
   } while (0)
@@ -237,8 +269,8 @@ static inline __attribute__((always_inline)) void FN(reduce_rows_k)(int64_t C, i
     const T a = mask == BN_MASK_X ? fa[c] : 0, b = mask == BN_MASK_X ? fb[c] : 0;
     double s = 0, q = 0;
     for (int64_t r = 0; r < n; r++) {
-      const T xm = x[r * C + c] - m[c];
-      const T d = FN(bwd_mask)(dy[r * C + c], mask, y, r * C + c, xm, a, b);
+      const T xm = FN(aget)(x, r * C + c) - m[c];
+      const T d = FN(bwd_mask)(FN(aget)(dy, r * C + c), mask, y, r * C + c, xm, a, b);
       s += d;
       q += d * xm;
     }
@@ -247,7 +279,7 @@ static inline __attribute__((always_inline)) void FN(reduce_rows_k)(int64_t C, i
   }
 }
 
-static DLUA_CPU_CLONES void FN(reduce_rows)(int64_t C, int64_t n, const T *x, const T *dy, const T *y, const T *m,
+static DLUA_CPU_CLONES void FN(reduce_rows)(int64_t C, int64_t n, const AT *x, const AT *dy, const AT *y, const T *m,
                                             const T *fa, const T *fb, double *bs, double *bq) {
 #define BN_CALL(mk) FN(reduce_rows_k)(C, n, x, dy, y, m, fa, fb, bs, bq, mk)
   BN_MASK_DISPATCH(BN_CALL, bn_mask_kind(y, fa));
@@ -255,40 +287,41 @@ static DLUA_CPU_CLONES void FN(reduce_rows)(int64_t C, int64_t n, const T *x, co
 }
 
 /* dx = d * A + (x - m) * B + D and ds = d over n rows (d = dy, masked as `mask` says). */
-static inline __attribute__((always_inline)) void FN(bwd_rows_k)(int64_t C, int64_t n, const T *x, const T *dy,
-                                                                 const T *y, T *dx, T *ds, const T *m, const T *fa,
+static inline __attribute__((always_inline)) void FN(bwd_rows_k)(int64_t C, int64_t n, const AT *x, const AT *dy,
+                                                                 const AT *y, AT *dx, AT *ds, const T *m, const T *fa,
                                                                  const T *fb, const T *A, const T *B, const T *D,
                                                                  int mask, int want_dx, int want_ds) {
   const FN(vT) zero = {0};
   const int64_t cv = C - C % VW;
   for (int64_t r = 0; r < n; r++)
     for (int64_t c = 0; c < cv; c += VW) {
-      const FN(vT) xm = FN(vload)(x + r * C + c) - FN(vload)(m + c);
+      const FN(vT) xm = FN(aload)(x + r * C + c) - FN(vload)(m + c);
       const FN(vT) va = mask == BN_MASK_X ? FN(vload)(fa + c) : zero, vb = mask == BN_MASK_X ? FN(vload)(fb + c) : zero;
-      const FN(vT) d = FN(vbwd_mask)(FN(vload)(dy + r * C + c), mask, y, r * C + c, xm, va, vb);
+      const FN(vT) d = FN(vbwd_mask)(FN(aload)(dy + r * C + c), mask, y, r * C + c, xm, va, vb);
       FN(vT) v = d * FN(vload)(A + c) + xm * FN(vload)(B + c) + FN(vload)(D + c);
-      if (want_ds) FN(vstore)(ds + r * C + c, d);
-      if (want_dx) FN(vstore)(dx + r * C + c, v);
+      if (want_ds) FN(astore)(ds + r * C + c, d);
+      if (want_dx) FN(astore)(dx + r * C + c, v);
     }
   for (int64_t c = cv; c < C; c++) {
     const T a = mask == BN_MASK_X ? fa[c] : 0, b = mask == BN_MASK_X ? fb[c] : 0;
     for (int64_t r = 0; r < n; r++) {
-      const T xm = x[r * C + c] - m[c];
-      const T d = FN(bwd_mask)(dy[r * C + c], mask, y, r * C + c, xm, a, b);
+      const T xm = FN(aget)(x, r * C + c) - m[c];
+      const T d = FN(bwd_mask)(FN(aget)(dy, r * C + c), mask, y, r * C + c, xm, a, b);
       T v = d * A[c] + xm * B[c] + D[c];
-      if (want_ds) ds[r * C + c] = d;
-      if (want_dx) dx[r * C + c] = v;
+      if (want_ds) FN(aset)(ds, r * C + c, d);
+      if (want_dx) FN(aset)(dx, r * C + c, v);
     }
   }
 }
 
-static DLUA_CPU_CLONES void FN(bwd_rows)(int64_t C, int64_t n, const T *x, const T *dy, const T *y, T *dx, T *ds,
+static DLUA_CPU_CLONES void FN(bwd_rows)(int64_t C, int64_t n, const AT *x, const AT *dy, const AT *y, AT *dx, AT *ds,
                                          const T *m, const T *fa, const T *fb, const T *A, const T *B, const T *D) {
 #define BN_CALL(mk, wx, ws) FN(bwd_rows_k)(C, n, x, dy, y, dx, ds, m, fa, fb, A, B, D, mk, wx, ws)
   BN_BWD_DISPATCH(BN_CALL, bn_mask_kind(y, fa), dx, ds);
 #undef BN_CALL
 }
 
+#ifndef BN_ROWS_ONLY /* (the bfloat16 instantiation has the channels-last blocks only) */
 /* ---- statistics ---------------------------------------------------------------------------------- */
 
 /* Per-channel sums of (x - shift) and (x - shift)^2 in double. Shifting by a sample of the
@@ -462,6 +495,190 @@ static void FN(bn_bwd_apply)(const bn_geom_t *g, const T *x, const T *dy, const 
                  fb, A, B, D);
   }
 }
+
+#ifdef BN_HALF
+/* ---- 16-bit activations (the float instantiation only) -------------------------------------------- */
+
+/* The same four passes over f16/bf16 activations (bf: bf16), computing in float: each unit of work
+   (an (n, c) plane, or a block of rows: the units above) is widened into the calling thread's slice of
+   `work` (k buffers of wl floats), run through the float pass's own code for that unit, and its outputs
+   rounded to nearest even (copy_'s rounding). Widening is exact and the units and their order are the
+   float kernel's, so the bits are those of staging the whole tensor in float32 and casting back.
+   bfloat16 blocks of rows skip the buffers: the _bf16 block functions (the same code, loading and
+   storing bfloat16) read and write the activations directly, interleaved with the arithmetic. */
+static inline float *FN(bn16_work)(float *work, int64_t wl, int k) {
+  return work + (int64_t)omp_get_thread_num() * k * wl;
+}
+static inline void FN(bn16_in)(float *d, const uint16_t *s, int64_t n, int bf) {
+  dlua_convert_half_to_f32(d, s, n, bf);
+}
+static inline void FN(bn16_out)(uint16_t *d, const float *s, int64_t n, int bf) {
+  dlua_convert_f32_to_half(d, s, n, 1.0f, bf);
+}
+
+/* bn_stats on 16-bit x (work: 1 buffer per thread). */
+static void FN(bn16_stats)(const bn_geom_t *g, const uint16_t *x, int bf, float *work, int64_t wl, const double *shift,
+                           double *scratch, double *sum, double *sumsq) {
+  const int64_t C = g->C, S = g->S;
+  if (!g->rows) {
+    const int64_t P = g->N * C;
+    double *ps = scratch, *pq = scratch + P;
+#pragma omp parallel for schedule(static) if (P * S > BN_PAR_MIN)
+    for (int64_t p = 0; p < P; p++) {
+      T *xp = FN(bn16_work)(work, wl, 1);
+      FN(bn16_in)(xp, x + p * S, S, bf);
+      const double k = shift[p % C];
+      double s = 0, q = 0;
+#pragma omp simd reduction(+ : s, q)
+      for (int64_t i = 0; i < S; i++) {
+        double d = (double)xp[i] - k;
+        s += d;
+        q += d * d;
+      }
+      ps[p] = s;
+      pq[p] = q;
+    }
+    bn_combine(ps, pq, g->N, C, sum, sumsq);
+    return;
+  }
+  const int64_t M = g->N * S, R = g->block_rows, nb = (M + R - 1) / R;
+  double *ps = scratch, *pq = scratch + nb * C;
+#pragma omp parallel for schedule(static) if (M * C > BN_PAR_MIN)
+  for (int64_t b = 0; b < nb; b++) {
+    const int64_t r1 = b * R + R < M ? b * R + R : M, n = (r1 - b * R) * C;
+    if (bf) {
+      stats_rows_bf16(C, r1 - b * R, x + b * R * C, shift, ps + b * C, pq + b * C);
+      continue;
+    }
+    T *xp = FN(bn16_work)(work, wl, 1);
+    FN(bn16_in)(xp, x + b * R * C, n, bf);
+    FN(stats_rows)(C, r1 - b * R, xp, shift, ps + b * C, pq + b * C);
+  }
+  bn_combine(ps, pq, nb, C, sum, sumsq);
+}
+
+/* bn_apply on 16-bit x, skip, y (work: 2 buffers per thread; y may be x). */
+static void FN(bn16_apply)(const bn_geom_t *g, const uint16_t *x, const uint16_t *skip, uint16_t *y, int bf,
+                           float *work, int64_t wl, const T *mean, const T *a, const T *beta, int relu) {
+  const int64_t C = g->C, S = g->S;
+  if (!g->rows) {
+    const int64_t P = g->N * C;
+#pragma omp parallel for schedule(static) if (P * S > BN_PAR_MIN)
+    for (int64_t p = 0; p < P; p++) {
+      const int64_t c = p % C;
+      T *xp = FN(bn16_work)(work, wl, 2), *sp = skip ? xp + wl : NULL;
+      FN(bn16_in)(xp, x + p * S, S, bf);
+      if (sp) FN(bn16_in)(sp, skip + p * S, S, bf);
+#define BN_CALL(k, r) FN(apply_run)(S, xp, sp, xp, mean[c], a[c], beta[c], k, r)
+      BN_APPLY_DISPATCH(BN_CALL, sp, relu);
+#undef BN_CALL
+      FN(bn16_out)(y + p * S, xp, S, bf);
+    }
+    return;
+  }
+  const int64_t M = g->N * S, R = g->block_rows, nb = (M + R - 1) / R;
+#pragma omp parallel for schedule(static) if (M * C > BN_PAR_MIN)
+  for (int64_t b = 0; b < nb; b++) {
+    const int64_t r1 = b * R + R < M ? b * R + R : M, o = b * R * C, n = (r1 - b * R) * C;
+    if (bf) {
+      apply_rows_bf16(C, r1 - b * R, x + o, skip ? skip + o : NULL, y + o, mean, a, beta, relu);
+      continue;
+    }
+    T *xp = FN(bn16_work)(work, wl, 2), *sp = skip ? xp + wl : NULL;
+    FN(bn16_in)(xp, x + o, n, bf);
+    if (sp) FN(bn16_in)(sp, skip + o, n, bf);
+    FN(apply_rows)(C, r1 - b * R, xp, sp, xp, mean, a, beta, relu);
+    FN(bn16_out)(y + o, xp, n, bf);
+  }
+}
+
+/* bn_bwd_reduce on 16-bit x, dy, y (work: 3 buffers per thread). */
+static void FN(bn16_bwd_reduce)(const bn_geom_t *g, const uint16_t *x, const uint16_t *dy, const uint16_t *y, int bf,
+                                float *work, int64_t wl, const T *mean, const T *fa, const T *fb, double *scratch,
+                                double *sdy, double *sdx) {
+  const int64_t C = g->C, S = g->S;
+  if (!g->rows) {
+    const int64_t P = g->N * C;
+    double *ps = scratch, *pq = scratch + P;
+#pragma omp parallel for schedule(static) if (P * S > BN_PAR_MIN)
+    for (int64_t p = 0; p < P; p++) {
+      const int64_t c = p % C;
+      T *xp = FN(bn16_work)(work, wl, 3), *dp = xp + wl, *yp = y ? xp + 2 * wl : NULL;
+      FN(bn16_in)(xp, x + p * S, S, bf);
+      FN(bn16_in)(dp, dy + p * S, S, bf);
+      if (yp) FN(bn16_in)(yp, y + p * S, S, bf);
+      const T a = fa ? fa[c] : 0, b = fa ? fb[c] : 0;
+#define BN_CALL(mk) FN(reduce_run)(S, xp, dp, yp, mean[c], a, b, &ps[p], &pq[p], mk)
+      BN_MASK_DISPATCH(BN_CALL, bn_mask_kind(y, fa));
+#undef BN_CALL
+    }
+    bn_combine(ps, pq, g->N, C, sdy, sdx);
+    return;
+  }
+  const int64_t M = g->N * S, R = g->block_rows, nb = (M + R - 1) / R;
+  double *ps = scratch, *pq = scratch + nb * C;
+#pragma omp parallel for schedule(static) if (M * C > BN_PAR_MIN)
+  for (int64_t b = 0; b < nb; b++) {
+    const int64_t r1 = b * R + R < M ? b * R + R : M, o = b * R * C, n = (r1 - b * R) * C;
+    if (bf) {
+      reduce_rows_bf16(C, r1 - b * R, x + o, dy + o, y ? y + o : NULL, mean, fa, fb, ps + b * C, pq + b * C);
+      continue;
+    }
+    T *xp = FN(bn16_work)(work, wl, 3), *dp = xp + wl, *yp = y ? xp + 2 * wl : NULL;
+    FN(bn16_in)(xp, x + o, n, bf);
+    FN(bn16_in)(dp, dy + o, n, bf);
+    if (yp) FN(bn16_in)(yp, y + o, n, bf);
+    FN(reduce_rows)(C, r1 - b * R, xp, dp, yp, mean, fa, fb, ps + b * C, pq + b * C);
+  }
+  bn_combine(ps, pq, nb, C, sdy, sdx);
+}
+
+/* bn_bwd_apply on 16-bit x, dy, y, dx, dskip (work: 5 buffers per thread; dx or dskip may be dy). */
+static void FN(bn16_bwd_apply)(const bn_geom_t *g, const uint16_t *x, const uint16_t *dy, const uint16_t *y,
+                               uint16_t *dx, uint16_t *dskip, int bf, float *work, int64_t wl, const T *mean,
+                               const T *fa, const T *fb, const T *A, const T *B, const T *D) {
+  const int64_t C = g->C, S = g->S;
+  const int mask = bn_mask_kind(y, fa);
+  if (!g->rows) {
+    const int64_t P = g->N * C;
+#pragma omp parallel for schedule(static) if (P * S > BN_PAR_MIN)
+    for (int64_t p = 0; p < P; p++) {
+      const int64_t c = p % C;
+      T *xp = FN(bn16_work)(work, wl, 5), *dp = xp + wl, *yp = y ? xp + 2 * wl : NULL;
+      T *gp = dx ? xp + 3 * wl : NULL, *sp = dskip ? xp + 4 * wl : NULL;
+      FN(bn16_in)(xp, x + p * S, S, bf);
+      FN(bn16_in)(dp, dy + p * S, S, bf);
+      if (yp) FN(bn16_in)(yp, y + p * S, S, bf);
+      const T a = fa ? fa[c] : 0, b = fa ? fb[c] : 0;
+#define BN_CALL(mk, wx, ws) FN(bwd_run)(S, xp, dp, yp, gp, sp, mean[c], a, b, A[c], B[c], D[c], mk, wx, ws)
+      BN_BWD_DISPATCH(BN_CALL, mask, gp, sp);
+#undef BN_CALL
+      if (gp) FN(bn16_out)(dx + p * S, gp, S, bf);
+      if (sp) FN(bn16_out)(dskip + p * S, sp, S, bf);
+    }
+    return;
+  }
+  const int64_t M = g->N * S, R = g->block_rows, nb = (M + R - 1) / R;
+#pragma omp parallel for schedule(static) if (M * C > BN_PAR_MIN)
+  for (int64_t b = 0; b < nb; b++) {
+    const int64_t r1 = b * R + R < M ? b * R + R : M, o = b * R * C, n = (r1 - b * R) * C;
+    if (bf) {
+      bwd_rows_bf16(C, r1 - b * R, x + o, dy + o, y ? y + o : NULL, dx ? dx + o : NULL, dskip ? dskip + o : NULL, mean,
+                    fa, fb, A, B, D);
+      continue;
+    }
+    T *xp = FN(bn16_work)(work, wl, 5), *dp = xp + wl, *yp = y ? xp + 2 * wl : NULL;
+    T *gp = dx ? xp + 3 * wl : NULL, *sp = dskip ? xp + 4 * wl : NULL;
+    FN(bn16_in)(xp, x + o, n, bf);
+    FN(bn16_in)(dp, dy + o, n, bf);
+    if (yp) FN(bn16_in)(yp, y + o, n, bf);
+    FN(bwd_rows)(C, r1 - b * R, xp, dp, yp, gp, sp, mean, fa, fb, A, B, D);
+    if (gp) FN(bn16_out)(dx + o, gp, n, bf);
+    if (sp) FN(bn16_out)(dskip + o, sp, n, bf);
+  }
+}
+#endif /* BN_HALF */
+#endif /* BN_ROWS_ONLY */
 
 #undef BN_APPLY_DISPATCH
 #undef BN_BWD_DISPATCH

@@ -531,7 +531,7 @@ START_TEST(test_backend_table) {
   ck_assert_int_eq(DLUA_BACKEND("batch_norm", DLUA_CPU, norm, forward, &k), DLUA_OK);
   ck_assert_ptr_eq(k, &dlua_cpu_norm_ops);
   ck_assert_ptr_nonnull(k->backward);
-  ck_assert_int_eq(k->native_16bit, 0);
+  ck_assert_int_eq(k->native_16bit, 1);
   // batch_norm_stats through the slot: (2, 1) input {1, 3}, sums [4, 10, 2].
   const double xv[2] = {1, 3};
   double st[3] = {-1, -1, -1};
@@ -539,6 +539,15 @@ START_TEST(test_backend_table) {
                            .x = xv, .stats_out = st, .M = 2, .train = 1};
   ck_assert_int_eq(k->forward("batch_norm_stats", &a), DLUA_OK);
   ck_assert(st[0] == 4 && st[1] == 10 && st[2] == 2);
+  // The slot reads bfloat16 activations itself (native_16bit): {1, 3} as bf16 bits 0x3f80, 0x4040.
+  const uint16_t xb[2] = {0x3f80, 0x4040};
+  double sb[3] = {-1, -1, -1};
+  dlua_bn_fwd_t ab = a;
+  ab.g.dtype = DLUA_DTYPE_BF16;
+  ab.x = xb;
+  ab.stats_out = sb;
+  ck_assert_int_eq(k->forward("batch_norm_stats", &ab), DLUA_OK);
+  ck_assert(sb[0] == 4 && sb[1] == 10 && sb[2] == 2);
 
   const int64_t sz[2] = {2, 1};
   dlua_tensor_t *x = mk(DLUA_DTYPE_F32, 2, sz, xv, 0), *out = NULL, *m = NULL, *is = NULL, *sums = NULL;
