@@ -258,8 +258,8 @@ function M.validate(spec, world, local_world)
 end
 
 -- amp = 'auto' on the device the rank trains on: bf16 on a GPU with bfloat16 arithmetic (compute capability
--- >= 8.0), else off (the CPU, where bf16 is no faster on most machines (docs/nn.md), older GPUs, a pipeline, a
--- build without dlua.amp). Returns the setting and why, for the plan.
+-- >= 8.0), else off: the CPU (where bf16 pays only with AVX512-BF16 or AMX, ~1.4x on our build machines, docs/nn.md;
+-- opt in with amp = 'bf16'), older GPUs, a pipeline, a build without dlua.amp. Returns the setting and why, for the plan.
 function M.resolve_amp(c, device)
   if c.amp ~= 'auto' then return c.amp end
   if device == 'cpu' then return 'off', 'auto: off on the CPU' end
