@@ -328,6 +328,20 @@ static DLUA_CPU_CLONES void FN(bwd_rows)(int64_t C, int64_t n, const AT *x, cons
    channel keeps the one-pass variance accurate when |mean| >> std. Partial sums are taken per
    (n, c) plane (planar) or per fixed block of rows (channels-last) and added in a fixed order,
    so the result does not depend on the thread count. */
+/* Sums of (x - k) and its square over a run of one channel, in double. */
+static inline __attribute__((always_inline)) void FN(stats_run)(int64_t n, const T *x, double k, double *s_out,
+                                                                double *q_out) {
+  double s = 0, q = 0;
+#pragma omp simd reduction(+ : s, q)
+  for (int64_t i = 0; i < n; i++) {
+    double d = (double)x[i] - k;
+    s += d;
+    q += d * d;
+  }
+  *s_out = s;
+  *q_out = q;
+}
+
 static void FN(bn_stats)(const bn_geom_t *g, const T *x, const double *shift, double *scratch, double *sum,
                          double *sumsq) {
   const int64_t C = g->C, S = g->S;
@@ -337,16 +351,7 @@ static void FN(bn_stats)(const bn_geom_t *g, const T *x, const double *shift, do
 #pragma omp parallel for schedule(static) if (P * S > BN_PAR_MIN)
     for (int64_t p = 0; p < P; p++) {
       const T *xp = x + p * S;
-      const double k = shift[p % C];
-      double s = 0, q = 0;
-#pragma omp simd reduction(+ : s, q)
-      for (int64_t i = 0; i < S; i++) {
-        double d = (double)xp[i] - k;
-        s += d;
-        q += d * d;
-      }
-      ps[p] = s;
-      pq[p] = q;
+      FN(stats_run)(S, xp, shift[p % C], &ps[p], &pq[p]);
     }
     bn_combine(ps, pq, g->N, C, sum, sumsq);
     return;
@@ -527,16 +532,7 @@ static void FN(bn16_stats)(const bn_geom_t *g, const uint16_t *x, int bf, float 
     for (int64_t p = 0; p < P; p++) {
       T *xp = FN(bn16_work)(work, wl, 1);
       FN(bn16_in)(xp, x + p * S, S, bf);
-      const double k = shift[p % C];
-      double s = 0, q = 0;
-#pragma omp simd reduction(+ : s, q)
-      for (int64_t i = 0; i < S; i++) {
-        double d = (double)xp[i] - k;
-        s += d;
-        q += d * d;
-      }
-      ps[p] = s;
-      pq[p] = q;
+      FN(stats_run)(S, xp, shift[p % C], &ps[p], &pq[p]);
     }
     bn_combine(ps, pq, g->N, C, sum, sumsq);
     return;
