@@ -23,6 +23,7 @@
 
 #include "comm/launch_job.h"
 #include "core/api.h"
+#include "core/runtime.h"
 
 extern char **environ;
 
@@ -192,7 +193,7 @@ static void watch_remote(dlua_job_t *job) {
 static void *pump_main(void *arg) {
   dlua_job_t *job = arg;
   sigset_t all;
-  sigfillset(&all);
+  dlua_async_signals(&all);
   pthread_sigmask(SIG_BLOCK, &all, NULL);
   int n = job->o.nproc;
   struct pollfd *pf = calloc((size_t)(2 * n + 1), sizeof *pf);

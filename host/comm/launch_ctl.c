@@ -16,6 +16,7 @@
 
 #include "comm/flight.h"
 #include "comm/launch_job.h"
+#include "core/runtime.h"
 
 enum {
   HELLO_MS = 5000,            /* a client has this long to say who it is */
@@ -170,7 +171,7 @@ int dlua_launch_ctl_open(dlua_job_t *job) {
   }
   job->listen_fd = fd;
   sigset_t all, prev;
-  sigfillset(&all);
+  dlua_async_signals(&all);
   pthread_sigmask(SIG_SETMASK, &all, &prev);
   if (pthread_create(&job->attach_thread, NULL, attach_main, job) == 0) job->attach_started = 1;
   pthread_sigmask(SIG_SETMASK, &prev, NULL);

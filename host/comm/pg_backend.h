@@ -27,7 +27,10 @@ typedef enum {
   DLUA_PG_OK = 0,
   DLUA_PG_TIMEOUT = 1,   /* this rank's wait ran out: DLUA_ERR_TIMEOUT */
   DLUA_PG_PEER_LOST = 2, /* a peer closed its connection, exited or failed first: the launcher blames that peer */
-  DLUA_PG_FAILED = 3     /* anything else, its text in err: DLUA_ERR_BACKEND */
+  DLUA_PG_FAILED = 3,    /* anything else, its text in err: DLUA_ERR_BACKEND */
+  DLUA_PG_MISMATCH = 4   /* the ranks' calls disagree (MPI_ERR_TRUNCATE), a diagnosis of its own: DLUA_ERR_BACKEND at
+                            once, without the wait for the others' positions (a peer's MPI may crash on the same
+                            mismatch, and its launcher then kills this rank before it has said anything) */
 } dlua_pg_result_t;
 
 struct dlua_work {

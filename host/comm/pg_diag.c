@@ -50,7 +50,7 @@ void dlua_pg_diagnose(dlua_pg_t *pg, dlua_work_t *w, dlua_pg_result_t r, const c
   int *exists = calloc((size_t)n, sizeof(int));
   char **vals = calloc((size_t)n, sizeof(char *));
   int m = 0;
-  if (ranks && keys && exists && vals) {
+  if (ranks && keys && exists && vals && r != DLUA_PG_MISMATCH) {
     for (int q = 0; q < n; q++) {
       if (q == pg->rank) continue;
       if ((w->kind == K_SEND || w->kind == K_RECV) && q != w->peer) continue;
@@ -137,7 +137,7 @@ void dlua_pg_diagnose(dlua_pg_t *pg, dlua_work_t *w, dlua_pg_result_t r, const c
     snprintf(head, sizeof head, "%s #%" PRId64 "%s%s%s%s", coll, w->seq, w->kind == K_BARRIER ? "" : " on ",
              w->kind == K_BARRIER ? "" : w->desc, at_site ? " at " : "", w->site);
   dlua_status_t st = DLUA_ERR_TIMEOUT;
-  if (r == DLUA_PG_FAILED || (r != DLUA_PG_TIMEOUT && any_exited)) st = DLUA_ERR_BACKEND;
+  if (r == DLUA_PG_FAILED || r == DLUA_PG_MISMATCH || (r != DLUA_PG_TIMEOUT && any_exited)) st = DLUA_ERR_BACKEND;
   /* this rank's failure, if it follows, is a consequence: the launcher blames the peer's */
   if (r == DLUA_PG_PEER_LOST || any_exited) dlua_launch_note_peer_lost();
   char how[200];
@@ -148,15 +148,17 @@ void dlua_pg_diagnose(dlua_pg_t *pg, dlua_work_t *w, dlua_pg_result_t r, const c
   else
     snprintf(how, sizeof how, "failed");
   char tail[1400];
-  if (any_missing)
+  if (r == DLUA_PG_MISMATCH)
+    tail[0] = '\0';
+  else if (any_missing)
     snprintf(tail, sizeof tail, "; not arrived: %s%s%s", missing,
              la ? (strchr(arrived, ',') ? "; arrived: ranks " : "; arrived: rank ") : "", arrived);
   else if (w->kind == K_SEND || w->kind == K_RECV)
     tail[0] = '\0';
   else
     snprintf(tail, sizeof tail, "; every rank arrived%s%s", la ? " (" : "", la ? "they failed too)" : "");
-  if (!store_ok) snprintf(tail + strlen(tail), sizeof tail - strlen(tail), "; the store is unreachable, so the other ranks' positions are unknown");
-  if (r == DLUA_PG_FAILED || (!any_missing && r != DLUA_PG_TIMEOUT))
+  if (!store_ok && r != DLUA_PG_MISMATCH) snprintf(tail + strlen(tail), sizeof tail - strlen(tail), "; the store is unreachable, so the other ranks' positions are unknown");
+  if (r == DLUA_PG_FAILED || r == DLUA_PG_MISMATCH || (!any_missing && r != DLUA_PG_TIMEOUT))
     dlua_pg_work_set(w, st, "%s %s on rank %d of group %s%s (%s: %.300s)", head, how, pg->rank, pg->name, tail,
                      pg->be->name, be_msg);
   else

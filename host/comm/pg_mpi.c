@@ -404,6 +404,7 @@ static dlua_pg_result_t mp_run(void *c, dlua_work_t *w, int64_t timeout, char *e
     }
   }
   dlua_pg_result_t r = DLUA_PG_OK;
+  x->cur = w;
   switch (w->kind) {
     case K_ALL_REDUCE:
     case K_BROADCAST: r = one(x, w, w->t, w->kind, cs, deadline, err, errlen); break;

@@ -32,5 +32,8 @@ void dlua_mpi_error_text(int code, char *buf, size_t n);
 /* For the exit handler: a collective could not be finished (MPI_Finalize would wait for it forever), or a
    peer was lost first (this rank's failure is a consequence). */
 void dlua_mpi_note_failure(int peer_lost);
+/* Installs (once, after MPI_Init: chained to MPI's own handlers) the note a rank prints when it crashes inside an
+   MPI call of a collective: which one, and what usually causes it. */
+void dlua_mpi_crash_note_install(void);
 
 #endif

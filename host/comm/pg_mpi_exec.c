@@ -1,11 +1,13 @@
 /* Running one MPI call of a group within its deadline: polled on the comm thread, or blocking on the group's executor thread; the store watch for peers that exited. */
 #define _GNU_SOURCE
 #include <inttypes.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "comm/pg_mpi_exec.h"
 #include "comm/store.h"
@@ -54,6 +56,78 @@ static int spin_for(const int *flag, int us) {
   }
 }
 
+/* ---- the crash note ----------------------------------------------------------------------------
+   MPI is allowed to crash on an erroneous program, and Open MPI does: ranks whose all-reduce counts differ get
+   MPI_ERR_TRUNCATE on one side, and sometimes a segmentation fault in the shared-memory transport on the
+   other, before the first has said anything. A crash inside one of a collective's MPI calls then says which
+   call it was, on which rank, and the usual cause, before MPI's own handler prints its backtrace. */
+static __thread const mpi_ctx_t *tl_ctx;  /* set while this thread is inside a collective's MPI calls */
+static __thread const dlua_work_t *tl_work;
+static struct sigaction g_prev[NSIG];
+static const int g_crash_sigs[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT};
+
+static size_t put(char *b, size_t at, size_t cap, const char *s) {  // async-signal-safe strcat
+  while (*s && at + 1 < cap) b[at++] = *s++;
+  b[at] = '\0';
+  return at;
+}
+
+static size_t put_int(char *b, size_t at, size_t cap, int64_t v) {
+  char d[24];
+  int n = 0;
+  uint64_t u = v < 0 ? (uint64_t)-v : (uint64_t)v;
+  do d[n++] = (char)('0' + u % 10); while ((u /= 10) && n < 23);
+  if (v < 0) d[n++] = '-';
+  while (n > 0 && at + 1 < cap) b[at++] = d[--n];
+  b[at] = '\0';
+  return at;
+}
+
+static void on_crash(int sig, siginfo_t *si, void *uc) {
+  const mpi_ctx_t *x = tl_ctx;
+  const dlua_work_t *w = tl_work;
+  if (x && w) {
+    static char b[1024];
+    static const char *names[] = {[SIGSEGV] = "segmentation fault", [SIGBUS] = "bus error",
+                                  [SIGFPE] = "arithmetic fault", [SIGILL] = "illegal instruction", [SIGABRT] = "abort"};
+    size_t n = put(b, 0, sizeof b, "dlua: rank ");
+    n = put_int(b, n, sizeof b, x->rank);
+    n = put(b, n, sizeof b, " of group ");
+    n = put(b, n, sizeof b, x->name);
+    n = put(b, n, sizeof b, ": ");
+    n = put(b, n, sizeof b, names[sig] ? names[sig] : "fatal signal");
+    n = put(b, n, sizeof b, " inside MPI, in ");
+    n = put(b, n, sizeof b, dlua_pg_kind_name(w->kind));
+    n = put(b, n, sizeof b, " #");
+    n = put_int(b, n, sizeof b, w->seq);
+    n = put(b, n, sizeof b, " on ");
+    n = put(b, n, sizeof b, w->desc);
+    if (w->site[0]) {
+      n = put(b, n, sizeof b, " at ");
+      n = put(b, n, sizeof b, w->site);
+    }
+    n = put(b, n, sizeof b, ". MPI may crash when the ranks' calls disagree (sizes, dtypes, the order of collectives): "
+                            "DLUA_DIST_DEBUG=1 checks each call against the other ranks' and names the first that differs\n");
+    ssize_t r = write(2, b, n);
+    (void)r;
+  }
+  // MPI's handler (or the default action) next: restored, it takes the fault again as this handler returns,
+  // or the signal raised again
+  sigaction(sig, &g_prev[sig], NULL);
+  if (si && si->si_code <= 0) raise(sig);
+  (void)uc;
+}
+
+void dlua_mpi_crash_note_install(void) {
+  struct sigaction sa;
+  memset(&sa, 0, sizeof sa);
+  sa.sa_sigaction = on_crash;
+  sa.sa_flags = SA_SIGINFO;
+  sigemptyset(&sa.sa_mask);
+  for (size_t i = 0; i < sizeof g_crash_sigs / sizeof g_crash_sigs[0]; i++)
+    sigaction(g_crash_sigs[i], &sa, &g_prev[g_crash_sigs[i]]);
+}
+
 void *dlua_mpi_executor_main(void *arg) {
   mpi_ctx_t *x = arg;
   pthread_mutex_lock(&x->mu);
@@ -67,7 +141,10 @@ void *dlua_mpi_executor_main(void *arg) {
     if (!x->pending) break;
     mpi_job_t j = x->job;
     pthread_mutex_unlock(&x->mu);
+    tl_ctx = x;
+    tl_work = x->cur;
     int rc = j.fn(x, &j);
+    tl_ctx = NULL;
     pthread_mutex_lock(&x->mu);
     __atomic_store_n(&x->pending, 0, __ATOMIC_RELAXED);
     x->rc = rc;
@@ -139,7 +216,7 @@ static dlua_pg_result_t mpi_failed(int rc, const char *what, char *err, size_t e
   int cls = rc;
   MPI_Error_class(rc, &cls);
   if (cls == MPI_ERR_TRUNCATE)
-    return dlua_mpi_fail(err, errlen, DLUA_PG_FAILED,
+    return dlua_mpi_fail(err, errlen, DLUA_PG_MISMATCH,
                 "%s: %s: the ranks disagree on the size (DLUA_DIST_DEBUG=1 names each rank's call)", what, e);
   return dlua_mpi_fail(err, errlen, DLUA_PG_FAILED, "%s: %s", what, e);
 }
@@ -189,7 +266,13 @@ static dlua_pg_result_t exec_polled(mpi_ctx_t *x, int64_t deadline, const char *
    with a non-blocking one, so ranks that chose differently would wait for each other until the timeout. */
 dlua_pg_result_t dlua_mpi_exec(mpi_ctx_t *x, int64_t deadline, const char *what, char *err, size_t errlen) {
   if (x->stuck) return dlua_mpi_fail(err, errlen, DLUA_PG_FAILED, "%s: an earlier MPI call of this group never ended", what);
-  if (x->job.ifn && x->job.bytes < x->blocking_from) return exec_polled(x, deadline, what, err, errlen);
+  if (x->job.ifn && x->job.bytes < x->blocking_from) {
+    tl_ctx = x;
+    tl_work = x->cur;
+    dlua_pg_result_t r = exec_polled(x, deadline, what, err, errlen);
+    tl_ctx = NULL;
+    return r;
+  }
   pthread_mutex_lock(&x->mu);
   __atomic_store_n(&x->done, 0, __ATOMIC_RELAXED);
   __atomic_store_n(&x->pending, 1, __ATOMIC_RELEASE);

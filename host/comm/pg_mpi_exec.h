@@ -45,6 +45,7 @@ typedef struct mpi_ctx {
   pthread_mutex_t mu;
   pthread_cond_t cv_job, cv_done;
   mpi_job_t job;           /* under mu */
+  const dlua_work_t *cur;  /* the work whose MPI calls run now (the crash note names it) */
   int pending, quit;       /* under mu */
   int done, rc;            /* done: atomic; rc: the job's MPI return code */
   int stuck;               /* a job never ended: ctx, executor and buffers stay */

@@ -13,6 +13,7 @@
 #include "comm/pg_mpi.h"
 #include "comm/pg_reduce.h"
 #include "core/error.h"
+#include "core/runtime.h"
 
 #if defined(OPEN_MPI) && OPEN_MPI
 #include <mpi-ext.h>  /* MPIX_Query_cuda_support */
@@ -148,7 +149,7 @@ static void init_once(void) {
   // MPI's own threads (PMIx, its event loop) start here: with every signal blocked they inherit the mask,
   // so Ctrl-C and SIGPIPE reach dlua's threads and not theirs.
   sigset_t all, old;
-  sigfillset(&all);
+  dlua_async_signals(&all);
   pthread_sigmask(SIG_SETMASK, &all, &old);
   // A rank waiting inside MPI yields its core between polls unless the user says otherwise: the cores run
   // this rank's compute (OpenMP threads, a backward pass overlapping DDP's all-reduce) and often other ranks
@@ -163,6 +164,7 @@ static void init_once(void) {
     return;
   }
   init_thread = pthread_self();
+  dlua_mpi_crash_note_install();
   MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
   MPI_Comm_rank(MPI_COMM_WORLD, &proc.rank);
   MPI_Comm_size(MPI_COMM_WORLD, &proc.size);

@@ -15,6 +15,7 @@
 #include "comm/pg_diag.h"
 #include "core/error.h"
 #include "core/tensor.h"
+#include "core/runtime.h"
 
 static const char *const kind_names[] = {"all_reduce", "broadcast",  "all_gather", "reduce_scatter",
                                          "all_to_all", "barrier",    "send",       "recv",
@@ -162,7 +163,7 @@ static void work_complete(dlua_pg_t *pg, dlua_work_t *w) {
 
 int dlua_pg_start_quiet_thread(pthread_t *th, void *(*fn)(void *), void *arg) {
   sigset_t all, old;
-  sigfillset(&all);
+  dlua_async_signals(&all);
   pthread_sigmask(SIG_SETMASK, &all, &old);
   int e = pthread_create(th, NULL, fn, arg);
   pthread_sigmask(SIG_SETMASK, &old, NULL);

@@ -23,6 +23,7 @@
 #include "comm/store_table.h"
 #include "comm/store_wire.h"
 #include "core/error.h"
+#include "core/runtime.h"
 
 #ifndef POLLRDHUP
 #define POLLRDHUP 0
@@ -617,7 +618,7 @@ dlua_status_t dlua_store_server_start(const char *host, int port, const char *to
   }
   // The server thread takes no signals: Ctrl-C must interrupt the caller's blocking calls.
   sigset_t all, old;
-  sigfillset(&all);
+  dlua_async_signals(&all);
   pthread_sigmask(SIG_SETMASK, &all, &old);
   int rc = pthread_create(&s->thread, NULL, server_main, s);
   pthread_sigmask(SIG_SETMASK, &old, NULL);

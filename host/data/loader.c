@@ -631,7 +631,7 @@ dlua_status_t dlua_loader_start(dlua_loader_t *l, const int64_t *order, int64_t 
   if (!l->threads) return DLUA_ERR(DLUA_ERR_OOM, "%s: out of memory", OP);
   // Workers never take a signal: Ctrl-C goes to the main thread, which owns the Lua state.
   sigset_t all, old;
-  sigfillset(&all);
+  dlua_async_signals(&all);
   pthread_sigmask(SIG_BLOCK, &all, &old);
   dlua_status_t s = DLUA_OK;
   for (int i = 0; i < nt; i++) {

@@ -10,6 +10,7 @@
 #include "core/tensor.h"
 #include "io/files.h"
 #include "io/safetensors.h"
+#include "core/runtime.h"
 
 typedef enum { STEP_FILE, STEP_TEXT, STEP_SIGNAL, STEP_WAIT, STEP_REMOVE } step_kind_t;
 
@@ -445,7 +446,7 @@ dlua_status_t dlua_ckpt_job_start(dlua_ckpt_job_t *job) {
   job->snap_ready = job->ndeferred == 0;
   // Signals stay with the main thread (Ctrl-C must reach the training loop, not the writer).
   sigset_t all, old;
-  sigfillset(&all);
+  dlua_async_signals(&all);
   pthread_sigmask(SIG_BLOCK, &all, &old);
   int rc = pthread_create(&job->thread, NULL, thread_main, job);
   pthread_sigmask(SIG_SETMASK, &old, NULL);
