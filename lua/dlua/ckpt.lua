@@ -125,7 +125,9 @@ end
 -- DDP's communication state (the hook's state, the accumulation counter), per rank. comm_of names the model, so
 -- save and load know this entry holds that model's state.
 function ckpt.comm_state(ddp)
-  if type(ddp) ~= 'table' or type(ddp.comm_state_dict) ~= 'function' then fail(2, 'comm_state: expected a dlua.dist.DDP model') end
+  if type(ddp) ~= 'table' or type(ddp.comm_state_dict) ~= 'function' then
+    fail(2, 'comm_state: expected a dlua.dist.DDP or ZeRO model')
+  end
   return setmetatable({ inner = {
     state_dict = function() return ddp:comm_state_dict() end,
     load_state_dict = function(_, sd) ddp:load_comm_state_dict(sd) end,
@@ -137,12 +139,16 @@ local function has_method(obj, name)
   return ok and type(f) == 'function'
 end
 
--- A dlua.dist.DDP model whose hook keeps state (a dlua.dist.compress hook, or any hook state with state_dict() and
--- load_state_dict()): save and load carry that state with the model, per rank, as the entry '<name>.comm' (a name
--- no state entry can have), so {model = ddp} alone does not drop the residuals (PyTorch did: pytorch #75666).
+-- A dlua.dist.DDP or ZeRO-1 model whose hook keeps state (a dlua.dist.compress hook, or any hook state with
+-- state_dict() and load_state_dict()): save and load carry that state with the model, per rank, as the entry
+-- '<name>.comm' (a name no state entry can have), so {model = ddp} alone does not drop the residuals (PyTorch did:
+-- pytorch #75666).
 local function stateful_ddp(obj)
-  local ddp = package.loaded['dlua.ddp']
-  if type(obj) ~= 'table' or type(ddp) ~= 'table' or getmetatable(obj) ~= ddp.DDP_methods then return false end
+  if type(obj) ~= 'table' then return false end
+  local ddp, zero, mt = package.loaded['dlua.ddp'], package.loaded['dlua.zero'], getmetatable(obj)
+  if not ((type(ddp) == 'table' and mt == ddp.DDP_methods) or (type(zero) == 'table' and mt == zero.methods)) then
+    return false
+  end
   local hs = rawget(obj, 'hook_state')
   return type(hs) == 'table' and has_method(hs, 'state_dict') and has_method(hs, 'load_state_dict')
 end
