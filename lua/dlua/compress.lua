@@ -127,11 +127,12 @@ function M.bf16() return new_hook('bf16', half_hook('bfloat16')) end
 ---------------------------------------------------------------------------------------------
 -- top-k with error feedback (Lin et al. 2018, Deep Gradient Compression)
 
--- The density of this step: warm-up goes from dense to `ratio` exponentially over warmup_steps.
+-- The density of this step: warm-up goes from warmup_from (DGC's 25%) down to `ratio` exponentially over
+-- warmup_steps (DGC: 25%, 6.25%, 1.5625%, 0.4%, then 0.1%).
 function Hook:density()
-  local w = self.warmup_steps
+  local w, from = self.warmup_steps, math.max(self.warmup_from or 1, self.ratio)
   if w <= 0 or self.step > w then return self.ratio end
-  return self.ratio ^ ((math.max(self.step, 1) - 1) / w)
+  return from * (self.ratio / from) ^ ((math.max(self.step, 1) - 1) / w)
 end
 
 -- The CUDA form of K.topk and K.topk_unpack: the same selection (the k largest |v|, v the residual after adding the
@@ -215,9 +216,10 @@ local function topk_hook(h, b)
 end
 
 -- compress.topk{ratio = 0.01, error_feedback = true, momentum_correction = false (or the momentum, e.g. 0.9),
--- warmup_steps = 0}
+-- warmup_steps = 0, warmup_from = 0.25}
 function M.topk(opts)
-  opts = options('compress.topk', opts, { ratio = true, error_feedback = true, momentum_correction = true, warmup_steps = true })
+  opts = options('compress.topk', opts,
+    { ratio = true, error_feedback = true, momentum_correction = true, warmup_steps = true, warmup_from = true })
   local ratio = opts.ratio or 0.01
   if type(ratio) ~= 'number' or not (ratio > 0 and ratio <= 1) then
     fail(2, 'compress.topk: ratio must be a number in (0, 1], got %s', tostring(ratio))
@@ -236,8 +238,12 @@ function M.topk(opts)
   if type(warm) ~= 'number' or warm < 0 or warm ~= math.floor(warm) then
     fail(2, 'compress.topk: warmup_steps must be a whole number >= 0, got %s', tostring(warm))
   end
+  local from = opts.warmup_from or 0.25
+  if type(from) ~= 'number' or not (from > 0 and from <= 1) then
+    fail(2, 'compress.topk: warmup_from (the first warm-up step\'s density) must be a number in (0, 1], got %s', tostring(from))
+  end
   return new_hook(format('topk:%g', ratio), topk_hook,
-    { ratio = ratio, error_feedback = ef, momentum = mc, warmup_steps = warm })
+    { ratio = ratio, error_feedback = ef, momentum = mc, warmup_steps = warm, warmup_from = from })
 end
 
 ---------------------------------------------------------------------------------------------
@@ -449,7 +455,8 @@ function Hook:load_state_dict(sd)
 end
 
 ---------------------------------------------------------------------------------------------
--- Specs, for command lines: 'none' | 'fp16' | 'bf16' | 'topk:RATIO[:noef][:warmup=STEPS][:mc=MOMENTUM]' | 'powersgd:RANK'
+-- Specs, for command lines: 'none' | 'fp16' | 'bf16' | 'topk:RATIO[:noef][:warmup=STEPS][:from=DENSITY][:mc=MOMENTUM]' |
+-- 'powersgd:RANK'
 
 function M.from_spec(spec)
   if type(spec) ~= 'string' then fail(2, 'compress.from_spec: expected a string, got %s', type(spec)) end
@@ -463,15 +470,17 @@ function M.from_spec(spec)
     if r == nil or not (r > 0 and r <= 1) then
       fail(2, "compress.from_spec: bad spec '%s': the top-k ratio must be a number in (0, 1], got '%s'", spec, ratio)
     end
-    -- options: :noef (no error feedback), :warmup=STEPS (density warm-up), :mc=MOMENTUM (DGC momentum correction)
+    -- options: :noef (no error feedback), :warmup=STEPS (density warm-up), :from=DENSITY (its first step's density),
+    -- :mc=MOMENTUM (DGC momentum correction)
     local o = { ratio = r }
     for part in rest:gmatch(':([^:]*)') do
       local k, v = part:match('^(%a+)=(.+)$')
       if part == 'noef' then o.error_feedback = false
       elseif k == 'warmup' and tonumber(v) then o.warmup_steps = tonumber(v)
+      elseif k == 'from' and tonumber(v) then o.warmup_from = tonumber(v)
       elseif k == 'mc' and tonumber(v) then o.momentum_correction = tonumber(v)
       else
-        fail(2, "compress.from_spec: bad spec '%s': after topk:RATIO come :noef, :warmup=STEPS or :mc=MOMENTUM, not '%s'", spec, part)
+        fail(2, "compress.from_spec: bad spec '%s': after topk:RATIO come :noef, :warmup=STEPS, :from=DENSITY or :mc=MOMENTUM, not '%s'", spec, part)
       end
     end
     local ok, h = pcall(M.topk, o)

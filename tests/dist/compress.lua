@@ -252,9 +252,21 @@ do
     check(bits_equal(res, v) and bits_equal(mom, u), 'momentum correction, step %d: residual/momentum differ from the '
       .. 'recurrence by %g / %g', s, max_abs(res - v), max_abs(mom - u))
   end
-  check(dens[1] == 1 and math.abs(dens[2] - 0.1 ^ 0.5) < 1e-12 and dens[3] == 0.1 and dens[4] == 0.1,
+  -- DGC's warm-up starts at 25% density: 0.25, 0.25 (0.1 / 0.25)^(1/2), then the ratio
+  check(dens[1] == 0.25 and math.abs(dens[2] - 0.25 * 0.4 ^ 0.5) < 1e-12 and dens[3] == 0.1 and dens[4] == 0.1,
     'warm-up densities %g %g %g %g', dens[1], dens[2], dens[3], dens[4])
-  say('momentum correction follows u = m u + g, v += u with masking; warm-up densities %g %.4f %g %g', dens[1], dens[2], dens[3], dens[4])
+  -- from dense (warmup_from = 1): 1, 0.1^(1/2), 0.1; a ratio above warmup_from has no warm-up
+  local dense = compress.topk{ ratio = 0.1, warmup_steps = 2, warmup_from = 1 }
+  local fd = {}
+  for s = 1, 3 do dense.step = s; fd[s] = dense:density() end
+  check(fd[1] == 1 and math.abs(fd[2] - 0.1 ^ 0.5) < 1e-12 and fd[3] == 0.1, 'warm-up from dense: densities %g %g %g', fd[1], fd[2], fd[3])
+  local wide = compress.topk{ ratio = 0.5, warmup_steps = 4 }
+  wide.step = 1
+  check(wide:density() == 0.5, 'ratio 0.5 above warmup_from 0.25: first density %g', wide:density())
+  local ok, err = pcall(compress.topk, { ratio = 0.1, warmup_steps = 2, warmup_from = 0 })
+  check(not ok and tostring(err):find('warmup_from', 1, true), 'warmup_from = 0: expected a refusal, got %s', tostring(err))
+  say('momentum correction follows u = m u + g, v += u with masking; warm-up densities %g %.4f %g %g (from dense: %g %.4f %g)',
+    dens[1], dens[2], dens[3], dens[4], fd[1], fd[2], fd[3])
 end
 
 ---------------------------------------------------------------------------------------------
@@ -404,7 +416,8 @@ do
   check(compress.from_spec('topk:0.01').ratio == 0.01 and compress.from_spec('powersgd:4').rank == 4, 'from_spec values')
   check(compress.from_spec('topk:0.1:noef').error_feedback == false, 'from_spec :noef')
   local dgc = compress.from_spec('topk:0.001:warmup=50:mc=0.9')
-  check(dgc.warmup_steps == 50 and dgc.momentum == 0.9 and dgc.error_feedback, 'from_spec :warmup= :mc=')
+  check(dgc.warmup_steps == 50 and dgc.momentum == 0.9 and dgc.error_feedback and dgc.warmup_from == 0.25, 'from_spec :warmup= :mc=')
+  check(compress.from_spec('topk:0.01:warmup=10:from=1').warmup_from == 1, 'from_spec :from=')
   for _, bad in ipairs({ 'topk:2', 'topk:x', 'powersgd:0', 'powersgd:1.5', 'gzip', 'topk:0.1:zz', 'topk:0.1:noef:mc=0.9' }) do
     local ok, err = pcall(compress.from_spec, bad)
     check(not ok and tostring(err):find("'" .. bad .. "'", 1, true), 'from_spec(%s): expected an error naming it, got %s', bad,
