@@ -30,6 +30,14 @@ typedef struct {
   int64_t block_rows;
 } bn_geom_t;
 
+/* 16-bit activations for the float kernels (batchnorm_impl.h's unit_in/unit_out): bfloat16 when bf, else
+   float16; each thread's k buffers of wl floats in work. NULL: the activations are of the kernel's type. */
+typedef struct {
+  int bf;
+  float *work;
+  int64_t wl;
+} bn_half_t;
+
 /* Per-channel totals of `rows` partial rows (rows, C), added in row order: the one fixed
    order that makes batch-norm's sums independent of the thread count. Shared by the f32 and
    f64 kernels, forward and backward. */
@@ -58,7 +66,7 @@ enum { BN_NO_MASK, BN_MASK_Y, BN_MASK_X };
 static inline int bn_mask_kind(const void *y, const void *fa) { return y ? BN_MASK_Y : fa ? BN_MASK_X : BN_NO_MASK; }
 
 /* T: the arithmetic's type; AT: the activations' (bfloat16 bits for the channels-last blocks the
-   float kernels' 16-bit drivers call, BN_HALF). */
+   float kernels call on 16-bit activations, BN_HALF). */
 #define T float
 #define UT uint32_t
 #define AT uint16_t
@@ -179,7 +187,7 @@ static double act_at(dlua_dtype_t dt, const void *p, int64_t i) {
   }
 }
 
-/* Floats per buffer of the 16-bit drivers' per-thread work (the largest unit: a plane, or a block
+/* Floats per buffer of the 16-bit passes' per-thread work (the largest unit: a plane, or a block
    of rows), and the allocation of k buffers for every thread (NULL where no driver needs one: 32/64-bit
    activations, and bfloat16 channels-last blocks, which the _bf16 block functions read directly). */
 static int64_t unit_len(const bn_geom_t *g) {
@@ -187,6 +195,10 @@ static int64_t unit_len(const bn_geom_t *g) {
   const int64_t M = g->N * g->S;
   return (g->block_rows < M ? g->block_rows : M) * g->C;
 }
+
+/* The 16-bit view the float kernels take (h's storage: the caller's stack, for one pass), NULL for 32/64-bit
+   activations. */
+#define half_of(dt, bf, work, g) (is_half(dt) ? &(bn_half_t){(bf), (work), unit_len(g)} : NULL)
 
 static float *half_work(dlua_dtype_t dt, const bn_geom_t *g, int k, dlua_status_t *s, const char *op) {
   if (!is_half(dt) || (dt == DLUA_DTYPE_BF16 && g->rows)) return NULL;
@@ -215,9 +227,8 @@ static dlua_status_t cpu_bn_stats(const char *op, const dlua_bn_fwd_t *a) {
     // As forward: sums of x - shift (a value of the channel), then the shift put back, in double.
     const void *xp = a->x;
     for (int64_t c = 0; c < C; c++) sh[c] = act_at(at, xp, g.rows ? c : c * g.S);
-    if (ct == DLUA_DTYPE_F64) bn_stats_f64(&g, xp, sh, scratch, sum, sq);
-    else if (is_half(at)) bn16_stats_f32(&g, xp, bf, work, unit_len(&g), sh, scratch, sum, sq);
-    else bn_stats_f32(&g, xp, sh, scratch, sum, sq);
+    if (ct == DLUA_DTYPE_F64) bn_stats_f64(&g, xp, NULL, sh, scratch, sum, sq);
+    else bn_stats_f32(&g, xp, half_of(at, bf, work, &g), sh, scratch, sum, sq);
     for (int64_t c = 0; c < C; c++) {
       out[c] = sum[c] + (double)M * sh[c];
       out[C + c] = sq[c] + sh[c] * (2.0 * sum[c] + (double)M * sh[c]);
@@ -278,9 +289,8 @@ static dlua_status_t cpu_bn_forward(const char *op, const dlua_bn_fwd_t *a) {
     if (M > 0) {
       // Shift by the channel's first element (the first plane, or the first row).
       for (int64_t c = 0; c < C; c++) run[c] = act_at(at, xp, g.rows ? c : c * g.S);
-      if (ct == DLUA_DTYPE_F64) bn_stats_f64(&g, xp, run, scratch, sum, sq);
-      else if (is_half(at)) bn16_stats_f32(&g, xp, bf, work, unit_len(&g), run, scratch, sum, sq);
-      else bn_stats_f32(&g, xp, run, scratch, sum, sq);
+      if (ct == DLUA_DTYPE_F64) bn_stats_f64(&g, xp, NULL, run, scratch, sum, sq);
+      else bn_stats_f32(&g, xp, half_of(at, bf, work, &g), run, scratch, sum, sq);
     }
     for (int64_t c = 0; c < C; c++) {
       double m = M > 0 ? sum[c] / (double)M : 0.0;
@@ -319,9 +329,8 @@ static dlua_status_t cpu_bn_forward(const char *op, const dlua_bn_fwd_t *a) {
   for (int64_t c = 0; c < C; c++) gm[c] *= invstd[c];
   put_t(ct, ta, gm, C);
   put_t(ct, tb, bt, C);
-  if (ct == DLUA_DTYPE_F64) bn_apply_f64(&g, xp, sp, yp, tm, ta, tb, relu);
-  else if (is_half(at)) bn16_apply_f32(&g, xp, sp, yp, bf, work, unit_len(&g), tm, ta, tb, relu);
-  else bn_apply_f32(&g, xp, sp, yp, tm, ta, tb, relu);
+  if (ct == DLUA_DTYPE_F64) bn_apply_f64(&g, xp, sp, yp, NULL, tm, ta, tb, relu);
+  else bn_apply_f32(&g, xp, sp, yp, half_of(at, bf, work, &g), tm, ta, tb, relu);
   vec_write(&a->save_mean, C, mean);
   vec_write(&a->save_invstd, C, invstd);
 done:
@@ -388,9 +397,8 @@ static dlua_status_t cpu_bn_backward(const char *op, const dlua_bn_bwd_t *a) {
   }
   for (int64_t c = 0; c < C; c++) sdy[c] = sdx[c] = 0;
   if (reduce && g.N * g.S > 0) {
-    if (ct == DLUA_DTYPE_F64) bn_bwd_reduce_f64(&g, xp, dp, yp, tm, fa, fb, scratch, sdy, sdx);
-    else if (is_half(at)) bn16_bwd_reduce_f32(&g, xp, dp, yp, bf, work, unit_len(&g), tm, fa, fb, scratch, sdy, sdx);
-    else bn_bwd_reduce_f32(&g, xp, dp, yp, tm, fa, fb, scratch, sdy, sdx);
+    if (ct == DLUA_DTYPE_F64) bn_bwd_reduce_f64(&g, xp, dp, yp, NULL, tm, fa, fb, scratch, sdy, sdx);
+    else bn_bwd_reduce_f32(&g, xp, dp, yp, half_of(at, bf, work, &g), tm, fa, fb, scratch, sdy, sdx);
   }
   if (sums_in) {
     const double *si = sums_in;
@@ -421,9 +429,8 @@ static dlua_status_t cpu_bn_backward(const char *op, const dlua_bn_bwd_t *a) {
     put_t(ct, ta, A, C);
     put_t(ct, tb, B, C);
     put_t(ct, td, D, C);
-    if (ct == DLUA_DTYPE_F64) bn_bwd_apply_f64(&g, xp, dp, yp, gxp, gsp, tm, fa, fb, ta, tb, td);
-    else if (is_half(at)) bn16_bwd_apply_f32(&g, xp, dp, yp, gxp, gsp, bf, work, unit_len(&g), tm, fa, fb, ta, tb, td);
-    else bn_bwd_apply_f32(&g, xp, dp, yp, gxp, gsp, tm, fa, fb, ta, tb, td);
+    if (ct == DLUA_DTYPE_F64) bn_bwd_apply_f64(&g, xp, dp, yp, gxp, gsp, NULL, tm, fa, fb, ta, tb, td);
+    else bn_bwd_apply_f32(&g, xp, dp, yp, gxp, gsp, half_of(at, bf, work, &g), tm, fa, fb, ta, tb, td);
   }
 done:
   free(dbl);

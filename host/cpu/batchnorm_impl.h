@@ -1,5 +1,5 @@
 /* Batch-norm kernels for one scalar type: batchnorm.c includes this once per T (float, double) with FN naming the copies;
-   with BN_HALF (float only), also their drivers over f16/bf16 activations. */
+   with BN_HALF (float only) the same four passes also take f16/bf16 activations (a bn_half_t), unit by unit. */
 /* No include guard on purpose: each inclusion instantiates the kernels for another T.
 
    Inner loops live in always-inline helpers taking their options (ReLU mask, skip, which
@@ -342,15 +342,51 @@ static inline __attribute__((always_inline)) void FN(stats_run)(int64_t n, const
   *q_out = q;
 }
 
-static void FN(bn_stats)(const bn_geom_t *g, const T *x, const double *shift, double *scratch, double *sum,
-                         double *sumsq) {
+/* A unit of work's activations (an (n, c) plane, or a block of rows): the tensor's own, or (h: 16-bit, the float
+   instantiation) widened into buffer `slot` of the calling thread's k buffers of h->wl floats. Widening is exact
+   and the units and their order are the float kernel's, so 16-bit results are the bits of staging the whole
+   tensor in float32 and casting back. */
+static inline T *FN(unit_buf)(const bn_half_t *h, int k, int slot) {
+#ifdef BN_HALF
+  if (h) return h->work + ((int64_t)omp_get_thread_num() * k + slot) * h->wl;
+#endif
+  (void)h, (void)k, (void)slot;
+  return NULL;
+}
+static inline const T *FN(unit_in)(const void *src, int64_t off, int64_t n, const bn_half_t *h, int k, int slot) {
+#ifdef BN_HALF
+  if (h) {
+    T *w = FN(unit_buf)(h, k, slot);
+    dlua_convert_half_to_f32(w, (const uint16_t *)src + off, n, h->bf);
+    return w;
+  }
+#endif
+  (void)n, (void)k, (void)slot;
+  return (const T *)src + off;
+}
+/* Where a unit's output goes: the tensor itself, or buffer `slot`, rounded into the tensor by unit_out. */
+static inline T *FN(unit_dst)(void *dst, int64_t off, const bn_half_t *h, int k, int slot) {
+  return h ? FN(unit_buf)(h, k, slot) : (T *)dst + off;
+}
+static inline void FN(unit_out)(void *dst, int64_t off, const T *buf, int64_t n, const bn_half_t *h) {
+#ifdef BN_HALF
+  if (h) dlua_convert_f32_to_half((uint16_t *)dst + off, buf, n, 1.0f, h->bf);  // nearest even: copy_'s rounding
+#endif
+  (void)dst, (void)off, (void)buf, (void)n, (void)h;
+}
+/* (bfloat16 blocks of rows skip the buffers: the _bf16 block functions, the same code loading and storing
+   bfloat16, read and write the activations directly, interleaved with the arithmetic.) */
+
+/* x: T, or 16-bit when h (work: 1 buffer per thread). */
+static void FN(bn_stats)(const bn_geom_t *g, const void *x, const bn_half_t *h, const double *shift, double *scratch,
+                         double *sum, double *sumsq) {
   const int64_t C = g->C, S = g->S;
   if (!g->rows) {
     const int64_t P = g->N * C;
     double *ps = scratch, *pq = scratch + P;
 #pragma omp parallel for schedule(static) if (P * S > BN_PAR_MIN)
     for (int64_t p = 0; p < P; p++) {
-      const T *xp = x + p * S;
+      const T *xp = FN(unit_in)(x, p * S, S, h, 1, 0);
       FN(stats_run)(S, xp, shift[p % C], &ps[p], &pq[p]);
     }
     bn_combine(ps, pq, g->N, C, sum, sumsq);
@@ -360,8 +396,14 @@ static void FN(bn_stats)(const bn_geom_t *g, const T *x, const double *shift, do
   double *ps = scratch, *pq = scratch + nb * C;
 #pragma omp parallel for schedule(static) if (M * C > BN_PAR_MIN)
   for (int64_t b = 0; b < nb; b++) {
-    const int64_t r1 = b * R + R < M ? b * R + R : M;
-    FN(stats_rows)(C, r1 - b * R, x + b * R * C, shift, ps + b * C, pq + b * C);
+    const int64_t r1 = b * R + R < M ? b * R + R : M, o = b * R * C;
+#ifdef BN_HALF
+    if (h && h->bf) {
+      stats_rows_bf16(C, r1 - b * R, (const uint16_t *)x + o, shift, ps + b * C, pq + b * C);
+      continue;
+    }
+#endif
+    FN(stats_rows)(C, r1 - b * R, FN(unit_in)(x, o, (r1 - b * R) * C, h, 1, 0), shift, ps + b * C, pq + b * C);
   }
   bn_combine(ps, pq, nb, C, sum, sumsq);
 }
@@ -381,28 +423,39 @@ static inline __attribute__((always_inline)) void FN(apply_run)(int64_t n, const
 }
 
 /* y = act((x - mean) * a + beta + skip): a = gamma * invstd; skip may be NULL. y may be x. */
-static void FN(bn_apply)(const bn_geom_t *g, const T *x, const T *skip, T *y, const T *mean, const T *a,
-                         const T *beta, int relu) {
+/* x, skip, y: T, or 16-bit when h (work: 2 buffers per thread; y may be x). */
+static void FN(bn_apply)(const bn_geom_t *g, const void *x, const void *skip, void *y, const bn_half_t *h,
+                         const T *mean, const T *a, const T *beta, int relu) {
   const int64_t C = g->C, S = g->S;
   if (!g->rows) {
     const int64_t P = g->N * C;
 #pragma omp parallel for schedule(static) if (P * S > BN_PAR_MIN)
     for (int64_t p = 0; p < P; p++) {
       const int64_t c = p % C;
-      const T *xp = x + p * S, *sp = skip ? skip + p * S : NULL;
-      T *yp = y + p * S;
+      const T *xp = FN(unit_in)(x, p * S, S, h, 2, 0), *sp = skip ? FN(unit_in)(skip, p * S, S, h, 2, 1) : NULL;
+      T *yp = FN(unit_dst)(y, p * S, h, 2, 0);  // 16-bit: over x's buffer
 #define BN_CALL(k, r) FN(apply_run)(S, xp, sp, yp, mean[c], a[c], beta[c], k, r)
       BN_APPLY_DISPATCH(BN_CALL, sp, relu);
 #undef BN_CALL
+      FN(unit_out)(y, p * S, yp, S, h);
     }
     return;
   }
   const int64_t M = g->N * S, R = g->block_rows, nb = (M + R - 1) / R;
 #pragma omp parallel for schedule(static) if (M * C > BN_PAR_MIN)
   for (int64_t b = 0; b < nb; b++) {
-    const int64_t r1 = b * R + R < M ? b * R + R : M;
-    const int64_t o = b * R * C;
-    FN(apply_rows)(C, r1 - b * R, x + o, skip ? skip + o : NULL, y + o, mean, a, beta, relu);
+    const int64_t r1 = b * R + R < M ? b * R + R : M, o = b * R * C, n = (r1 - b * R) * C;
+#ifdef BN_HALF
+    if (h && h->bf) {
+      apply_rows_bf16(C, r1 - b * R, (const uint16_t *)x + o, skip ? (const uint16_t *)skip + o : NULL,
+                      (uint16_t *)y + o, mean, a, beta, relu);
+      continue;
+    }
+#endif
+    const T *xp = FN(unit_in)(x, o, n, h, 2, 0), *sp = skip ? FN(unit_in)(skip, o, n, h, 2, 1) : NULL;
+    T *yp = FN(unit_dst)(y, o, h, 2, 0);
+    FN(apply_rows)(C, r1 - b * R, xp, sp, yp, mean, a, beta, relu);
+    FN(unit_out)(y, o, yp, n, h);
   }
 }
 
@@ -427,9 +480,10 @@ static inline __attribute__((always_inline)) void FN(reduce_run)(int64_t n, cons
 }
 
 /* Per-channel sum(d) and sum(d * (x - mean)) in double, d = dy masked by y > 0 when y, else by
-   the forward's (x - mean) * fa + fb > 0 when fa; blocked like bn_stats. */
-static void FN(bn_bwd_reduce)(const bn_geom_t *g, const T *x, const T *dy, const T *y, const T *mean, const T *fa,
-                              const T *fb, double *scratch, double *sdy, double *sdx) {
+   the forward's (x - mean) * fa + fb > 0 when fa; blocked like bn_stats. x, dy, y: T, or 16-bit when h (work: 3
+   buffers per thread). */
+static void FN(bn_bwd_reduce)(const bn_geom_t *g, const void *x, const void *dy, const void *y, const bn_half_t *h,
+                              const T *mean, const T *fa, const T *fb, double *scratch, double *sdy, double *sdx) {
   const int64_t C = g->C, S = g->S;
   if (!g->rows) {
     const int64_t P = g->N * C;
@@ -437,7 +491,8 @@ static void FN(bn_bwd_reduce)(const bn_geom_t *g, const T *x, const T *dy, const
 #pragma omp parallel for schedule(static) if (P * S > BN_PAR_MIN)
     for (int64_t p = 0; p < P; p++) {
       const int64_t c = p % C;
-      const T *xp = x + p * S, *dp = dy + p * S, *yp = y ? y + p * S : NULL;
+      const T *xp = FN(unit_in)(x, p * S, S, h, 3, 0), *dp = FN(unit_in)(dy, p * S, S, h, 3, 1);
+      const T *yp = y ? FN(unit_in)(y, p * S, S, h, 3, 2) : NULL;
       const T a = fa ? fa[c] : 0, b = fa ? fb[c] : 0;
 #define BN_CALL(mk) FN(reduce_run)(S, xp, dp, yp, mean[c], a, b, &ps[p], &pq[p], mk)
       BN_MASK_DISPATCH(BN_CALL, bn_mask_kind(y, fa));
@@ -450,8 +505,17 @@ static void FN(bn_bwd_reduce)(const bn_geom_t *g, const T *x, const T *dy, const
   double *ps = scratch, *pq = scratch + nb * C;
 #pragma omp parallel for schedule(static) if (M * C > BN_PAR_MIN)
   for (int64_t b = 0; b < nb; b++) {
-    const int64_t r1 = b * R + R < M ? b * R + R : M, o = b * R * C;
-    FN(reduce_rows)(C, r1 - b * R, x + o, dy + o, y ? y + o : NULL, mean, fa, fb, ps + b * C, pq + b * C);
+    const int64_t r1 = b * R + R < M ? b * R + R : M, o = b * R * C, n = (r1 - b * R) * C;
+#ifdef BN_HALF
+    if (h && h->bf) {
+      reduce_rows_bf16(C, r1 - b * R, (const uint16_t *)x + o, (const uint16_t *)dy + o,
+                       y ? (const uint16_t *)y + o : NULL, mean, fa, fb, ps + b * C, pq + b * C);
+      continue;
+    }
+#endif
+    const T *xp = FN(unit_in)(x, o, n, h, 3, 0), *dp = FN(unit_in)(dy, o, n, h, 3, 1);
+    const T *yp = y ? FN(unit_in)(y, o, n, h, 3, 2) : NULL;
+    FN(reduce_rows)(C, r1 - b * R, xp, dp, yp, mean, fa, fb, ps + b * C, pq + b * C);
   }
   bn_combine(ps, pq, nb, C, sdy, sdx);
 }
@@ -472,9 +536,10 @@ static inline __attribute__((always_inline)) void FN(bwd_run)(int64_t n, const T
 }
 
 /* dx = d * A + (x - mean) * B + D and dskip = d, d = dy masked as bn_bwd_reduce's; one of dx,
-   dskip may be NULL. */
-static void FN(bn_bwd_apply)(const bn_geom_t *g, const T *x, const T *dy, const T *y, T *dx, T *dskip,
-                             const T *mean, const T *fa, const T *fb, const T *A, const T *B, const T *D) {
+   dskip may be NULL. x, dy, y, dx, dskip: T, or 16-bit when h (work: 5 buffers per thread; dx or dskip may be dy). */
+static void FN(bn_bwd_apply)(const bn_geom_t *g, const void *x, const void *dy, const void *y, void *dx, void *dskip,
+                             const bn_half_t *h, const T *mean, const T *fa, const T *fb, const T *A, const T *B,
+                             const T *D) {
   const int64_t C = g->C, S = g->S;
   const int mask = bn_mask_kind(y, fa);
   if (!g->rows) {
@@ -482,198 +547,38 @@ static void FN(bn_bwd_apply)(const bn_geom_t *g, const T *x, const T *dy, const 
 #pragma omp parallel for schedule(static) if (P * S > BN_PAR_MIN)
     for (int64_t p = 0; p < P; p++) {
       const int64_t c = p % C;
-      const T *xp = x + p * S, *dp = dy + p * S, *yp = y ? y + p * S : NULL;
-      T *gp = dx ? dx + p * S : NULL, *sp = dskip ? dskip + p * S : NULL;
+      const T *xp = FN(unit_in)(x, p * S, S, h, 5, 0), *dp = FN(unit_in)(dy, p * S, S, h, 5, 1);
+      const T *yp = y ? FN(unit_in)(y, p * S, S, h, 5, 2) : NULL;
+      T *gp = dx ? FN(unit_dst)(dx, p * S, h, 5, 3) : NULL, *sp = dskip ? FN(unit_dst)(dskip, p * S, h, 5, 4) : NULL;
       const T a = fa ? fa[c] : 0, b = fa ? fb[c] : 0;
 #define BN_CALL(mk, wx, ws) FN(bwd_run)(S, xp, dp, yp, gp, sp, mean[c], a, b, A[c], B[c], D[c], mk, wx, ws)
       BN_BWD_DISPATCH(BN_CALL, mask, gp, sp);
 #undef BN_CALL
+      if (gp) FN(unit_out)(dx, p * S, gp, S, h);
+      if (sp) FN(unit_out)(dskip, p * S, sp, S, h);
     }
     return;
   }
   const int64_t M = g->N * S, R = g->block_rows, nb = (M + R - 1) / R;
 #pragma omp parallel for schedule(static) if (M * C > BN_PAR_MIN)
   for (int64_t b = 0; b < nb; b++) {
-    const int64_t r1 = b * R + R < M ? b * R + R : M;
-    const int64_t o = b * R * C;
-    FN(bwd_rows)(C, r1 - b * R, x + o, dy + o, y ? y + o : NULL, dx ? dx + o : NULL, dskip ? dskip + o : NULL, mean, fa,
-                 fb, A, B, D);
-  }
-}
-
+    const int64_t r1 = b * R + R < M ? b * R + R : M, o = b * R * C, n = (r1 - b * R) * C;
 #ifdef BN_HALF
-/* ---- 16-bit activations (the float instantiation only) -------------------------------------------- */
-
-/* The same four passes over f16/bf16 activations (bf: bf16), computing in float: each unit of work
-   (an (n, c) plane, or a block of rows: the units above) is widened into the calling thread's slice of
-   `work` (k buffers of wl floats), run through the float pass's own code for that unit, and its outputs
-   rounded to nearest even (copy_'s rounding). Widening is exact and the units and their order are the
-   float kernel's, so the bits are those of staging the whole tensor in float32 and casting back.
-   bfloat16 blocks of rows skip the buffers: the _bf16 block functions (the same code, loading and
-   storing bfloat16) read and write the activations directly, interleaved with the arithmetic. */
-static inline float *FN(bn16_work)(float *work, int64_t wl, int k) {
-  return work + (int64_t)omp_get_thread_num() * k * wl;
-}
-static inline void FN(bn16_in)(float *d, const uint16_t *s, int64_t n, int bf) {
-  dlua_convert_half_to_f32(d, s, n, bf);
-}
-static inline void FN(bn16_out)(uint16_t *d, const float *s, int64_t n, int bf) {
-  dlua_convert_f32_to_half(d, s, n, 1.0f, bf);
-}
-
-/* bn_stats on 16-bit x (work: 1 buffer per thread). */
-static void FN(bn16_stats)(const bn_geom_t *g, const uint16_t *x, int bf, float *work, int64_t wl, const double *shift,
-                           double *scratch, double *sum, double *sumsq) {
-  const int64_t C = g->C, S = g->S;
-  if (!g->rows) {
-    const int64_t P = g->N * C;
-    double *ps = scratch, *pq = scratch + P;
-#pragma omp parallel for schedule(static) if (P * S > BN_PAR_MIN)
-    for (int64_t p = 0; p < P; p++) {
-      T *xp = FN(bn16_work)(work, wl, 1);
-      FN(bn16_in)(xp, x + p * S, S, bf);
-      FN(stats_run)(S, xp, shift[p % C], &ps[p], &pq[p]);
-    }
-    bn_combine(ps, pq, g->N, C, sum, sumsq);
-    return;
-  }
-  const int64_t M = g->N * S, R = g->block_rows, nb = (M + R - 1) / R;
-  double *ps = scratch, *pq = scratch + nb * C;
-#pragma omp parallel for schedule(static) if (M * C > BN_PAR_MIN)
-  for (int64_t b = 0; b < nb; b++) {
-    const int64_t r1 = b * R + R < M ? b * R + R : M, n = (r1 - b * R) * C;
-    if (bf) {
-      stats_rows_bf16(C, r1 - b * R, x + b * R * C, shift, ps + b * C, pq + b * C);
+    if (h && h->bf) {
+      bwd_rows_bf16(C, r1 - b * R, (const uint16_t *)x + o, (const uint16_t *)dy + o, y ? (const uint16_t *)y + o : NULL,
+                    dx ? (uint16_t *)dx + o : NULL, dskip ? (uint16_t *)dskip + o : NULL, mean, fa, fb, A, B, D);
       continue;
     }
-    T *xp = FN(bn16_work)(work, wl, 1);
-    FN(bn16_in)(xp, x + b * R * C, n, bf);
-    FN(stats_rows)(C, r1 - b * R, xp, shift, ps + b * C, pq + b * C);
-  }
-  bn_combine(ps, pq, nb, C, sum, sumsq);
-}
-
-/* bn_apply on 16-bit x, skip, y (work: 2 buffers per thread; y may be x). */
-static void FN(bn16_apply)(const bn_geom_t *g, const uint16_t *x, const uint16_t *skip, uint16_t *y, int bf,
-                           float *work, int64_t wl, const T *mean, const T *a, const T *beta, int relu) {
-  const int64_t C = g->C, S = g->S;
-  if (!g->rows) {
-    const int64_t P = g->N * C;
-#pragma omp parallel for schedule(static) if (P * S > BN_PAR_MIN)
-    for (int64_t p = 0; p < P; p++) {
-      const int64_t c = p % C;
-      T *xp = FN(bn16_work)(work, wl, 2), *sp = skip ? xp + wl : NULL;
-      FN(bn16_in)(xp, x + p * S, S, bf);
-      if (sp) FN(bn16_in)(sp, skip + p * S, S, bf);
-#define BN_CALL(k, r) FN(apply_run)(S, xp, sp, xp, mean[c], a[c], beta[c], k, r)
-      BN_APPLY_DISPATCH(BN_CALL, sp, relu);
-#undef BN_CALL
-      FN(bn16_out)(y + p * S, xp, S, bf);
-    }
-    return;
-  }
-  const int64_t M = g->N * S, R = g->block_rows, nb = (M + R - 1) / R;
-#pragma omp parallel for schedule(static) if (M * C > BN_PAR_MIN)
-  for (int64_t b = 0; b < nb; b++) {
-    const int64_t r1 = b * R + R < M ? b * R + R : M, o = b * R * C, n = (r1 - b * R) * C;
-    if (bf) {
-      apply_rows_bf16(C, r1 - b * R, x + o, skip ? skip + o : NULL, y + o, mean, a, beta, relu);
-      continue;
-    }
-    T *xp = FN(bn16_work)(work, wl, 2), *sp = skip ? xp + wl : NULL;
-    FN(bn16_in)(xp, x + o, n, bf);
-    if (sp) FN(bn16_in)(sp, skip + o, n, bf);
-    FN(apply_rows)(C, r1 - b * R, xp, sp, xp, mean, a, beta, relu);
-    FN(bn16_out)(y + o, xp, n, bf);
-  }
-}
-
-/* bn_bwd_reduce on 16-bit x, dy, y (work: 3 buffers per thread). */
-static void FN(bn16_bwd_reduce)(const bn_geom_t *g, const uint16_t *x, const uint16_t *dy, const uint16_t *y, int bf,
-                                float *work, int64_t wl, const T *mean, const T *fa, const T *fb, double *scratch,
-                                double *sdy, double *sdx) {
-  const int64_t C = g->C, S = g->S;
-  if (!g->rows) {
-    const int64_t P = g->N * C;
-    double *ps = scratch, *pq = scratch + P;
-#pragma omp parallel for schedule(static) if (P * S > BN_PAR_MIN)
-    for (int64_t p = 0; p < P; p++) {
-      const int64_t c = p % C;
-      T *xp = FN(bn16_work)(work, wl, 3), *dp = xp + wl, *yp = y ? xp + 2 * wl : NULL;
-      FN(bn16_in)(xp, x + p * S, S, bf);
-      FN(bn16_in)(dp, dy + p * S, S, bf);
-      if (yp) FN(bn16_in)(yp, y + p * S, S, bf);
-      const T a = fa ? fa[c] : 0, b = fa ? fb[c] : 0;
-#define BN_CALL(mk) FN(reduce_run)(S, xp, dp, yp, mean[c], a, b, &ps[p], &pq[p], mk)
-      BN_MASK_DISPATCH(BN_CALL, bn_mask_kind(y, fa));
-#undef BN_CALL
-    }
-    bn_combine(ps, pq, g->N, C, sdy, sdx);
-    return;
-  }
-  const int64_t M = g->N * S, R = g->block_rows, nb = (M + R - 1) / R;
-  double *ps = scratch, *pq = scratch + nb * C;
-#pragma omp parallel for schedule(static) if (M * C > BN_PAR_MIN)
-  for (int64_t b = 0; b < nb; b++) {
-    const int64_t r1 = b * R + R < M ? b * R + R : M, o = b * R * C, n = (r1 - b * R) * C;
-    if (bf) {
-      reduce_rows_bf16(C, r1 - b * R, x + o, dy + o, y ? y + o : NULL, mean, fa, fb, ps + b * C, pq + b * C);
-      continue;
-    }
-    T *xp = FN(bn16_work)(work, wl, 3), *dp = xp + wl, *yp = y ? xp + 2 * wl : NULL;
-    FN(bn16_in)(xp, x + o, n, bf);
-    FN(bn16_in)(dp, dy + o, n, bf);
-    if (yp) FN(bn16_in)(yp, y + o, n, bf);
-    FN(reduce_rows)(C, r1 - b * R, xp, dp, yp, mean, fa, fb, ps + b * C, pq + b * C);
-  }
-  bn_combine(ps, pq, nb, C, sdy, sdx);
-}
-
-/* bn_bwd_apply on 16-bit x, dy, y, dx, dskip (work: 5 buffers per thread; dx or dskip may be dy). */
-static void FN(bn16_bwd_apply)(const bn_geom_t *g, const uint16_t *x, const uint16_t *dy, const uint16_t *y,
-                               uint16_t *dx, uint16_t *dskip, int bf, float *work, int64_t wl, const T *mean,
-                               const T *fa, const T *fb, const T *A, const T *B, const T *D) {
-  const int64_t C = g->C, S = g->S;
-  const int mask = bn_mask_kind(y, fa);
-  if (!g->rows) {
-    const int64_t P = g->N * C;
-#pragma omp parallel for schedule(static) if (P * S > BN_PAR_MIN)
-    for (int64_t p = 0; p < P; p++) {
-      const int64_t c = p % C;
-      T *xp = FN(bn16_work)(work, wl, 5), *dp = xp + wl, *yp = y ? xp + 2 * wl : NULL;
-      T *gp = dx ? xp + 3 * wl : NULL, *sp = dskip ? xp + 4 * wl : NULL;
-      FN(bn16_in)(xp, x + p * S, S, bf);
-      FN(bn16_in)(dp, dy + p * S, S, bf);
-      if (yp) FN(bn16_in)(yp, y + p * S, S, bf);
-      const T a = fa ? fa[c] : 0, b = fa ? fb[c] : 0;
-#define BN_CALL(mk, wx, ws) FN(bwd_run)(S, xp, dp, yp, gp, sp, mean[c], a, b, A[c], B[c], D[c], mk, wx, ws)
-      BN_BWD_DISPATCH(BN_CALL, mask, gp, sp);
-#undef BN_CALL
-      if (gp) FN(bn16_out)(dx + p * S, gp, S, bf);
-      if (sp) FN(bn16_out)(dskip + p * S, sp, S, bf);
-    }
-    return;
-  }
-  const int64_t M = g->N * S, R = g->block_rows, nb = (M + R - 1) / R;
-#pragma omp parallel for schedule(static) if (M * C > BN_PAR_MIN)
-  for (int64_t b = 0; b < nb; b++) {
-    const int64_t r1 = b * R + R < M ? b * R + R : M, o = b * R * C, n = (r1 - b * R) * C;
-    if (bf) {
-      bwd_rows_bf16(C, r1 - b * R, x + o, dy + o, y ? y + o : NULL, dx ? dx + o : NULL, dskip ? dskip + o : NULL, mean,
-                    fa, fb, A, B, D);
-      continue;
-    }
-    T *xp = FN(bn16_work)(work, wl, 5), *dp = xp + wl, *yp = y ? xp + 2 * wl : NULL;
-    T *gp = dx ? xp + 3 * wl : NULL, *sp = dskip ? xp + 4 * wl : NULL;
-    FN(bn16_in)(xp, x + o, n, bf);
-    FN(bn16_in)(dp, dy + o, n, bf);
-    if (yp) FN(bn16_in)(yp, y + o, n, bf);
+#endif
+    const T *xp = FN(unit_in)(x, o, n, h, 5, 0), *dp = FN(unit_in)(dy, o, n, h, 5, 1);
+    const T *yp = y ? FN(unit_in)(y, o, n, h, 5, 2) : NULL;
+    T *gp = dx ? FN(unit_dst)(dx, o, h, 5, 3) : NULL, *sp = dskip ? FN(unit_dst)(dskip, o, h, 5, 4) : NULL;
     FN(bwd_rows)(C, r1 - b * R, xp, dp, yp, gp, sp, mean, fa, fb, A, B, D);
-    if (gp) FN(bn16_out)(dx + o, gp, n, bf);
-    if (sp) FN(bn16_out)(dskip + o, sp, n, bf);
+    if (gp) FN(unit_out)(dx, o, gp, n, h);
+    if (sp) FN(unit_out)(dskip, o, sp, n, h);
   }
 }
-#endif /* BN_HALF */
+
 #endif /* BN_ROWS_ONLY */
 
 #undef BN_APPLY_DISPATCH
