@@ -146,7 +146,7 @@ static void init_once(void) {
   int already = 0;
   MPI_Initialized(&already);
   int provided = MPI_THREAD_SINGLE;
-  // MPI's own threads (PMIx, its event loop) start here: with every signal blocked they inherit the mask,
+  // MPI's own threads (PMIx, its event loop) start here: with every asynchronous signal blocked they inherit the mask,
   // so Ctrl-C and SIGPIPE reach dlua's threads and not theirs.
   sigset_t all, old;
   dlua_async_signals(&all);

@@ -616,7 +616,7 @@ dlua_status_t dlua_store_server_start(const char *host, int port, const char *to
     server_free(s);
     return DLUA_ERR(DLUA_ERR_OOM, "store server: out of memory allocating %zu bytes", 16 * sizeof(struct pollfd));
   }
-  // The server thread takes no signals: Ctrl-C must interrupt the caller's blocking calls.
+  // The server thread takes no asynchronous signal: Ctrl-C must interrupt the caller's blocking calls.
   sigset_t all, old;
   dlua_async_signals(&all);
   pthread_sigmask(SIG_SETMASK, &all, &old);

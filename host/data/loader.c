@@ -629,7 +629,8 @@ dlua_status_t dlua_loader_start(dlua_loader_t *l, const int64_t *order, int64_t 
   int nt = l->workers;
   if (!l->threads) l->threads = calloc((size_t)l->workers, sizeof(pthread_t));
   if (!l->threads) return DLUA_ERR(DLUA_ERR_OOM, "%s: out of memory", OP);
-  // Workers never take a signal: Ctrl-C goes to the main thread, which owns the Lua state.
+  // Workers take no asynchronous signal (faults stay deliverable): Ctrl-C goes to the main thread, which owns the
+  // Lua state.
   sigset_t all, old;
   dlua_async_signals(&all);
   pthread_sigmask(SIG_BLOCK, &all, &old);
