@@ -22,6 +22,7 @@
 #include "comm/pg_worker.h"
 #include "comm/store.h"
 #include "core/error.h"
+#include "core/runtime.h"
 
 enum {
   LUA_WAIT_MS = 1000,  /* how long the running Lua code has to answer (it answers at its next line) */
@@ -491,6 +492,7 @@ static void timeout_request(void) {
 
 static void *agent_main(void *arg) {
   (void)arg;
+  dlua_thread_name("dlua-flight");
   for (;;) {
     if (g_poll) {
       if (!wait_sem(&g_wake, POLL_MS)) {

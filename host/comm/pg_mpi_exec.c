@@ -12,6 +12,7 @@
 #include "comm/pg_mpi_exec.h"
 #include "comm/store.h"
 #include "core/error.h"
+#include "core/runtime.h"
 
 /* Two ways to run a collective within the group's deadline, while watching the store for a peer that exited:
    - polled: its non-blocking form (MPI_Iallreduce...: Open MPI's libnbc) started on the comm thread and
@@ -130,6 +131,7 @@ void dlua_mpi_crash_note_install(void) {
 
 void *dlua_mpi_executor_main(void *arg) {
   mpi_ctx_t *x = arg;
+  dlua_thread_name("dlua-mpi-exec");
   pthread_mutex_lock(&x->mu);
   for (;;) {
     if (!x->pending && !x->quit) {  // the next collective often comes at once (a loop, DDP's buckets)

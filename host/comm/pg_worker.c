@@ -172,6 +172,7 @@ int dlua_pg_start_quiet_thread(pthread_t *th, void *(*fn)(void *), void *arg) {
 
 void *dlua_pg_comm_main(void *arg) {
   dlua_pg_t *pg = arg;
+  dlua_thread_name("dlua-comm");
   char err[1024] = "";
   dlua_status_t store_status = DLUA_OK;
   dlua_pg_info_t info = {pg->store, pg->store_host, pg->store_port, pg->token, pg->name,
@@ -214,6 +215,7 @@ void *dlua_pg_comm_main(void *arg) {
 /* Waits for posted send/recv in the order they were posted; later ones may finish first, which
    only delays their report, never their transfer. */
 static void *p2p_main(void *arg) {
+  dlua_thread_name("dlua-p2p");
   dlua_pg_t *pg = arg;
   for (;;) {
     pthread_mutex_lock(&pg->mu);

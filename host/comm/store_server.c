@@ -461,6 +461,7 @@ static void accept_clients(dlua_store_server_t *s) {
 
 static void *server_main(void *arg) {
   dlua_store_server_t *s = arg;
+  dlua_thread_name("dlua-store");
   for (;;) {
     size_t need = 2 + s->nconns;
     if (need > s->pfds_cap) {

@@ -2,6 +2,7 @@
 #include "core/runtime.h"
 #include <omp.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <time.h>
 #include "core/error.h"
 
@@ -31,3 +32,5 @@ void dlua_async_signals(sigset_t *set) {
   sigfillset(set);
   for (size_t i = 0; i < sizeof faults / sizeof faults[0]; i++) sigdelset(set, faults[i]);
 }
+
+void dlua_thread_name(const char *name) { prctl(PR_SET_NAME, (unsigned long)name, 0, 0, 0); }

@@ -15,4 +15,7 @@ extern volatile int dlua_interrupt_flag;
    flight) gets to say where. */
 void dlua_async_signals(sigset_t *set);
 
+/* Names the calling thread (at most 15 characters: "dlua-comm"), as top -H, gdb and /proc/PID/task/TID/comm show it. */
+void dlua_thread_name(const char *name);
+
 #endif

@@ -351,6 +351,7 @@ static void set_error_locked(dlua_loader_t *l, dlua_status_t st, const char *msg
 
 static void *worker_main(void *arg) {
   dlua_loader_t *l = arg;
+  dlua_thread_name("dlua-loader");
   scratch_t s = {0};
   pthread_mutex_lock(&l->mu);
   for (;;) {

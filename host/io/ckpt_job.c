@@ -434,6 +434,7 @@ dlua_status_t dlua_ckpt_job_run(dlua_ckpt_job_t *job) {
 }
 
 static void *thread_main(void *arg) {
+  dlua_thread_name("dlua-ckpt");
   run_steps(arg);
   return NULL;
 }

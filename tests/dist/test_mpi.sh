@@ -201,6 +201,35 @@ LUA
 run 2 60 "$work/sizes.lua"
 expect "different sizes over mpi: the failure says the ranks disagree ($took s)" '[ $rc -ne 0 ] && [ $took -le 30 ] && { grep -q "MPI_ERR_TRUNCATE.*the ranks disagree on the size (DLUA_DIST_DEBUG=1 names each rank" <<<"$out" || grep -Eq "rank [01] of group pg0: [a-z ]+ inside MPI, in all_reduce #1 on \([12]00000\) float32 at .*sizes.lua:4\. MPI may crash when the ranks. calls disagree .*DLUA_DIST_DEBUG=1" <<<"$out"; }' "rc=$rc: $out"
 
+# a fault inside a collective's MPI call: the rank's note names the call (a crash cannot be made on purpose inside
+# MPI, so SIGSEGV is sent to rank 0's comm thread, "dlua-comm", while it waits in all_reduce for rank 1)
+cat >"$work/crash.lua" <<'LUA'
+local dlua = require 'dlua'
+local ffi = require 'ffi'
+ffi.cdef 'int getpid(void);'
+local dist = dlua.dist
+dist.init{ timeout = 30 }
+if dist.rank() == 0 then
+  local f = assert(io.open(arg[1] .. '/crash.pid', 'w')); f:write(ffi.C.getpid()); f:close()
+  dist.all_reduce(dlua.ones({ 4, 3 }))  -- rank 1 never joins
+else
+  os.execute('sleep 20')
+end
+LUA
+rm -f "$work/crash.pid"
+(
+  for _ in $(seq 1 150); do [ -s "$work/crash.pid" ] && break; sleep 0.1; done
+  sleep 1  # into the wait
+  pid=$(cat "$work/crash.pid" 2>/dev/null)
+  tid=$(grep -lx dlua-comm /proc/"$pid"/task/*/comm 2>/dev/null | head -1 | cut -d/ -f5)
+  [ -n "$tid" ] && python3 -c 'import ctypes, sys; ctypes.CDLL(None).tgkill(int(sys.argv[1]), int(sys.argv[2]), 11)' "$pid" "$tid"
+) &
+killer=$!
+run 2 60 "$work/crash.lua" "$work"
+wait $killer
+expect "a fault inside MPI: the job fails ($took s)" '[ $rc -ne 0 ] && [ $took -le 20 ]' "rc=$rc: $out"
+expect "a fault inside MPI: rank 0 names its all_reduce, shape and line, and the usual cause" 'grep -Eq "dlua: rank 0 of group pg0: segmentation fault inside MPI, in all_reduce #1 on \(4, 3\) float32 at .*crash.lua:8\. MPI may crash when the ranks. calls disagree .*DLUA_DIST_DEBUG=1" <<<"$out" && grep -q "Process received signal" <<<"$out"' "$out"
+
 # a rank stalled in a compute loop under mpirun (no dlua launcher): rank 0's collective times out, it posts a dump
 # request (the store, the flight directory), every rank's agent dumps, and rank 0 prints the launcher's diagnosis; `dlua flight
 # DIR` prints the same from the files
