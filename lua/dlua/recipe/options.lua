@@ -46,7 +46,7 @@ M.help = {
   bucket_mb = "DDP gradient bucket size in MB, or 'auto': a few sizes timed in the first steps, the fastest kept",
   zero = 'ZeRO stage 1, 2 or 3 instead of DDP (optimizer state, gradients, parameters sharded); 0: DDP',
   offload = 'with --zero: optimizer state and step in pinned host memory (a no-op for CPU ranks, which says so)',
-  compress = 'DDP gradient compression: none, fp16, bf16, topk:R or powersgd:K (dlua.dist.compress, issue #22)',
+  compress = 'DDP gradient compression: none, fp16, bf16, topk:R[:noef][:warmup=S][:from=D][:mc=M] or powersgd:K (docs/ddp.md)',
   sync_bn = 'batch-norm statistics over all ranks (SyncBatchNorm) instead of per rank',
   pipeline = 'cut the model into N pipeline stages, one per rank; the ranks left over are data-parallel replicas (0: none)',
   chunks = 'with --pipeline: micro-batches per step',
