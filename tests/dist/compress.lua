@@ -275,17 +275,20 @@ end
 -- warm_start = false draws a fresh Q every step: the resumed run must continue the generator's stream.
 -- The state is saved either by an explicit entry comm = ckpt.comm_state(model), or by ckpt.save itself with the DDP
 -- model (entry 'model.comm'); a resume loads it from either form, with or without the explicit entry.
--- o: {load = checkpoint, comm = true (give comm = ckpt.comm_state(model)), skip = {...}, after_load = fn(model)}
+-- o: {load = checkpoint, comm = true (give comm = ckpt.comm_state(model)), skip = {...}, after_load = fn(model),
+-- wrap = fn(net, hook) -> the model (default DDP), seed = the first step's batch seed - 1 (default 30)}
 local function train(make, from, to, o)
   o = o or {}
-  local model = dist.DDP(make and net() or net(), { hook = make and make() or nil, first_bucket_mb = 0.01 })
+  local m = net()
+  local hook = make and make() or nil
+  local model = o.wrap and o.wrap(m, hook) or dist.DDP(m, { hook = hook, first_bucket_mb = 0.01 })
   local opt = optim.SGD(model, { lr = 0.05, momentum = 0.9 })
   local st = { model = model, optimizer = opt, comm = o.comm and ckpt.comm_state(model) or nil }
   if o.load then ckpt.load(o.load, st, { skip = o.skip }) end
   if o.after_load then o.after_load(model) end
   for s = from, to do
     opt:zero_grad()
-    backward(model, 30 + s)
+    backward(model, (o.seed or 30) + s)
     opt:step()
   end
   return model, st
@@ -380,16 +383,8 @@ do
   -- ZeRO-1's hook state goes with the model into a checkpoint ({model = zero} saves 'model.comm'), as DDP's does
   local function ztrain(from, to, o)
     o = o or {}
-    local z = dist.ZeRO(net(), { stage = 1, hook = compress.topk{ ratio = 0.05 } })
-    local opt = optim.SGD(z, { lr = 0.05, momentum = 0.9 })
-    local st = { model = z, optimizer = opt }
-    if o.load then ckpt.load(o.load, st, { skip = o.skip }) end
-    for s = from, to do
-      opt:zero_grad()
-      backward(z, 60 + s)
-      opt:step()
-    end
-    return z, st
+    o.wrap, o.seed = function(m, hook) return dist.ZeRO(m, { stage = 1, hook = hook }) end, 60
+    return train(function() return compress.topk{ ratio = 0.05 } end, from, to, o)
   end
   local full = ztrain(1, 8):state_dict()
   local _, st = ztrain(1, 5)
