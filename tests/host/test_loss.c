@@ -1,4 +1,6 @@
-/* Check suite for host/ops/loss.c, host/ops/activation.c and host/cpu/loss.c: softmax, cross-entropy, MSE, threshold/ReLU backward and dropout against double references and finite differences. */
+/* Check suite for host/ops/loss.c, host/ops/activation.c and host/cpu/loss.c: softmax, cross-entropy, MSE, threshold/ReLU backward and dropout against double references and finite differences.
+   Over 900 lines on purpose: one suite for the one backend family these three files make (kernels/loss.h), sharing
+   its raw-cast helpers (put/mk below); split per op it would copy them into each file. */
 #include <check.h>
 #include <math.h>
 #include <omp.h>

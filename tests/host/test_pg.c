@@ -1,4 +1,6 @@
-/* Check suite for host/comm/pg*.c: process groups over the gloo backend (TCP and shared memory), forked ranks on loopback. */
+/* Check suite for host/comm/pg*.c: process groups over the gloo backend (TCP and shared memory), forked ranks on loopback.
+   Over 900 lines on purpose: every case runs through the one forked-ranks harness below (store, fork, reap, timeouts);
+   split, each file would carry the harness again. */
 #define _GNU_SOURCE
 #include <check.h>
 #include <inttypes.h>
