@@ -193,7 +193,9 @@ end
 -- Memory the Lua GC cannot see (DESIGN.md): a tensor is a few bytes to the collector while
 -- its storage may be gigabytes. After each allocation, if storage bytes grew by more than
 -- gc_threshold since the last look, run a collection step sized by that growth, as if the
--- Lua heap had grown by as much.
+-- Lua heap had grown by as much. collectgarbage('stop') stops these steps too (a Lua 'step' runs
+-- even when the collector is stopped, so the pacer asks first): the growth meanwhile counts at the
+-- first allocation after collectgarbage('restart'). Out-of-memory still collects first (full_gc).
 
 M.gc_threshold = 64 * 2 ^ 20
 local last_total = 0
@@ -202,7 +204,7 @@ local function pace()
   local now = tonumber(C.dlua_memory_allocated_total())
   if now < last_total then
     last_total = now
-  elseif now - last_total > M.gc_threshold then
+  elseif now - last_total > M.gc_threshold and collectgarbage('isrunning') then
     collectgarbage('step', floor((now - last_total) / 1024))
     last_total = tonumber(C.dlua_memory_allocated_total())
   end

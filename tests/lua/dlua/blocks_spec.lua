@@ -37,19 +37,15 @@ describe('ResNets from the fusing blocks', function()
       collectgarbage('collect')
       collectgarbage('collect')
       -- No collection at all inside the measured step: where a GC step lands is not the blocks' doing, their
-      -- explicit frees are. collectgarbage('stop') is not enough: the binding's pacer (tensor_core.pace) still
-      -- runs explicit steps, and where they land varied from run to run (same binary, idle machine), which put
-      -- either model's peak anywhere in 23.37-34.46 MB (CI: fused 34.46 against hand-written 26.44). With
-      -- the pacer off too, both peak at 43.28 MB in every run, and 56.39 when the blocks do not free.
-      local tc = require 'bindings.tensor_core'
-      local threshold = tc.gc_threshold
+      -- explicit frees are. (Before the binding's pacer obeyed collectgarbage('stop'), its steps still ran here,
+      -- and where they landed varied from run to run on the same binary: either model's peak anywhere in
+      -- 23.37-34.46 MB, CI failing on fused 34.46 against hand-written 26.44. Now both peak at 43.28 MB in
+      -- every run, and 56.39 when the blocks do not free.)
       local base = dlua.memory_allocated('cpu')
       dlua.reset_peak_memory_stats('cpu')
       collectgarbage('stop')
-      tc.gc_threshold = math.huge
       local ok, err = pcall(st)
       local p = dlua.memory_peak('cpu') - base
-      tc.gc_threshold = threshold
       collectgarbage('restart')
       assert(ok, err)
       return p

@@ -354,6 +354,25 @@ describe('freeing', function()
     -- without pacing this would reach 200 MiB of garbage
     assert.is_true(peak < 150 * 2 ^ 20, 'peak ' .. peak)
   end)
+
+  it('collects nothing while collectgarbage(\'stop\') holds, and catches up at the first allocation after restart', function()
+    collectgarbage('collect')
+    local start = dlua.memory_allocated()
+    collectgarbage('stop')
+    local ok, err = pcall(function()
+      for _ = 1, 100 do
+        local t = dlua.empty(256, 1024) -- 1 MiB, dropped at once: past the 64 MiB pacing threshold
+        local _ = t
+      end
+    end)
+    local held = dlua.memory_allocated() - start
+    collectgarbage('restart')
+    assert(ok, err)
+    assert.equals(100 * 2 ^ 20, held)
+    local t = dlua.empty(1)
+    assert.is_true(dlua.memory_allocated() - start < 90 * 2 ^ 20, 'after restart ' .. dlua.memory_allocated() - start)
+    t:free()
+  end)
 end)
 
 describe('out of memory', function()
